@@ -1,0 +1,108 @@
+"""The normalization modes as values: how micro-batch results combine.
+
+Every mode reduces to the same fold. Each micro-batch contributes a scalar to
+differentiate and a weight; the engine sums both, and ``finalize`` turns the
+sums into the result. A mode is therefore just two functions:
+
+- ``mean``: the loss is a micro-batch mean, every micro-batch weighs 1, and the
+  sums are divided by the total weight (the number of micro-batches).
+- ``sum``: the loss is a sum, and the sums are returned as they are.
+- ``weighted``: ``fun`` returns ``(loss_sum, weight)``; the sums are divided by
+  the total weight, the exact full-batch token mean.
+
+Dividing is zero-safe: a total weight of zero gives zeros, never NaN. Masks
+select with ``jnp.where``; they never multiply (``0 * nan`` is ``nan``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+class Normalization(NamedTuple):
+  """One normalization mode.
+
+  Attributes:
+    name: the mode's name, as passed to ``normalize=``.
+    loss_and_weight: maps the value ``fun`` returns to ``(loss, weight)``:
+      the scalar to differentiate and the weight that it carries.
+    divide: whether ``finalize`` divides the sums by the total weight.
+  """
+
+  name: str
+  loss_and_weight: Callable[[Any], tuple[jax.Array, jax.Array]]
+  divide: bool
+
+  def finalize(self, total: PyTree, total_weight: jax.Array) -> PyTree:
+    """Turns summed values or gradients into the normalized result."""
+    if not self.divide:
+      return total
+    return safe_divide(total, total_weight)
+
+
+def safe_divide(total: PyTree, weight: jax.Array) -> PyTree:
+  """``total / weight`` leaf by leaf, and zeros where ``weight`` is zero.
+
+  >>> import jax.numpy as jnp
+  >>> safe_divide({"a": jnp.array([2.0, 4.0])}, jnp.array(2.0))["a"].tolist()
+  [1.0, 2.0]
+  >>> safe_divide(jnp.array([1.0]), jnp.array(0.0)).tolist()
+  [0.0]
+  """
+  positive = weight > 0
+  denominator = jnp.where(positive, weight, 1)
+  return jax.tree.map(
+    lambda t: jnp.where(positive, t / denominator.astype(t.dtype), 0), total
+  )
+
+
+def _unit_weight(value: Any) -> tuple[jax.Array, jax.Array]:
+  _check_scalar_loss(value, "The loss")
+  return value, jnp.ones((), jnp.float32)
+
+
+def _pair(value: Any) -> tuple[jax.Array, jax.Array]:
+  if not (isinstance(value, (tuple, list)) and len(value) == 2):
+    if isinstance(value, (tuple, list)):
+      got = f"a {type(value).__name__} of length {len(value)}"
+    elif hasattr(value, "shape"):
+      got = f"an array of shape={value.shape}"
+    else:
+      got = f"a {type(value).__name__}"
+    raise ValueError(
+      'normalize="weighted" needs fun to return the pair (loss_sum, weight) '
+      f"as its value, got {got}. Return e.g. "
+      "(jnp.sum(token_losses * mask), jnp.sum(mask))."
+    )
+  loss_sum, weight = value
+  _check_scalar_loss(loss_sum, "loss_sum")
+  weight = jnp.asarray(weight)
+  if weight.shape != ():
+    raise ValueError(f"The weight must be a scalar, got shape={weight.shape}.")
+  return loss_sum, weight
+
+
+def _check_scalar_loss(loss: Any, what: str) -> None:
+  shape = jnp.shape(loss)
+  if shape != ():
+    raise ValueError(f"{what} must be a scalar, got shape={shape}.")
+
+
+MEAN = Normalization("mean", _unit_weight, divide=True)
+SUM = Normalization("sum", _unit_weight, divide=False)
+WEIGHTED = Normalization("weighted", _pair, divide=True)
+MODES = {mode.name: mode for mode in (MEAN, SUM, WEIGHTED)}
+
+
+def get(normalize: str) -> Normalization:
+  """Looks a mode up by name; raises ``ValueError`` for an unknown one."""
+  try:
+    return MODES[normalize]
+  except (KeyError, TypeError):
+    raise ValueError(f"Unknown {normalize=}; choose one of {sorted(MODES)}.") from None

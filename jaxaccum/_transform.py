@@ -1,0 +1,186 @@
+"""``accumulate()``: accumulation across calls, as an optax transformation.
+
+Use it when the micro-batches arrive one call at a time (a data loader that
+yields small batches, a generator, an RL rollout). Each ``update`` adds one
+micro-batch gradient into a float32 accumulator; the call that completes a
+window runs the inner optimizer once, under ``lax.cond``, on the normalized
+sum. Unlike ``optax.MultiSteps``, the inner optimizer does not run on every
+micro-step, and nothing is masked by multiplication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxaccum import _normalize
+
+PyTree = Any
+
+
+class AccumulateState(NamedTuple):
+  """The state of :func:`accumulate`.
+
+  Attributes:
+    micro_step: micro-batches seen in the current window; shape=(), int32.
+    step: optimizer steps taken, i.e. inner updates; shape=(), int32.
+    acc_grads: the window's gradient sum; like the parameters, at least
+      ``accum_dtype``.
+    acc_weight: the window's weight sum (1 per micro-batch without
+      ``weight=``); shape=(), float32.
+    inner_state: the inner transformation's state.
+    num_skipped: non-finite micro-batches dropped so far; shape=(), int32.
+  """
+
+  micro_step: jax.Array
+  step: jax.Array
+  acc_grads: PyTree
+  acc_weight: jax.Array
+  inner_state: PyTree
+  num_skipped: jax.Array
+
+
+def _window_size(
+  every_k: int | Callable[[jax.Array], Any],
+) -> Callable[[jax.Array], jax.Array]:
+  if callable(every_k):
+    return lambda step: jnp.maximum(jnp.asarray(every_k(step), jnp.int32), 1)
+  if isinstance(every_k, bool) or not isinstance(every_k, int):
+    raise TypeError(f"every_k must be an int or a callable, got {every_k!r}.")
+  if every_k <= 0:
+    raise ValueError(f"every_k must be positive, got {every_k=}.")
+  return lambda step: jnp.asarray(every_k, jnp.int32)
+
+
+def _all_finite(tree: PyTree) -> jax.Array:
+  return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def accumulate(
+  inner: optax.GradientTransformation,
+  every_k: int | Callable[[jax.Array], Any],
+  *,
+  accum_dtype: Any = jnp.float32,
+  skip_nonfinite: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates ``every_k`` micro-batch gradients, then runs ``inner`` once.
+
+  ``update(grads, state, params=None, *, weight=None, flush=False, **extra)``
+  adds one micro-batch gradient. The call that completes a window of
+  ``every_k`` micro-batches runs ``inner.update`` once, under ``lax.cond``, on
+  the normalized sum and returns its updates; the other calls return zeros
+  and leave ``inner``'s state untouched.
+
+  The normalized sum is the mean over the window's micro-batches, or
+  ``sum(grads) / sum(weight)`` when ``weight`` is given (then ``grads`` are
+  gradients of loss *sums*, e.g. over tokens, and ``weight`` is the token
+  count). This is the exact token mean of the window, however the tokens
+  fall into micro-batches.
+
+  Args:
+    inner: the optimizer to run once per window, e.g. ``optax.adam(1e-3)``.
+    every_k: micro-batches per window: an int, or a callable from the
+      optimizer step (``state.step``) to an int, for a batch-size ramp.
+    accum_dtype: the dtype of the sums (float32 by default, also for bf16
+      gradients); a wider gradient dtype is kept.
+    skip_nonfinite: drop a micro-batch whose gradient or weight contains NaN
+      or Inf (or whose weight is negative) from its window and count it in
+      ``num_skipped``. The accumulator and the parameters stay finite. A
+      window in which nothing valid was accumulated (total weight 0) applies
+      no update and does not advance ``step``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; its ``update`` also takes
+    ``weight`` (a scalar) and ``flush`` (a bool: end the window now, e.g. at
+    the end of an epoch, normalized by what it holds). Other keyword arguments
+    are passed on to ``inner.update``.
+
+  >>> import jax.numpy as jnp, optax, jaxaccum
+  >>> tx = jaxaccum.accumulate(optax.sgd(1.0), every_k=2)
+  >>> params = jnp.zeros(2)
+  >>> state = tx.init(params)
+  >>> u, state = tx.update(jnp.array([1.0, 2.0]), state, params)
+  >>> u.tolist(), int(state.step)
+  ([0.0, 0.0], 0)
+  >>> u, state = tx.update(jnp.array([3.0, 4.0]), state, params)
+  >>> u.tolist(), int(state.step)
+  ([-2.0, -3.0], 1)
+  """
+  inner = optax.with_extra_args_support(inner)
+  window_size = _window_size(every_k)
+  if not jnp.issubdtype(accum_dtype, jnp.floating):
+    raise ValueError(f"accum_dtype must be a floating dtype, got {accum_dtype}.")
+
+  def init_fn(params):
+    return AccumulateState(
+      micro_step=jnp.zeros((), jnp.int32),
+      step=jnp.zeros((), jnp.int32),
+      acc_grads=jax.tree.map(
+        lambda p: jnp.zeros(
+          jnp.shape(p), jnp.promote_types(accum_dtype, jnp.result_type(p))
+        ),
+        params,
+      ),
+      acc_weight=jnp.zeros((), jnp.float32),
+      inner_state=inner.init(params),
+      num_skipped=jnp.zeros((), jnp.int32),
+    )
+
+  def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
+    weight = jnp.ones((), jnp.float32) if weight is None else weight
+    weight = jnp.asarray(weight, jnp.float32)
+    if weight.shape != ():
+      raise ValueError(f"weight must be a scalar, got shape={weight.shape}.")
+    grads_struct: Any = jax.tree.structure(grads)
+    params_struct: Any = jax.tree.structure(state.acc_grads)
+    if grads_struct != params_struct:
+      raise ValueError(
+        "grads do not have the structure of the parameters accumulate() was "
+        f"initialized with: {grads_struct} vs {params_struct}."
+      )
+    valid = jnp.asarray(True)
+    if skip_nonfinite:
+      valid = _all_finite(grads) & jnp.isfinite(weight) & (weight >= 0)
+    acc_grads = jax.tree.map(
+      lambda a, g: jnp.where(valid, a + g.astype(a.dtype), a),
+      state.acc_grads,
+      grads,
+    )
+    acc_weight = jnp.where(valid, state.acc_weight + weight, state.acc_weight)
+    micro_step = state.micro_step + 1
+    window_done = (micro_step >= window_size(state.step)) | jnp.asarray(flush)
+    apply = window_done & (acc_weight > 0)
+
+    def inner_update(acc_grads, acc_weight, inner_state):
+      normalized = jax.tree.map(
+        lambda a, g: a.astype(g.dtype),
+        _normalize.safe_divide(acc_grads, acc_weight),
+        grads,
+      )
+      return inner.update(normalized, inner_state, params, **extra_args)
+
+    def no_update(acc_grads, acc_weight, inner_state):
+      shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+      return zeros, inner_state
+
+    updates, inner_state = jax.lax.cond(
+      apply, inner_update, no_update, acc_grads, acc_weight, state.inner_state
+    )
+    new_state = AccumulateState(
+      micro_step=jnp.where(window_done, 0, micro_step),
+      step=state.step + apply.astype(jnp.int32),
+      acc_grads=jax.tree.map(
+        lambda a: jnp.where(window_done, jnp.zeros_like(a), a), acc_grads
+      ),
+      acc_weight=jnp.where(window_done, 0.0, acc_weight),
+      inner_state=inner_state,
+      num_skipped=state.num_skipped + (~valid).astype(jnp.int32),
+    )
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
