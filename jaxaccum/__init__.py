@@ -1,19 +1,35 @@
-"""jaxaccum: gradient accumulation over micro-batches for JAX and Flax.
+"""jaxaccum: exact gradient accumulation over micro-batches for JAX and Flax.
 
 The public surface:
 
 - :func:`value_and_grad`, :func:`grad`: drop-ins for ``jax.value_and_grad``
   and ``jax.grad`` that split the batch into micro-batches and accumulate
-  inside one ``lax.scan``.
+  inside one ``lax.scan``. :mod:`jaxaccum.nnx` adapts them to Flax NNX.
 - :func:`accumulate`: an optax transformation that accumulates across calls
   and runs the inner optimizer once per window.
+- :func:`make_train_step`: a jitted, donated step with one optimizer update.
 - :func:`verify_equivalence`: checks accumulation against the full batch.
+- :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory.
+- :func:`scale_lr_linear`, :func:`scale_adam_sqrt`, :func:`warmup`:
+  hyperparameters for a larger effective batch.
 """
 
+from jaxaccum import nnx as nnx
 from jaxaccum._accumulate import grad as grad
 from jaxaccum._accumulate import value_and_grad as value_and_grad
 from jaxaccum._checks import Deviation as Deviation
 from jaxaccum._checks import verify_equivalence as verify_equivalence
+from jaxaccum._memory import MemoryStats as MemoryStats
+from jaxaccum._memory import MicroBatchPlan as MicroBatchPlan
+from jaxaccum._memory import compiled_memory as compiled_memory
+from jaxaccum._memory import memory_report as memory_report
+from jaxaccum._memory import plan_micro_batches as plan_micro_batches
+from jaxaccum._scaling import AdamHyperparams as AdamHyperparams
+from jaxaccum._scaling import kappa as kappa
+from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt
+from jaxaccum._scaling import scale_lr_linear as scale_lr_linear
+from jaxaccum._scaling import warmup as warmup
+from jaxaccum._train_step import make_train_step as make_train_step
 from jaxaccum._transform import AccumulateState as AccumulateState
 from jaxaccum._transform import accumulate as accumulate
 

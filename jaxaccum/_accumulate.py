@@ -76,7 +76,7 @@ class _Engine:
   accum_dtype: Any
   rng_argnum: int | None
   state_argnum: int | None
-  remat: bool
+  remat: bool | Callable[..., Any]
 
   def check_args(self, args: tuple[Any, ...]) -> None:
     """Trace-time checks of the call's positional arguments."""
@@ -114,7 +114,7 @@ class _Engine:
       loss, weight = self.normalization.loss_and_weight(value)
       return loss, (weight, aux, new_state)
 
-    return jax.checkpoint(loss_fn) if self.remat else loss_fn
+    return loss_fn
 
   def sums(
     self,
@@ -152,20 +152,30 @@ class _Engine:
     init_grads = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), diff_args, acc_dtypes)
     init_state = None if self.state_argnum is None else args[self.state_argnum]
 
-    def body(carry, xs):
-      acc_grads, state = carry
-      micro, index = xs
+    def micro_step(diff_args, micro, index, state):
+      """Forward and backward on one micro-batch."""
       chex.assert_tree_shape_prefix(micro, (m,))
       call_args = list(args)
-      for n, d in zip(self.argnums, diff_args, strict=False):
+      for n, d in zip(self.argnums, diff_args, strict=True):
         call_args[n] = d
-      for n, b in zip(self.batch_argnums, micro, strict=False):
+      for n, b in zip(self.batch_argnums, micro, strict=True):
         call_args[n] = b
       if self.rng_argnum is not None:
         call_args[self.rng_argnum] = jax.random.fold_in(args[self.rng_argnum], index)
       if self.state_argnum is not None:
         call_args[self.state_argnum] = state
-      (loss, (weight, aux, new_state)), grads = value_and_grad(*call_args)
+      return value_and_grad(*call_args)
+
+    if self.remat is not False:
+      policy = None if self.remat is True else self.remat
+      micro_step = jax.checkpoint(micro_step, prevent_cse=False, policy=policy)
+
+    def body(carry, xs):
+      acc_grads, state = carry
+      micro, index = xs
+      (loss, (weight, aux, new_state)), grads = micro_step(
+        diff_args, micro, index, state
+      )
       chex.assert_trees_all_equal_shapes(grads, diff_args)
       acc_grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_grads, grads)
       chex.assert_trees_all_equal_dtypes(acc_grads, init_grads)
@@ -251,11 +261,13 @@ def _match_state(new_state: PyTree, state: PyTree) -> PyTree:
         "fun returned a new_state leaf of shape="
         f"{jnp.shape(new)} for a state leaf of shape={jnp.shape(old)}."
       )
-  return jax.tree.map(
-    lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
-    new_state,
-    state,
-  )
+  return jax.tree.map(_cast_like, new_state, state)
+
+
+def _cast_like(new: Any, old: Any) -> Any:
+  """``new`` in ``old``'s dtype (a weak-typed Python number, say, in int32)."""
+  new, old = jnp.asarray(new), jnp.asarray(old)
+  return new if new.dtype == old.dtype else new.astype(old.dtype)
 
 
 def _engine(
@@ -270,7 +282,7 @@ def _engine(
   accum_dtype: Any,
   rng_argnum: int | None,
   state_argnum: int | None,
-  remat: bool,
+  remat: bool | Callable[..., Any],
 ) -> _Engine:
   """Validates the static arguments (at definition time) into an ``_Engine``."""
   if not callable(fun):
@@ -321,7 +333,7 @@ def value_and_grad(
   accum_dtype: Any = jnp.float32,
   rng_argnum: int | None = None,
   state_argnum: int | None = None,
-  remat: bool = False,
+  remat: bool | Callable[..., Any] = False,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -356,7 +368,14 @@ def value_and_grad(
       must use ``has_aux=True`` and return ``(value, (aux, new_state))``;
       micro-batch ``i + 1`` sees the state micro-batch ``i`` produced, and the
       aux comes back as ``(stacked_aux, final_state)``.
-    remat: wrap each micro-batch's computation in ``jax.checkpoint``.
+    remat: wrap each micro-batch's computation (forward and backward) in
+      ``jax.checkpoint``; ``True``, or a ``jax.checkpoint_policies`` policy.
+      This matters when you differentiate *through* the accumulated gradient
+      (meta-gradients, gradient penalties): the outer backward pass then
+      recomputes each micro-batch instead of storing ``k`` micro-batches of
+      residuals. A first-order step already holds only one micro-batch's
+      activations, and remat leaves its peak unchanged; to go below that,
+      checkpoint layers inside the model (``nnx.remat``, ``nn.remat``).
 
   Returns:
     A function of the same arguments as ``fun`` that returns

@@ -1,0 +1,102 @@
+"""``make_train_step``: one jitted, donated step of accumulation plus an update.
+
+The step donates the parameters and the optimizer state (``donate_argnums``),
+so XLA writes the new values into the old buffers instead of holding two
+copies. A step whose loss or gradient is not finite is skipped under
+``lax.cond``: parameters and optimizer state come back unchanged, so a NaN
+never reaches the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxaccum import _accumulate
+
+PyTree = Any
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+  """Whether every leaf of ``tree`` is finite; a scalar bool.
+
+  >>> import jax.numpy as jnp
+  >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array(jnp.nan)}))
+  False
+  """
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.asarray(leaves)) if leaves else jnp.asarray(True)
+
+
+def make_train_step(
+  loss_fn: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  num_micro_batches: int | None = None,
+  *,
+  skip_nonfinite: bool = True,
+  donate: bool = True,
+  **value_and_grad_kwargs: Any,
+) -> Callable[..., Any]:
+  """Builds ``step(params, opt_state, *args) -> (params, opt_state, value)``.
+
+  The step runs ``jaxaccum.value_and_grad(loss_fn, num_micro_batches,
+  **value_and_grad_kwargs)(params, *args)``, then ``tx.update`` once and
+  ``optax.apply_updates``, inside one ``jax.jit``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch, ...)``, as for
+      :func:`jaxaccum.value_and_grad` with ``argnums=0``; the batch is
+      ``batch_argnums`` (default 1) of ``loss_fn``'s arguments.
+    tx: the optimizer, run once per step.
+    num_micro_batches: ``k``; or give ``micro_batch_size``.
+    skip_nonfinite: if the value or a gradient is NaN or Inf, return the
+      parameters and optimizer state unchanged (``lax.cond``, the optimizer
+      does not run).
+    donate: donate ``params`` and ``opt_state`` to the step. Do not use the
+      arrays you passed in after the call.
+    **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
+      (``micro_batch_size``, ``batch_argnums``, ``has_aux``, ``normalize``,
+      ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``, ...).
+
+  Returns:
+    The jitted step. ``value`` is what ``value_and_grad`` returns first: the
+    loss, or ``(loss, aux)`` with ``has_aux``.
+
+  >>> import jax.numpy as jnp, optax, jaxaccum
+  >>> loss = lambda w, x: jnp.mean((x @ w - 1.0) ** 2)
+  >>> step = jaxaccum.make_train_step(loss, optax.sgd(0.1), num_micro_batches=4)
+  >>> w, x = jnp.zeros(2), jnp.ones((8, 2))
+  >>> opt_state = optax.sgd(0.1).init(w)
+  >>> w, opt_state, value = step(w, opt_state, x)
+  >>> float(value), w.round(4).tolist()
+  (1.0, [0.2, 0.2])
+  """
+  if value_and_grad_kwargs.get("argnums", 0) != 0:
+    raise ValueError("make_train_step differentiates the parameters, argnums=0.")
+  grad_fn = _accumulate.value_and_grad(
+    loss_fn, num_micro_batches, **value_and_grad_kwargs
+  )
+  has_aux = value_and_grad_kwargs.get("has_aux", False)
+
+  def step(params, opt_state, *args, **kwargs):
+    value, grads = grad_fn(params, *args, **kwargs)
+
+    def apply(params, opt_state):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    if not skip_nonfinite:
+      params, opt_state = apply(params, opt_state)
+      return params, opt_state, value
+    loss = value[0] if has_aux else value
+    finite = all_finite(grads) & all_finite(loss)
+    params, opt_state = jax.lax.cond(
+      finite, apply, lambda p, s: (p, s), params, opt_state
+    )
+    return params, opt_state, value
+
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())

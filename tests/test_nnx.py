@@ -1,0 +1,174 @@
+"""jaxaccum.nnx.value_and_grad equals an eager loop of nnx.value_and_grad."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxaccum
+
+K, M, F = 4, 4, 3
+
+
+class Net(nnx.Module):
+  """Linear -> BatchNorm -> ReLU -> Dropout -> Linear."""
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(F, 8, rngs=rngs)
+    self.norm = nnx.BatchNorm(8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.out = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.drop(nnx.relu(self.norm(self.hidden(x))))
+    return self.out(h)[:, 0]
+
+
+def loss(model, batch):
+  x, y = batch
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def batch_data(seed=1):
+  x = jax.random.normal(jax.random.key(seed), (K * M, F))
+  return x, jnp.sin(jnp.sum(x, axis=1))
+
+
+def micro(batch, i):
+  return jax.tree.map(lambda a: a[i * M : (i + 1) * M], batch)
+
+
+def eager_reference(model, batch, fun=loss):
+  """nnx.value_and_grad on each micro-batch in turn, then the mean."""
+  values, grads = [], []
+  for i in range(K):
+    v, g = nnx.value_and_grad(fun)(model, micro(batch, i))
+    values.append(v)
+    grads.append(g)
+  return np.mean(values), jax.tree.map(lambda *g: sum(g) / K, *grads)
+
+
+def assert_models_equal(model, reference):
+  chex.assert_trees_all_close(
+    nnx.state(model, nnx.BatchStat),
+    nnx.state(reference, nnx.BatchStat),
+    rtol=1e-6,
+  )
+  chex.assert_trees_all_equal(
+    nnx.state(model, nnx.RngCount), nnx.state(reference, nnx.RngCount)
+  )
+
+
+def test_under_nnx_jit_matches_eager_loop():
+  model, reference = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  batch = batch_data()
+  step = nnx.jit(jaxaccum.nnx.value_and_grad(loss, K))
+  value, grads = step(model, batch)
+  want_value, want_grads = eager_reference(reference, batch)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+  assert isinstance(grads, nnx.State)
+  # BatchNorm statistics: updated once per micro-batch; RNG: advanced K times.
+  assert_models_equal(model, reference)
+  assert int(nnx.state(model, nnx.RngCount)["drop"]["rngs"]["count"][...]) == K
+
+
+def test_each_micro_batch_gets_its_own_dropout_mask():
+  model = Net(nnx.Rngs(0, dropout=1))
+  model.norm = nnx.BatchNorm(8, use_running_average=True, rngs=nnx.Rngs(0))
+
+  def masks(m, batch):
+    x, _ = batch
+    h = nnx.relu(m.hidden(x)) + 1.0  # strictly positive before dropout
+    return jnp.sum(m.drop(h)) * 0.0, m.drop(h) == 0
+
+  (_, dropped), _ = jaxaccum.nnx.value_and_grad(masks, K, has_aux=True)(
+    model, batch_data()
+  )
+  assert dropped.shape == (K, M, 8)
+  assert not np.array_equal(dropped[0], dropped[1])
+
+
+def test_under_jax_jit_through_split_and_merge():
+  reference = Net(nnx.Rngs(0, dropout=1))
+  graphdef, state = nnx.split(Net(nnx.Rngs(0, dropout=1)))
+  batch = batch_data()
+
+  @jax.jit
+  def step(state, batch):
+    model = nnx.merge(graphdef, state)
+    value, grads = jaxaccum.nnx.value_and_grad(loss, K)(model, batch)
+    return value, grads, nnx.state(model)
+
+  value, grads, state = step(state, batch)
+  want_value, want_grads = eager_reference(reference, batch)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+  assert_models_equal(nnx.merge(graphdef, state), reference)
+
+
+def test_eagerly_without_jit():
+  model, reference = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  batch = batch_data()
+  value, _ = jaxaccum.nnx.value_and_grad(loss, micro_batch_size=M)(model, batch)
+  np.testing.assert_allclose(value, eager_reference(reference, batch)[0], rtol=1e-5)
+  assert_models_equal(model, reference)
+
+
+def test_weighted_and_aux():
+  model, reference = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  x, y = batch_data()
+  mask = (jnp.arange(K * M) % 5 != 0).astype(jnp.float32)
+
+  def loss_sum(m, batch):
+    x, y, mask = batch
+    err = (m(x) - y) ** 2
+    return (jnp.sum(err * mask), jnp.sum(mask)), jnp.max(err)
+
+  (value, aux), grads = nnx.jit(
+    jaxaccum.nnx.value_and_grad(loss_sum, K, normalize="weighted", has_aux=True)
+  )(model, (x, y, mask))
+  assert aux.shape == (K,)
+
+  # Eagerly: per micro-batch, the gradient of the loss sum; then Σg / Σn.
+  def only_sum(m, b):
+    (s, n), _ = loss_sum(m, b)
+    return s, n
+
+  sums, tokens, grad_sum = 0.0, 0.0, None
+  for i in range(K):
+    (s, n), g = nnx.value_and_grad(only_sum, has_aux=True)(
+      reference, micro((x, y, mask), i)
+    )
+    sums, tokens = sums + s, tokens + n
+    grad_sum = g if grad_sum is None else jax.tree.map(jnp.add, grad_sum, g)
+  np.testing.assert_allclose(value, sums / tokens, rtol=1e-5)
+  chex.assert_trees_all_close(
+    grads, jax.tree.map(lambda g: g / tokens, grad_sum), rtol=1e-5, atol=1e-6
+  )
+  assert_models_equal(model, reference)
+
+
+def test_optimizer_accepts_the_grads():
+  model = Net(nnx.Rngs(0, dropout=1))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  batch = batch_data()
+
+  @nnx.jit
+  def train_step(model, optimizer, batch):
+    value, grads = jaxaccum.nnx.value_and_grad(loss, K)(model, batch)
+    optimizer.update(model, grads)
+    return value
+
+  first = float(train_step(model, optimizer, batch))
+  for _ in range(30):
+    last = float(train_step(model, optimizer, batch))
+  assert last < first
+
+
+def test_batch_argnums_cannot_be_the_model():
+  with pytest.raises(ValueError, match="model"):
+    jaxaccum.nnx.value_and_grad(loss, 2, batch_argnums=0)
