@@ -72,7 +72,7 @@ def make_train_step(
   >>> w, x = jnp.zeros(2), jnp.ones((8, 2))
   >>> opt_state = optax.sgd(0.1).init(w)
   >>> w, opt_state, value = step(w, opt_state, x)
-  >>> float(value), w.round(4).tolist()
+  >>> float(value), [round(float(v), 4) for v in w]
   (1.0, [0.2, 0.2])
   """
   if value_and_grad_kwargs.get("argnums", 0) != 0:
