@@ -23,7 +23,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _checks, _normalize, _split
+from jaxaccum import _checks, _normalize, _parallel, _split
 
 PyTree = Any
 
@@ -149,7 +149,9 @@ class _Engine:
     acc_dtypes = jax.tree.map(
       lambda p: jnp.promote_types(self.accum_dtype, p.dtype), diff_args
     )
-    init_grads = jax.tree.map(lambda p, d: jnp.zeros(p.shape, d), diff_args, acc_dtypes)
+    init_grads = jax.tree.map(
+      lambda p, d: _parallel.like_vma(jnp.zeros(p.shape, d), p), diff_args, acc_dtypes
+    )
     init_state = None if self.state_argnum is None else args[self.state_argnum]
 
     def micro_step(diff_args, micro, index, state):
@@ -334,6 +336,9 @@ def value_and_grad(
   rng_argnum: int | None = None,
   state_argnum: int | None = None,
   remat: bool | Callable[..., Any] = False,
+  mesh: jax.sharding.Mesh | None = None,
+  data_axis: str | None = None,
+  param_specs: PyTree | None = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -376,6 +381,20 @@ def value_and_grad(
       residuals. A first-order step already holds only one micro-batch's
       activations, and remat leaves its peak unchanged; to go below that,
       checkpoint layers inside the model (``nnx.remat``, ``nn.remat``).
+    mesh: a ``jax.sharding.Mesh`` for data parallelism. Each device splits
+      its own shard of the batch into ``k`` micro-batches (or micro-batches of
+      ``micro_batch_size`` rows) and accumulates locally inside
+      ``shard_map``; ONE reduction of the gradients runs after the loop. The
+      micro-batch index folded into the key is global (``d * k + i`` on device
+      ``d``), and floating-point state is averaged over devices.
+    data_axis: the mesh axis that the batch is sharded along.
+    param_specs: ``PartitionSpec``s of the differentiated arguments (a tree
+      prefix per entry of ``argnums``). Only needed inside ``jit`` with an
+      ``Auto`` mesh, where shardings are not visible at trace time; outside
+      ``jit`` and with ``Explicit`` meshes they are read from the arrays.
+      Parameters sharded along ``data_axis`` (FSDP) are all-gathered once
+      before the loop, and their grads are reduce-scattered back to that
+      sharding.
 
   Returns:
     A function of the same arguments as ``fun`` that returns
@@ -410,6 +429,16 @@ def value_and_grad(
     state_argnum=state_argnum,
     remat=remat,
   )
+
+  if mesh is not None or data_axis is not None:
+    parallel = _parallel.wrap(engine, mesh, data_axis, param_specs)
+
+    @functools.wraps(fun)
+    def data_parallel(*args, **kwargs):
+      value_aux, grads = parallel(*args, **kwargs)
+      return engine.output(value_aux, grads, argnums)
+
+    return data_parallel
 
   @functools.wraps(fun)
   def accumulated(*args, **kwargs):

@@ -1,0 +1,302 @@
+"""Data-parallel accumulation on 8 CPU devices: exact, and one reduction per step."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+from jaxaccum import _hlo
+
+D = 8  # devices, from conftest.py's XLA_FLAGS
+B, F, H = 64, 4, 6
+
+
+@pytest.fixture(params=[AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def mesh(request):
+  assert jax.device_count() == D
+  return jax.make_mesh((D,), ("data",), axis_types=(request.param,))
+
+
+DATA = P("data")
+
+
+def shard(mesh, tree, spec=DATA):
+  return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
+
+
+def mlp_loss(p, batch):
+  x, y = batch
+  h = jnp.tanh(x @ p["w1"])
+  return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def problem(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  params = {
+    "w1": jax.random.normal(keys[0], (F, H)),
+    "w2": jax.random.normal(keys[1], (H,)),
+  }
+  x = jax.random.normal(keys[2], (B, F))
+  y = jnp.sin(x @ jax.random.normal(keys[3], (F,)))
+  return params, (x, y)
+
+
+def assert_close(got, want):
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_mean_equals_single_device_full_batch(mesh, k):
+  params, batch = problem()
+  fun = jaxaccum.value_and_grad(mlp_loss, k, mesh=mesh, data_axis="data")
+  want = jax.value_and_grad(mlp_loss)(params, batch)
+  assert_close(fun(params, shard(mesh, batch)), want)
+  assert_close(jax.jit(fun)(params, shard(mesh, batch)), want)
+
+
+def test_micro_batch_size_is_per_device(mesh):
+  params, batch = problem()
+  fun = jaxaccum.value_and_grad(
+    mlp_loss, micro_batch_size=2, mesh=mesh, data_axis="data"
+  )
+  assert_close(
+    jax.jit(fun)(params, shard(mesh, batch)),
+    jax.value_and_grad(mlp_loss)(params, batch),
+  )
+
+
+def test_weighted_divides_by_the_global_token_count(mesh):
+  params, (x, y) = problem()
+  # Devices hold very different numbers of real rows; some hold none.
+  mask = (jnp.arange(B) % 11 < jnp.arange(B) // 8).astype(jnp.float32)
+
+  def loss_sum(p, batch):
+    x, y, mask = batch
+    err = (jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2
+    return jnp.sum(err * mask), jnp.sum(mask)
+
+  def full_batch_mean(p, batch):
+    total, tokens = loss_sum(p, batch)
+    return total / tokens
+
+  fun = jaxaccum.value_and_grad(
+    loss_sum, 2, normalize="weighted", mesh=mesh, data_axis="data"
+  )
+  batch = (x, y, mask)
+  assert_close(
+    jax.jit(fun)(params, shard(mesh, batch)),
+    jax.value_and_grad(full_batch_mean)(params, batch),
+  )
+
+
+def test_rng_equals_single_device_with_global_micro_batch_numbering(mesh):
+  """Device d's micro-batch i is the global micro-batch d*k+i, key included."""
+  params, batch = problem()
+  k = 2
+
+  def dropout_loss(p, batch, key):
+    x, y = batch
+    keep = jax.random.bernoulli(key, 0.7, (x.shape[0], H))
+    h = jnp.where(keep, jnp.tanh(x @ p["w1"]) / 0.7, 0.0)
+    return jnp.mean((h @ p["w2"] - y) ** 2), keep
+
+  key = jax.random.key(5)
+  fun = jaxaccum.value_and_grad(
+    dropout_loss, k, rng_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+  )
+  (value, masks), grads = jax.jit(fun)(params, shard(mesh, batch), key)
+  masks = np.asarray(masks)
+  (want_value, want_masks), want_grads = jaxaccum.value_and_grad(
+    dropout_loss, D * k, rng_argnum=2, has_aux=True
+  )(params, batch, key)
+  assert_close((value, grads), (want_value, want_grads))
+  np.testing.assert_array_equal(masks, want_masks)
+  assert masks.shape == (D * k, B // (D * k), H)
+  assert not np.array_equal(masks[0], masks[k])  # devices 0 and 1 differ
+
+
+def test_state_is_threaded_per_device_and_averaged(mesh):
+  """BatchNorm-style running statistics: an EMA of micro-batch means.
+
+  Device d's micro-batch i is slice i of shard d, so "micro-batch i" globally
+  is slice i of every shard. The device-averaged running mean equals one
+  single-device chain over those global micro-batches, by linearity.
+  """
+  params, batch = problem()
+  k = 2
+
+  def loss_with_stats(p, batch, stats):
+    x, y = batch
+    h = jnp.tanh(x @ p["w1"])
+    new = {
+      "mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(h, axis=0),
+      "count": stats["count"] + 1,
+    }
+    return jnp.mean((h @ p["w2"] - y) ** 2), (None, new)
+
+  stats = {"mean": jnp.full((H,), 0.5), "count": jnp.array(0, jnp.int32)}
+  fun = jaxaccum.value_and_grad(
+    loss_with_stats, k, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+  )
+  (value, (_, final)), grads = jax.jit(fun)(params, shard(mesh, batch), stats)
+
+  # Reorder rows so that contiguous single-device micro-batch i is slice i
+  # of every shard, then run one chain of k micro-batches.
+  order = jnp.arange(B).reshape(D, k, B // (D * k)).transpose(1, 0, 2).reshape(-1)
+  permuted = jax.tree.map(lambda a: a[order], batch)
+  (want_value, (_, want)), want_grads = jaxaccum.value_and_grad(
+    loss_with_stats, k, state_argnum=2, has_aux=True
+  )(params, permuted, stats)
+  assert_close((value, grads, final["mean"]), (want_value, want_grads, want["mean"]))
+  assert int(final["count"]) == k  # every device ran k micro-batches
+
+
+def test_fsdp_params_get_reduce_scattered_grads():
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Explicit,))
+  params, batch = problem()
+  params = {"w1": jnp.tile(params["w1"], (1, 4)), "w2": jnp.tile(params["w2"], 4)}
+  sharded = {
+    "w1": shard(mesh, params["w1"], P(None, "data")),
+    "w2": shard(mesh, params["w2"], P("data")),
+  }
+  fun = jax.jit(jaxaccum.value_and_grad(mlp_loss, 2, mesh=mesh, data_axis="data"))
+  value, grads = fun(sharded, shard(mesh, batch))
+  assert grads["w1"].sharding.spec == P(None, "data")
+  assert grads["w2"].sharding.spec == P("data")
+  assert_close((value, grads), jax.value_and_grad(mlp_loss)(params, batch))
+  ops = {
+    c.op for c in _hlo.collectives(_hlo.compiled_text(fun, sharded, shard(mesh, batch)))
+  }
+  assert "reduce-scatter" in ops and "all-gather" in ops
+
+
+def test_fsdp_under_auto_jit_needs_param_specs():
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Auto,))
+  params, batch = problem()
+  params = {"w1": jnp.tile(params["w1"], (1, 4)), "w2": jnp.tile(params["w2"], 4)}
+  specs = {"w1": P(None, "data"), "w2": P("data")}
+  fun = jax.jit(
+    jaxaccum.value_and_grad(mlp_loss, 2, mesh=mesh, data_axis="data", param_specs=specs)
+  )
+  sharded = {
+    "w1": shard(mesh, params["w1"], P(None, "data")),
+    "w2": shard(mesh, params["w2"], P("data")),
+  }
+  value, grads = fun(sharded, shard(mesh, batch))
+  assert grads["w1"].sharding.spec == P(None, "data")
+  assert_close((value, grads), jax.value_and_grad(mlp_loss)(params, batch))
+
+
+def loop_collectives(text):
+  colls = _hlo.collectives(text)
+  return [c for c in colls if c.in_loop], colls
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_no_collective_inside_the_loop_and_one_reduction(mesh, k):
+  params, batch = problem()
+  fun = jaxaccum.value_and_grad(mlp_loss, k, mesh=mesh, data_axis="data")
+  in_loop, colls = loop_collectives(_hlo.compiled_text(fun, params, shard(mesh, batch)))
+  assert in_loop == []
+  # One all-reduce of (grads, loss, weight), however many micro-batches.
+  assert sum(c.executions for c in colls) == 1, colls
+  grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+  assert sum(c.bytes for c in colls) <= grad_bytes + 16
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_gspmd_accumulation_reduces_inside_the_loop(k):
+  """Why mesh= exists: optax.microbatch under jit all-reduces k times a step."""
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Auto,))
+  params, batch = problem()
+  fun = optax.microbatching.microbatch(
+    jax.value_and_grad(mlp_loss),
+    argnums=1,
+    microbatch_size=B // k,
+    accumulator=optax.microbatching.AccumulationType.MEAN,
+  )
+  in_loop, _ = loop_collectives(_hlo.compiled_text(fun, params, shard(mesh, batch)))
+  assert [c.op for c in in_loop] == ["all-reduce"]
+  assert in_loop[0].executions == k
+
+
+def test_global_batch_not_divisible_by_devices(mesh):
+  params, (x, y) = problem()
+  fun = jaxaccum.value_and_grad(mlp_loss, 1, mesh=mesh, data_axis="data")
+  with pytest.raises(
+    ValueError, match=r"global batch_size=60 is not divisible by the 8 devices"
+  ):
+    fun(params, (x[:60], y[:60]))
+
+
+def test_local_batch_not_divisible_by_k(mesh):
+  params, batch = problem()
+  fun = jaxaccum.value_and_grad(mlp_loss, 3, mesh=mesh, data_axis="data")
+  with pytest.raises(
+    ValueError, match=r"batch_size=8 is not divisible by num_micro_batches=3"
+  ):
+    fun(params, shard(mesh, batch))
+
+
+def test_unknown_data_axis(mesh):
+  with pytest.raises(ValueError, match="not an axis of the mesh"):
+    jaxaccum.value_and_grad(mlp_loss, 2, mesh=mesh, data_axis="batch")(*problem())
+  with pytest.raises(ValueError, match="needs mesh="):
+    jaxaccum.value_and_grad(mlp_loss, 2, data_axis="data")
+
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(F, H, rngs=rngs)
+    self.norm = nnx.BatchNorm(H, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.out = nnx.Linear(H, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))[:, 0]
+
+
+def test_nnx_data_parallel(mesh):
+  _, batch = problem()
+  model = Net(nnx.Rngs(0, dropout=1))
+  model.drop.rate = 0.0  # deterministic: compare with the full batch
+  model.norm.use_running_average = True
+
+  def loss(m, batch):
+    x, y = batch
+    return jnp.mean((m(x) - y) ** 2)
+
+  reference = nnx.clone(model)
+  value, grads = nnx.jit(
+    jaxaccum.nnx.value_and_grad(loss, 2, mesh=mesh, data_axis="data")
+  )(model, shard(mesh, batch))
+  want_value, want_grads = nnx.value_and_grad(loss)(reference, batch)
+  assert_close(
+    (value, nnx.to_pure_dict(grads)), (want_value, nnx.to_pure_dict(want_grads))
+  )
+
+
+def test_nnx_dropout_differs_across_devices(mesh):
+  _, batch = problem()
+  model = Net(nnx.Rngs(0, dropout=1))
+
+  def masks(m, batch):
+    x, _ = batch
+    h = nnx.relu(m.hidden(x)) + 1.0
+    dropped = m.drop(h) == 0
+    return jnp.sum(m.drop(h)) * 0.0, dropped
+
+  (_, dropped), _ = jaxaccum.nnx.value_and_grad(
+    masks, 1, has_aux=True, mesh=mesh, data_axis="data"
+  )(model, shard(mesh, batch))
+  dropped = np.asarray(dropped)
+  assert dropped.shape == (D, B // D, H)
+  assert not np.array_equal(dropped[0], dropped[1])
+  # The stream advanced as on one device: once per micro-batch and call.
+  assert int(model.drop.rngs.count[...]) == 2
