@@ -1,0 +1,97 @@
+"""One process of the multi-host test (run by tests/test_multihost.py).
+
+Usage: python multihost_worker.py PORT PROCESS_ID OUT_JSON
+
+Two processes with 4 CPU devices each form one 8-device mesh through
+``jax.distributed.initialize``. Each process feeds only its own rows of the
+global batch; the accumulated data-parallel step must equal the
+single-process computation, which every process also runs locally.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxaccum  # noqa: E402
+
+B, F, H, K = 64, 4, 6, 2
+
+
+def loss(params, batch):
+  x, y = batch
+  h = jnp.tanh(x @ params["w1"])
+  err = (h @ params["w2"] - y) ** 2
+  return jnp.mean(err), jnp.max(err)  # aux: order-sensitive
+
+
+def main(port: str, process_id: str, out: str) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+      coordinator_address=f"127.0.0.1:{port}",
+      num_processes=2,
+      process_id=int(process_id),
+  )
+  assert jax.device_count() == 8 and jax.local_device_count() == 4
+
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {
+      "w1": jax.random.normal(keys[0], (F, H)),
+      "w2": jax.random.normal(keys[1], (H,)),
+  }
+  x = jax.random.normal(keys[2], (B, F))
+  y = jnp.sin(x @ jax.random.normal(keys[3], (F,)))
+
+  mesh = jax.make_mesh((8,), ("data",))
+  sharding = NamedSharding(mesh, P("data"))
+  rows = B // jax.process_count()
+  start = jax.process_index() * rows
+  batch = jax.tree.map(
+      lambda a: jax.make_array_from_process_local_data(
+          sharding, np.asarray(a[start : start + rows]), a.shape
+      ),
+      (x, y),
+  )
+  step = jax.jit(
+      jaxaccum.value_and_grad(loss, K, has_aux=True, mesh=mesh, data_axis="data")
+  )
+  (value, aux), grads = step(params, batch)
+  aux = multihost_utils.process_allgather(aux, tiled=True)
+
+  # The single-process reference: 8 * K micro-batches on one device.
+  (ref_value, ref_aux), ref_grads = jaxaccum.value_and_grad(loss, 8 * K, has_aux=True)(
+      params, (x, y)
+  )
+  full_value, full_grads = jax.value_and_grad(lambda p, b: loss(p, b)[0])(params, (x, y))
+
+  def diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+  result = {
+      "process": jax.process_index(),
+      "value_vs_full_batch": diff(value, full_value),
+      "grads_vs_full_batch": diff(grads, full_grads),
+      "aux_vs_single_process": diff(aux, ref_aux),
+      "grads_vs_single_process": diff(grads, ref_grads),
+      "value_vs_single_process": diff(value, ref_value),
+      "value": float(value),
+  }
+  with open(out, "w") as f:
+    json.dump(result, f)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

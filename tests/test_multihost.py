@@ -1,0 +1,59 @@
+"""Two processes on localhost, 4 CPU devices each, one accumulated step.
+
+Runs tests/multihost_worker.py twice with ``jax.distributed.initialize``
+(coordinator on 127.0.0.1, gloo CPU collectives) and checks that the
+data-parallel result equals the single-process one.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("multihost_worker.py")
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(tmp_path):
+  port = str(free_port())
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the worker sets its own: 4 devices each
+  root = str(Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  outs = [tmp_path / f"process{i}.json" for i in range(2)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(WORKER), port, str(i), str(outs[i])],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i in range(2)
+  ]
+  logs = []
+  for p in procs:
+    try:
+      logs.append(p.communicate(timeout=240)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+  for p, log in zip(procs, logs, strict=True):
+    assert p.returncode == 0, log[-3000:]
+
+  results = [json.loads(out.read_text()) for out in outs]
+  for r in results:
+    assert r["value_vs_full_batch"] < 1e-6, r
+    assert r["grads_vs_full_batch"] < 1e-5, r
+    assert r["value_vs_single_process"] < 1e-6, r
+    assert r["grads_vs_single_process"] < 1e-5, r
+    assert r["aux_vs_single_process"] < 1e-6, r
+  assert results[0]["value"] == results[1]["value"]
