@@ -12,6 +12,9 @@ The public surface:
 - :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory.
 - :func:`scale_lr_linear`, :func:`scale_adam_sqrt`, :func:`warmup`:
   hyperparameters for a larger effective batch.
+- :class:`GradientNoise`, :func:`noise_scale_update`,
+  :func:`critical_batch_size`: is the larger effective batch worth it?
+- :func:`dynamic_loss_scale`: float16 loss scaling, adjusted per window.
 """
 
 from jaxaccum import nnx as nnx
@@ -19,6 +22,8 @@ from jaxaccum._accumulate import grad as grad
 from jaxaccum._accumulate import value_and_grad as value_and_grad
 from jaxaccum._checks import Deviation as Deviation
 from jaxaccum._checks import verify_equivalence as verify_equivalence
+from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
+from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from jaxaccum._memory import MemoryStats as MemoryStats
 from jaxaccum._memory import MicroBatchPlan as MicroBatchPlan
 from jaxaccum._memory import compiled_memory as compiled_memory
@@ -29,6 +34,11 @@ from jaxaccum._scaling import kappa as kappa
 from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt
 from jaxaccum._scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._scaling import warmup as warmup
+from jaxaccum._stats import GradientNoise as GradientNoise
+from jaxaccum._stats import NoiseScaleState as NoiseScaleState
+from jaxaccum._stats import critical_batch_size as critical_batch_size
+from jaxaccum._stats import noise_scale_init as noise_scale_init
+from jaxaccum._stats import noise_scale_update as noise_scale_update
 from jaxaccum._train_step import make_train_step as make_train_step
 from jaxaccum._transform import AccumulateState as AccumulateState
 from jaxaccum._transform import accumulate as accumulate

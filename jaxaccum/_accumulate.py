@@ -23,7 +23,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _checks, _normalize, _parallel, _split
+from jaxaccum import _checks, _normalize, _parallel, _split, _stats
 
 PyTree = Any
 
@@ -40,6 +40,8 @@ class Sums(NamedTuple):
     state: the state after the last micro-batch (``None`` without state).
     losses: the per-micro-batch losses; shape=(k,), ``fun``'s loss dtype.
     weights: the per-micro-batch weights; shape=(k,).
+    noise: partial sums for the gradient noise scale (``None`` unless
+      ``noise_stats``).
   """
 
   loss: jax.Array
@@ -49,6 +51,7 @@ class Sums(NamedTuple):
   state: PyTree
   losses: jax.Array
   weights: jax.Array
+  noise: _stats.NoiseSums | None
 
 
 def _as_tuple(argnums: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -77,6 +80,7 @@ class _Engine:
   rng_argnum: int | None
   state_argnum: int | None
   remat: bool | Callable[..., Any]
+  noise_stats: bool
 
   def check_args(self, args: tuple[Any, ...]) -> None:
     """Trace-time checks of the call's positional arguments."""
@@ -183,10 +187,11 @@ class _Engine:
       chex.assert_trees_all_equal_dtypes(acc_grads, init_grads)
       if self.state_argnum is not None:
         new_state = _match_state(new_state, state)
-      return (acc_grads, new_state), (loss, weight, aux)
+      sq_norm = _stats.sq_norm(grads) if self.noise_stats else None
+      return (acc_grads, new_state), (loss, weight, aux, sq_norm)
 
     indices = index_offset + jnp.arange(k, dtype=jnp.int32)
-    (grads, state), (losses, weights, aux) = jax.lax.scan(
+    (grads, state), (losses, weights, aux, sq_norms) = jax.lax.scan(
       body, (init_grads, init_state), (micro_batches, indices)
     )
     _checks.check_weights(weights)
@@ -198,33 +203,44 @@ class _Engine:
       state=state,
       losses=losses,
       weights=weights,
+      noise=None
+      if sq_norms is None
+      else _stats.micro_batch_noise(self.normalization.name, sq_norms, weights, m),
     )
 
-  def finish(self, sums: Sums, diff_args: tuple[PyTree, ...]) -> tuple[Any, Any]:
-    """Normalizes ``sums``; returns ``(value, aux)`` and the grads tuple."""
+  def finish(
+    self,
+    sums: Sums,
+    diff_args: tuple[PyTree, ...],
+    sq_norm: Callable[[PyTree], jax.Array] = _stats.sq_norm,
+  ) -> tuple[Any, Any, _stats.GradientNoise | None]:
+    """Normalizes ``sums``: ``(value, aux)``, the grads tuple, and the noise."""
     norm = self.normalization
     value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
-    grads = jax.tree.map(
-      lambda g, p: g.astype(p.dtype),
-      norm.finalize(sums.grads, sums.weight),
-      diff_args,
-    )
+    normalized = norm.finalize(sums.grads, sums.weight)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), normalized, diff_args)
     _checks.check_total_weight(sums.weight, grads)
     aux = sums.aux
     if self.state_argnum is not None:
       aux = (aux, sums.state)
-    return (value, aux), grads
+    noise = None
+    if sums.noise is not None:
+      noise = sums.noise.finalize(sq_norm(normalized))
+    return (value, aux), grads, noise
 
   def output(
     self,
     value_aux: tuple[Any, Any],
     grads: tuple[PyTree, ...],
+    noise: _stats.GradientNoise | None,
     argnums: int | Sequence[int],
   ) -> Any:
-    """Arranges the result as ``jax.value_and_grad`` would."""
+    """Arranges the result as ``jax.value_and_grad`` would, plus the noise."""
     if isinstance(argnums, int):
       grads = grads[0]
     value = value_aux if self.has_aux else value_aux[0]
+    if self.noise_stats:
+      return (value, grads), noise
     return value, grads
 
 
@@ -285,6 +301,7 @@ def _engine(
   rng_argnum: int | None,
   state_argnum: int | None,
   remat: bool | Callable[..., Any],
+  noise_stats: bool,
 ) -> _Engine:
   """Validates the static arguments (at definition time) into an ``_Engine``."""
   if not callable(fun):
@@ -320,6 +337,7 @@ def _engine(
     rng_argnum=rng_argnum,
     state_argnum=state_argnum,
     remat=remat,
+    noise_stats=noise_stats,
   )
 
 
@@ -339,6 +357,7 @@ def value_and_grad(
   mesh: jax.sharding.Mesh | None = None,
   data_axis: str | None = None,
   param_specs: PyTree | None = None,
+  noise_stats: bool = False,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -373,6 +392,12 @@ def value_and_grad(
       must use ``has_aux=True`` and return ``(value, (aux, new_state))``;
       micro-batch ``i + 1`` sees the state micro-batch ``i`` produced, and the
       aux comes back as ``(stacked_aux, final_state)``.
+    noise_stats: also measure the gradient noise scale (McCandlish et al.
+      2018) from the micro-batch gradients, at the cost of one squared norm
+      per micro-batch. The function then returns ``(output, noise)``, with
+      ``output`` as without it and ``noise`` a :class:`GradientNoise`
+      (``|G_small|²``, ``|G_big|²``, ``B_small``, ``B_big``); feed it to
+      :func:`noise_scale_update`. Needs ``k >= 2``.
     remat: wrap each micro-batch's computation (forward and backward) in
       ``jax.checkpoint``; ``True``, or a ``jax.checkpoint_policies`` policy.
       This matters when you differentiate *through* the accumulated gradient
@@ -428,6 +453,7 @@ def value_and_grad(
     rng_argnum=rng_argnum,
     state_argnum=state_argnum,
     remat=remat,
+    noise_stats=noise_stats,
   )
 
   if mesh is not None or data_axis is not None:
@@ -435,8 +461,8 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def data_parallel(*args, **kwargs):
-      value_aux, grads = parallel(*args, **kwargs)
-      return engine.output(value_aux, grads, argnums)
+      value_aux, grads, noise = parallel(*args, **kwargs)
+      return engine.output(value_aux, grads, noise, argnums)
 
     return data_parallel
 
@@ -445,8 +471,8 @@ def value_and_grad(
     split = engine.plan(args)
     diff_args = tuple(args[i] for i in engine.argnums)
     sums = engine.sums(args, kwargs, split)
-    value_aux, grads = engine.finish(sums, diff_args)
-    return engine.output(value_aux, grads, argnums)
+    value_aux, grads, noise = engine.finish(sums, diff_args)
+    return engine.output(value_aux, grads, noise, argnums)
 
   return accumulated
 

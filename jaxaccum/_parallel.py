@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _split
+from jaxaccum import _split, _stats
 
 if TYPE_CHECKING:
   from jaxaccum._accumulate import _Engine
@@ -173,6 +173,7 @@ class DataParallel:
     self._check_global_batch(args)
     diff_args = tuple(args[i] for i in engine.argnums)
     dims = self._diff_dims(diff_args)
+    flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None)
 
     # in_specs: the batch along the data axis; parameters as they are sharded
     # (FSDP dims along the data axis, else replicated); everything else
@@ -239,9 +240,19 @@ class DataParallel:
         weight=jax.lax.psum(sums.weight, axis),
         grads=grads,
         state=_reduce_state(_restore_keys(sums.state, state_in), axis),
+        noise=None if sums.noise is None else jax.lax.psum(sums.noise, axis),
       )
-      value_aux, grads = engine.finish(sums, local_diff)
-      return value_aux, grads
+
+      def sq_norm(normalized):
+        """The whole gradient's squared norm: sharded leaves summed over devices."""
+        leaves = zip(jax.tree.leaves(normalized), flat_dims, strict=True)
+        local: list[jax.Array] = []
+        sharded: list[jax.Array] = []
+        for g, d in leaves:
+          (local if d is None else sharded).append(g)
+        return _stats.sq_norm(local) + jax.lax.psum(_stats.sq_norm(sharded), axis)
+
+      return engine.finish(sums, local_diff, sq_norm)
 
     out_specs = (
       self._value_aux_specs(),
@@ -249,6 +260,7 @@ class DataParallel:
         jax.tree.map(lambda x, d: _data_spec(jnp.ndim(x), d, axis), arg, arg_dims)
         for arg, arg_dims in zip(diff_args, dims, strict=True)
       ),
+      P(),
     )
     sharded = jax.shard_map(
       local_step,

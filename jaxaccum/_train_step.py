@@ -56,6 +56,11 @@ def make_train_step(
     skip_nonfinite: if the value or a gradient is NaN or Inf, return the
       parameters and optimizer state unchanged (``lax.cond``, the optimizer
       does not run).
+      For float16, pass ``tx = jaxaccum.accumulate(inner, 1,
+      loss_scale=jaxaccum.dynamic_loss_scale())``: the step then multiplies
+      the loss by the current scale, and ``accumulate`` unscales the
+      gradients, skips a step that overflowed and adjusts the scale once per
+      step.
     donate: donate ``params`` and ``opt_state`` to the step. Do not use the
       arrays you passed in after the call.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
@@ -77,19 +82,45 @@ def make_train_step(
   """
   if value_and_grad_kwargs.get("argnums", 0) != 0:
     raise ValueError("make_train_step differentiates the parameters, argnums=0.")
+  has_aux = value_and_grad_kwargs.get("has_aux", False)
+  weighted = value_and_grad_kwargs.get("normalize", "mean") == "weighted"
+
+  def scaled_loss_fn(*args, _jaxaccum_loss_scale, **kwargs):
+    """``loss_fn`` with its loss (not its weight or aux) times the scale."""
+    out = loss_fn(*args, **kwargs)
+    value, aux = out if has_aux else (out, None)
+    if weighted:
+      value = (_jaxaccum_loss_scale.scale_loss(value[0]), value[1])
+    else:
+      value = _jaxaccum_loss_scale.scale_loss(value)
+    return (value, aux) if has_aux else value
+
   grad_fn = _accumulate.value_and_grad(
     loss_fn, num_micro_batches, **value_and_grad_kwargs
   )
-  has_aux = value_and_grad_kwargs.get("has_aux", False)
+  scaled_grad_fn = _accumulate.value_and_grad(
+    scaled_loss_fn, num_micro_batches, **value_and_grad_kwargs
+  )
 
   def step(params, opt_state, *args, **kwargs):
-    value, grads = grad_fn(params, *args, **kwargs)
+    loss_scale = getattr(opt_state, "loss_scale", None)
+    if loss_scale is None:
+      value, grads = grad_fn(params, *args, **kwargs)
+    else:
+      # float16: the loss is scaled; accumulate() unscales, skips overflowing
+      # windows and adjusts the scale, so no skip here.
+      value, grads = scaled_grad_fn(
+        params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs
+      )
+      loss = value[0] if has_aux else value
+      loss = loss / loss_scale.scale.astype(loss.dtype)
+      value = (loss, value[1]) if has_aux else loss
 
     def apply(params, opt_state):
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
-    if not skip_nonfinite:
+    if not skip_nonfinite or loss_scale is not None:
       params, opt_state = apply(params, opt_state)
       return params, opt_state, value
     loss = value[0] if has_aux else value

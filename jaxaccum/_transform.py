@@ -17,16 +17,35 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _normalize
+from jaxaccum import _normalize, _stats
+from jaxaccum._loss_scale import DynamicLossScale
 
 PyTree = Any
+
+
+class WindowNoise(NamedTuple):
+  """The gradient-noise measurements of :func:`accumulate`.
+
+  Attributes:
+    sq_norm_sum: the current window's sum of ``|g_i / w_i|²`` over its kept
+      micro-batches (``w_i = 1`` without ``weight=``); shape=(), float32.
+    num_micro_batches: the current window's kept micro-batches of positive weight;
+      shape=(), float32.
+    last: the last completed window's :class:`GradientNoise`, in units of
+      ``weight`` (micro-batches without ``weight=``: multiply ``B_simple``
+      by the micro-batch size for examples); NaN before the first window.
+  """
+
+  sq_norm_sum: jax.Array
+  num_micro_batches: jax.Array
+  last: _stats.GradientNoise
 
 
 class AccumulateState(NamedTuple):
   """The state of :func:`accumulate`.
 
   Attributes:
-    micro_step: micro-batches seen in the current window; shape=(), int32.
+    micro_step: calls seen in the current window; shape=(), int32.
     step: optimizer steps taken, i.e. inner updates; shape=(), int32.
     acc_grads: the window's gradient sum; like the parameters, at least
       ``accum_dtype``.
@@ -34,6 +53,10 @@ class AccumulateState(NamedTuple):
       ``weight=``); shape=(), float32.
     inner_state: the inner transformation's state.
     num_skipped: non-finite micro-batches dropped so far; shape=(), int32.
+    noise: gradient-noise measurements (zeros unless ``noise_stats``).
+    loss_scale: the :class:`DynamicLossScale` (``None`` without one).
+    window_finite: no micro-batch of the current window overflowed;
+      shape=(), bool.
   """
 
   micro_step: jax.Array
@@ -42,6 +65,9 @@ class AccumulateState(NamedTuple):
   acc_weight: jax.Array
   inner_state: PyTree
   num_skipped: jax.Array
+  noise: WindowNoise
+  loss_scale: DynamicLossScale | None
+  window_finite: jax.Array
 
 
 def _window_size(
@@ -60,12 +86,19 @@ def _all_finite(tree: PyTree) -> jax.Array:
   return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def _no_noise() -> _stats.GradientNoise:
+  nan = jnp.full((), jnp.nan, jnp.float32)
+  return _stats.GradientNoise(nan, nan, nan, nan)
+
+
 def accumulate(
   inner: optax.GradientTransformation,
   every_k: int | Callable[[jax.Array], Any],
   *,
   accum_dtype: Any = jnp.float32,
   skip_nonfinite: bool = True,
+  noise_stats: bool = False,
+  loss_scale: DynamicLossScale | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates ``every_k`` micro-batch gradients, then runs ``inner`` once.
 
@@ -92,6 +125,15 @@ def accumulate(
       ``num_skipped``. The accumulator and the parameters stay finite. A
       window in which nothing valid was accumulated (total weight 0) applies
       no update and does not advance ``step``.
+    noise_stats: measure the gradient noise scale: each call adds the squared
+      norm of its (per-weight) gradient, and each completed window stores a
+      :class:`GradientNoise` in ``state.noise.last``.
+    loss_scale: float16 training with dynamic loss scaling: the initial
+      :class:`DynamicLossScale`. Multiply your loss by
+      ``state.loss_scale.scale`` before differentiating; ``update`` divides
+      the gradients by it in float32. A window in which any micro-batch
+      overflowed is skipped as a whole, and the scale is adjusted once per
+      window, never within one.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its ``update`` also takes
@@ -116,6 +158,7 @@ def accumulate(
     raise ValueError(f"accum_dtype must be a floating dtype, got {accum_dtype}.")
 
   def init_fn(params):
+    zero = jnp.zeros((), jnp.float32)
     return AccumulateState(
       micro_step=jnp.zeros((), jnp.int32),
       step=jnp.zeros((), jnp.int32),
@@ -125,9 +168,12 @@ def accumulate(
         ),
         params,
       ),
-      acc_weight=jnp.zeros((), jnp.float32),
+      acc_weight=zero,
       inner_state=inner.init(params),
       num_skipped=jnp.zeros((), jnp.int32),
+      noise=WindowNoise(zero, zero, _no_noise()),
+      loss_scale=loss_scale,
+      window_finite=jnp.asarray(True),
     )
 
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
@@ -142,35 +188,64 @@ def accumulate(
         "grads do not have the structure of the parameters accumulate() was "
         f"initialized with: {grads_struct} vs {params_struct}."
       )
-    valid = jnp.asarray(True)
-    if skip_nonfinite:
-      valid = _all_finite(grads) & jnp.isfinite(weight) & (weight >= 0)
+    summand = grads if state.loss_scale is None else state.loss_scale.unscale(grads)
+    finite = _all_finite(summand) & jnp.isfinite(weight) & (weight >= 0)
+    valid = (
+      finite if (skip_nonfinite or state.loss_scale is not None) else jnp.asarray(True)
+    )
     acc_grads = jax.tree.map(
-      lambda a, g: jnp.where(valid, a + g.astype(a.dtype), a),
-      state.acc_grads,
-      grads,
+      lambda a, g: jnp.where(valid, a + g.astype(a.dtype), a), state.acc_grads, summand
     )
     acc_weight = jnp.where(valid, state.acc_weight + weight, state.acc_weight)
+    window_finite = state.window_finite & finite
+    noise = state.noise
+    if noise_stats:
+      counted = valid & (weight > 0)
+      per_weight = _stats.sq_norm(summand) / jnp.where(counted, weight, 1.0) ** 2
+      noise = noise._replace(
+        sq_norm_sum=jnp.where(
+          counted, noise.sq_norm_sum + per_weight, noise.sq_norm_sum
+        ),
+        num_micro_batches=noise.num_micro_batches + counted.astype(jnp.float32),
+      )
+
     micro_step = state.micro_step + 1
     window_done = (micro_step >= window_size(state.step)) | jnp.asarray(flush)
     apply = window_done & (acc_weight > 0)
+    if state.loss_scale is not None:
+      apply = apply & window_finite
 
-    def inner_update(acc_grads, acc_weight, inner_state):
-      normalized = jax.tree.map(
-        lambda a, g: a.astype(g.dtype),
-        _normalize.safe_divide(acc_grads, acc_weight),
-        grads,
+    def inner_update(acc_grads, acc_weight, inner_state, noise):
+      mean = _normalize.safe_divide(acc_grads, acc_weight)
+      updates, inner_state = inner.update(
+        jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads),
+        inner_state,
+        params,
+        **extra_args,
       )
-      return inner.update(normalized, inner_state, params, **extra_args)
+      if noise_stats:
+        noise = noise._replace(
+          last=_stats.NoiseSums(
+            noise.sq_norm_sum, noise.num_micro_batches, acc_weight
+          ).finalize(_stats.sq_norm(mean))
+        )
+      return updates, inner_state, noise
 
-    def no_update(acc_grads, acc_weight, inner_state):
-      shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state)
+    def no_update(acc_grads, acc_weight, inner_state, noise):
+      shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state, noise)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
-      return zeros, inner_state
+      return zeros, inner_state, noise
 
-    updates, inner_state = jax.lax.cond(
-      apply, inner_update, no_update, acc_grads, acc_weight, state.inner_state
+    updates, inner_state, noise = jax.lax.cond(
+      apply, inner_update, no_update, acc_grads, acc_weight, state.inner_state, noise
     )
+    zero = jnp.zeros((), jnp.float32)
+    new_loss_scale = state.loss_scale
+    if new_loss_scale is not None:
+      adjusted = new_loss_scale.adjust(window_finite)
+      new_loss_scale = jax.tree.map(
+        lambda new, old: jnp.where(window_done, new, old), adjusted, new_loss_scale
+      )
     new_state = AccumulateState(
       micro_step=jnp.where(window_done, 0, micro_step),
       step=state.step + apply.astype(jnp.int32),
@@ -180,6 +255,12 @@ def accumulate(
       acc_weight=jnp.where(window_done, 0.0, acc_weight),
       inner_state=inner_state,
       num_skipped=state.num_skipped + (~valid).astype(jnp.int32),
+      noise=noise._replace(
+        sq_norm_sum=jnp.where(window_done, zero, noise.sq_norm_sum),
+        num_micro_batches=jnp.where(window_done, zero, noise.num_micro_batches),
+      ),
+      loss_scale=new_loss_scale,
+      window_finite=window_done | window_finite,
     )
     return updates, new_state
 

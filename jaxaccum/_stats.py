@@ -1,0 +1,188 @@
+"""The gradient noise scale (McCandlish et al. 2018), from micro-batch gradients.
+
+"Is my effective batch worth it?" The simple noise scale
+
+    B_simple = tr(Σ) / |G|²
+
+(Σ the per-example gradient covariance, G the true gradient) estimates the
+critical batch size. Below it, doubling the batch nearly halves the steps to a
+given loss; well above it, a larger batch mostly wastes compute.
+
+Accumulation gives the estimate for free: the micro-batch gradients are
+small-batch gradients (``B_small`` examples each) and their normalized sum is
+a big-batch gradient (``B_big``). With ``|G_small|²`` the mean squared norm of
+the micro-batch gradients and ``|G_big|²`` the squared norm of the sum,
+
+    |G|² ≈ (B_big |G_big|² - B_small |G_small|²) / (B_big - B_small)
+    S    ≈ (|G_small|² - |G_big|²) / (1/B_small - 1/B_big)
+
+are unbiased, and ``B_simple ≈ EMA(S) / EMA(|G|²)``: a ratio of averages, since
+each single-step estimate is noisy and ``|G|²`` can even come out negative.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+class GradientNoise(NamedTuple):
+  """One step's raw measurements; see the module docstring.
+
+  Attributes:
+    small_sq_norm: ``|G_small|²``, the mean over micro-batches of the squared
+      norm of each micro-batch's mean gradient; shape=(), float32.
+    big_sq_norm: ``|G_big|²``, the squared norm of the whole batch's mean
+      gradient; shape=(), float32.
+    b_small: examples (or weight units, e.g. tokens) per micro-batch;
+      shape=(), float32.
+    b_big: examples (or weight units) in the whole batch; shape=(), float32.
+  """
+
+  small_sq_norm: jax.Array
+  big_sq_norm: jax.Array
+  b_small: jax.Array
+  b_big: jax.Array
+
+  def sq_norm(self) -> jax.Array:
+    """The unbiased estimate of ``|G|²`` (it can be negative when noisy)."""
+    return (self.b_big * self.big_sq_norm - self.b_small * self.small_sq_norm) / (
+      self.b_big - self.b_small
+    )
+
+  def trace(self) -> jax.Array:
+    """The unbiased estimate of ``S = tr(Σ)``."""
+    return (self.small_sq_norm - self.big_sq_norm) / (1 / self.b_small - 1 / self.b_big)
+
+
+def sq_norm(tree: PyTree) -> jax.Array:
+  """The squared L2 norm of a pytree, accumulated in float32.
+
+  >>> import jax.numpy as jnp
+  >>> float(sq_norm({"a": jnp.array([3.0]), "b": jnp.array([[4.0]])}))
+  25.0
+  """
+  return sum(
+    (jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
+    start=jnp.zeros((), jnp.float32),
+  )
+
+
+class NoiseScaleState(NamedTuple):
+  """Exponential moving averages of ``S`` and ``|G|²``.
+
+  Attributes:
+    trace: the EMA of ``S``, without bias correction; shape=(), float32.
+    sq_norm: the EMA of ``|G|²``, without bias correction; shape=(), float32.
+    num_updates: the updates folded in so far; shape=(), int32.
+  """
+
+  trace: jax.Array
+  sq_norm: jax.Array
+  num_updates: jax.Array
+
+
+def noise_scale_init() -> NoiseScaleState:
+  """An empty tracker state (see :func:`noise_scale_update`)."""
+  zero = jnp.zeros((), jnp.float32)
+  return NoiseScaleState(zero, zero, jnp.zeros((), jnp.int32))
+
+
+def noise_scale_update(
+  state: NoiseScaleState, noise: GradientNoise, decay: float = 0.99
+) -> NoiseScaleState:
+  """Folds one step's :class:`GradientNoise` into the moving averages.
+
+  Steps whose estimates are not finite (e.g. ``B_small == B_big``, one
+  micro-batch) are left out.
+  """
+  trace, g2 = noise.trace(), noise.sq_norm()
+  ok = jnp.isfinite(trace) & jnp.isfinite(g2)
+  return NoiseScaleState(
+    trace=jnp.where(ok, decay * state.trace + (1 - decay) * trace, state.trace),
+    sq_norm=jnp.where(ok, decay * state.sq_norm + (1 - decay) * g2, state.sq_norm),
+    num_updates=state.num_updates + ok.astype(jnp.int32),
+  )
+
+
+def critical_batch_size(state: NoiseScaleState) -> jax.Array:
+  """``B_simple = EMA(S) / EMA(|G|²)``, in the units of ``b_small``.
+
+  The bias corrections of the two averages cancel in the ratio. It is NaN
+  until the first update, and infinite while ``EMA(|G|²) <= 0``.
+
+  >>> import jax.numpy as jnp
+  >>> noise = GradientNoise(jnp.array(2.0), jnp.array(1.25), jnp.array(4.0), jnp.array(16.0))
+  >>> float(noise.trace()), float(noise.sq_norm())
+  (4.0, 1.0)
+  >>> state = noise_scale_update(noise_scale_init(), noise)
+  >>> round(float(critical_batch_size(state)), 4)
+  4.0
+  """
+  ratio = state.trace / state.sq_norm
+  return jnp.where(
+    state.num_updates > 0, jnp.where(state.sq_norm > 0, ratio, jnp.inf), jnp.nan
+  )
+
+
+class NoiseSums(NamedTuple):
+  """Partial sums for :class:`GradientNoise`, reducible across devices.
+
+  Attributes:
+    sq_norm: the sum over micro-batches of the squared norm of each
+      micro-batch's mean gradient; shape=(), float32.
+    num_micro_batches: the micro-batches summed (those with a positive
+      weight); shape=(), float32.
+    examples: the examples (or weight units) in them; shape=(), float32.
+  """
+
+  sq_norm: jax.Array
+  num_micro_batches: jax.Array
+  examples: jax.Array
+
+  def finalize(self, big_sq_norm: jax.Array) -> GradientNoise:
+    """The :class:`GradientNoise` of a whole batch with this mean gradient."""
+    return GradientNoise(
+      small_sq_norm=self.sq_norm / self.num_micro_batches,
+      big_sq_norm=big_sq_norm,
+      b_small=self.examples / self.num_micro_batches,
+      b_big=self.examples,
+    )
+
+
+def micro_batch_noise(
+  normalize: str, sq_norms: jax.Array, weights: jax.Array, micro_batch_size: int
+) -> NoiseSums:
+  """Partial sums from per-micro-batch gradient squared norms.
+
+  Args:
+    normalize: the engine's mode. ``"mean"``: each gradient is already a
+      micro-batch mean over ``micro_batch_size`` rows. ``"sum"``: it is a sum
+      over the rows. ``"weighted"``: it is a sum over ``weight`` units (e.g.
+      tokens); micro-batches of weight 0 are left out.
+    sq_norms: ``|g_i|²`` per micro-batch; shape=(k,).
+    weights: the micro-batch weights; shape=(k,).
+    micro_batch_size: rows per micro-batch.
+  """
+  sq_norms = sq_norms.astype(jnp.float32)
+  if normalize == "weighted":
+    examples = weights.astype(jnp.float32)
+    valid = examples > 0
+    safe = jnp.where(valid, examples, 1.0)
+    mean_sq = jnp.where(valid, sq_norms / safe**2, 0.0)
+    return NoiseSums(
+      jnp.sum(mean_sq),
+      jnp.sum(valid.astype(jnp.float32)),
+      jnp.sum(jnp.where(valid, examples, 0.0)),
+    )
+  scale = 1.0 if normalize == "mean" else 1.0 / micro_batch_size**2
+  k = sq_norms.shape[0]
+  return NoiseSums(
+    jnp.sum(sq_norms) * scale,
+    jnp.asarray(k, jnp.float32),
+    jnp.asarray(k * micro_batch_size, jnp.float32),
+  )

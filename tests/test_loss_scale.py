@@ -1,0 +1,134 @@
+"""float16 with dynamic loss scaling: adjusted per window, overflowing windows skipped."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxaccum
+
+K, M, F = 4, 8, 3
+
+
+def loss(w, batch):
+  x, y = batch
+  return jnp.mean((x @ w - y) ** 2)
+
+
+def data(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 2)
+  x = jax.random.normal(keys[0], (3 * K, M, F))
+  return x, x @ jnp.array([1.0, -2.0, 0.5]) + 0.1 * jax.random.normal(keys[1], (3 * K, M))
+
+
+def scaled_fp16_grad(w32, batch, scale):
+  """The gradient of the scaled loss, computed in float16 as a model would."""
+  w16 = w32.astype(jnp.float16)
+  x, y = (a.astype(jnp.float16) for a in batch)
+  return jax.grad(lambda w: scale.scale_loss(loss(w, (x, y))))(w16)
+
+
+def test_overflowing_window_is_skipped_and_scale_adjusted_once_per_window():
+  x, y = data()
+  tx = jaxaccum.accumulate(
+      optax.sgd(0.01), K, loss_scale=jaxaccum.dynamic_loss_scale(2.0**10, growth_interval=2)
+  )
+  params = jnp.zeros(F, jnp.float32)  # float32 master weights
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  scales, steps, history = [], [], []
+  for i in range(3 * K):
+    grads = scaled_fp16_grad(params, (x[i], y[i]), state.loss_scale)
+    if i == K + 1:  # window 2, micro-batch 2: an fp16 overflow
+      grads = grads.at[0].set(jnp.inf)
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    assert np.all(np.isfinite(params)) and np.all(np.isfinite(state.acc_grads))
+    scales.append(float(state.loss_scale.scale))
+    steps.append(int(state.step))
+    history.append(np.asarray(params))
+
+  # The scale changes only when a window ends (calls 4, 8, 12).
+  assert scales == [1024.0] * 3 + [1024.0] * 4 + [512.0] * 4 + [512.0]
+  # Window 1 applied; window 2 overflowed and was skipped whole; window 3 applied.
+  assert steps == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2]
+  np.testing.assert_array_equal(history[7], history[3])
+  assert int(state.num_skipped) == 1
+
+
+def test_scale_grows_after_growth_interval_clean_windows():
+  x, y = data()
+  tx = jaxaccum.accumulate(
+      optax.sgd(0.01), 2, loss_scale=jaxaccum.dynamic_loss_scale(4.0, growth_interval=2)
+  )
+  params = jnp.zeros(F)
+  state = tx.init(params)
+  for i in range(8):
+    grads = scaled_fp16_grad(params, (x[i], y[i]), state.loss_scale)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  # 4 clean windows, growth every 2: 4 -> 8 -> 16.
+  assert float(state.loss_scale.scale) == 16.0
+
+
+def test_loss_scaled_fp16_matches_float32_accumulation():
+  x, y = data()
+  scaled = jaxaccum.accumulate(
+      optax.sgd(0.05), K, loss_scale=jaxaccum.dynamic_loss_scale(2.0**8)
+  )
+  plain = jaxaccum.accumulate(optax.sgd(0.05), K)
+  p1 = p2 = jnp.zeros(F)
+  s1, s2 = scaled.init(p1), plain.init(p2)
+  for i in range(2 * K):
+    u1, s1 = scaled.update(scaled_fp16_grad(p1, (x[i], y[i]), s1.loss_scale), s1, p1)
+    u2, s2 = plain.update(jax.grad(loss)(p2, (x[i], y[i])), s2, p2)
+    p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+  # float16 forward/backward, float32 everything else: close to float32.
+  np.testing.assert_allclose(p1, p2, rtol=5e-3, atol=1e-3)
+
+
+def test_small_gradients_survive_thanks_to_the_scale():
+  """Without scaling this gradient underflows to zero in float16."""
+  w = jnp.ones(F)
+  x = jnp.full((M, F), 3e-5)
+  y = jnp.zeros(M)
+  tiny = jax.grad(loss)(w.astype(jnp.float16), (x.astype(jnp.float16), y.astype(jnp.float16)))
+  assert not np.any(tiny)  # underflowed
+  scale = jaxaccum.dynamic_loss_scale(2.0**15)
+  grads = scale.unscale(scaled_fp16_grad(w, (x, y), scale))
+  np.testing.assert_allclose(grads, jax.grad(loss)(w, (x, y)), rtol=2e-2)
+
+
+def test_make_train_step_with_loss_scale_skips_overflow():
+  x, y = data()
+  tx = jaxaccum.accumulate(optax.sgd(0.05), 1, loss_scale=jaxaccum.dynamic_loss_scale(2.0**4))
+
+  def fp16_loss(w, batch):
+    xb, yb = batch
+    return loss(w.astype(jnp.float16), (xb.astype(jnp.float16), yb.astype(jnp.float16)))
+
+  step = jaxaccum.make_train_step(fp16_loss, tx, 2, donate=False)
+  params = jnp.zeros(F)
+  state = tx.init(params)
+  batch = (x[:2].reshape(-1, F), y[:2].reshape(-1))
+  params, state, value = step(params, state, batch)
+  np.testing.assert_allclose(value, loss(jnp.zeros(F), batch), rtol=1e-2)
+  assert int(state.step) == 1
+  # A batch that overflows float16 (x = 1e4: squares exceed 65504).
+  huge = (jnp.full_like(batch[0], 1e4), batch[1])
+  new_params, state, _ = step(params, state, huge)
+  np.testing.assert_array_equal(new_params, params)
+  assert int(state.step) == 1 and float(state.loss_scale.scale) == 8.0
+
+
+def test_bad_loss_scale_arguments():
+  with pytest.raises(ValueError, match="factor"):
+    jaxaccum.dynamic_loss_scale(factor=1.0)
+
+
+def test_without_loss_scale_state_has_none():
+  state = jaxaccum.accumulate(optax.sgd(0.1), 2).init(jnp.zeros(2))
+  assert state.loss_scale is None
+  chex.assert_shape(state.window_finite, ())
