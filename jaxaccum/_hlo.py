@@ -61,6 +61,34 @@ class Collective(NamedTuple):
   in_loop: bool
 
 
+def _top_level(type_text: str) -> list[str]:
+  """The elements of a tuple type ``(a, (b, c))`` -> ``['a', '(b, c)']``."""
+  text = type_text.strip()
+  if not text.startswith("("):
+    return [text]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 1:
+      parts.append(text[start:i])
+      start = i + 1
+  parts.append(text[start : len(text) - 1])
+  return [p.strip() for p in parts if p.strip()]
+
+
+def _result_bytes(op: str, type_text: str) -> int:
+  """Bytes a collective delivers. An async all-gather/permute start returns
+  ``(inputs, outputs)``; only the outputs count."""
+  if op in ("all-gather-start", "collective-permute-start"):
+    parts = _top_level(type_text)
+    if len(parts) % 2 == 0:
+      return sum(_shape_bytes(p) for p in parts[len(parts) // 2 :])
+  return _shape_bytes(type_text)
+
+
 def _shape_bytes(type_text: str) -> int:
   """Bytes of an HLO type such as ``f32[4,8]{1,0}`` or a tuple of them."""
   total = 0
@@ -84,9 +112,10 @@ def collectives(hlo_text: str) -> list[Collective]:
   ... ENTRY %main (a: f32[8]) -> f32[8] {
   ...   %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
   ...   %g = f32[16]{0} all-gather(f32[8]{0} %a), dimensions={0}
+  ...   %s = (f32[8]{0}, f32[64]{0}) all-gather-start(f32[8]{0} %a), dimensions={0}
   ... }'''
   >>> [(c.op, c.bytes, c.executions, c.in_loop) for c in collectives(text)]
-  [('all-reduce', 32, 4, True), ('all-gather', 64, 1, False)]
+  [('all-reduce', 32, 4, True), ('all-gather', 64, 1, False), ('all-gather-start', 256, 1, False)]
   """
   bodies: dict[str, list[str]] = {}
   entry = None
@@ -114,7 +143,9 @@ def collectives(hlo_text: str) -> list[Collective]:
         continue
       _, type_text, op = match.groups()
       if op in COLLECTIVES:
-        found.append(Collective(op, name, _shape_bytes(type_text), executions, in_loop))
+        found.append(
+          Collective(op, name, _result_bytes(op, type_text), executions, in_loop)
+        )
       if op == "while":
         trips = _TRIP_COUNT.search(line)
         body = re.search(r"\bbody=%?([\w.\-]+)", line)

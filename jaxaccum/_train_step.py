@@ -40,7 +40,7 @@ def make_train_step(
   skip_nonfinite: bool = True,
   donate: bool = True,
   **value_and_grad_kwargs: Any,
-) -> Callable[..., Any]:
+) -> Any:
   """Builds ``step(params, opt_state, *args) -> (params, opt_state, value)``.
 
   The step runs ``jaxaccum.value_and_grad(loss_fn, num_micro_batches,
@@ -68,7 +68,7 @@ def make_train_step(
       ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``, ...).
 
   Returns:
-    The jitted step. ``value`` is what ``value_and_grad`` returns first: the
+    The jitted step (a ``jax.jit`` function: ``.lower(...)`` works on it). ``value`` is what ``value_and_grad`` returns first: the
     loss, or ``(loss, aux)`` with ``has_aux``.
 
   >>> import jax.numpy as jnp, optax, jaxaccum

@@ -37,16 +37,16 @@ def loss(params, batch):
 def main(port: str, process_id: str, out: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{port}",
-      num_processes=2,
-      process_id=int(process_id),
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=int(process_id),
   )
   assert jax.device_count() == 8 and jax.local_device_count() == 4
 
   keys = jax.random.split(jax.random.key(0), 4)
   params = {
-      "w1": jax.random.normal(keys[0], (F, H)),
-      "w2": jax.random.normal(keys[1], (H,)),
+    "w1": jax.random.normal(keys[0], (F, H)),
+    "w2": jax.random.normal(keys[1], (H,)),
   }
   x = jax.random.normal(keys[2], (B, F))
   y = jnp.sin(x @ jax.random.normal(keys[3], (F,)))
@@ -56,37 +56,39 @@ def main(port: str, process_id: str, out: str) -> None:
   rows = B // jax.process_count()
   start = jax.process_index() * rows
   batch = jax.tree.map(
-      lambda a: jax.make_array_from_process_local_data(
-          sharding, np.asarray(a[start : start + rows]), a.shape
-      ),
-      (x, y),
+    lambda a: jax.make_array_from_process_local_data(
+      sharding, np.asarray(a[start : start + rows]), a.shape
+    ),
+    (x, y),
   )
   step = jax.jit(
-      jaxaccum.value_and_grad(loss, K, has_aux=True, mesh=mesh, data_axis="data")
+    jaxaccum.value_and_grad(loss, K, has_aux=True, mesh=mesh, data_axis="data")
   )
   (value, aux), grads = step(params, batch)
   aux = multihost_utils.process_allgather(aux, tiled=True)
 
   # The single-process reference: 8 * K micro-batches on one device.
   (ref_value, ref_aux), ref_grads = jaxaccum.value_and_grad(loss, 8 * K, has_aux=True)(
-      params, (x, y)
+    params, (x, y)
   )
-  full_value, full_grads = jax.value_and_grad(lambda p, b: loss(p, b)[0])(params, (x, y))
+  full_value, full_grads = jax.value_and_grad(lambda p, b: loss(p, b)[0])(
+    params, (x, y)
+  )
 
   def diff(a, b):
     return max(
-        float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+      float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
+      for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
 
   result = {
-      "process": jax.process_index(),
-      "value_vs_full_batch": diff(value, full_value),
-      "grads_vs_full_batch": diff(grads, full_grads),
-      "aux_vs_single_process": diff(aux, ref_aux),
-      "grads_vs_single_process": diff(grads, ref_grads),
-      "value_vs_single_process": diff(value, ref_value),
-      "value": float(value),
+    "process": jax.process_index(),
+    "value_vs_full_batch": diff(value, full_value),
+    "grads_vs_full_batch": diff(grads, full_grads),
+    "aux_vs_single_process": diff(aux, ref_aux),
+    "grads_vs_single_process": diff(grads, ref_grads),
+    "value_vs_single_process": diff(value, ref_value),
+    "value": float(value),
   }
   with open(out, "w") as f:
     json.dump(result, f)

@@ -20,7 +20,9 @@ def loss(w, batch):
 def data(seed=0):
   keys = jax.random.split(jax.random.key(seed), 2)
   x = jax.random.normal(keys[0], (3 * K, M, F))
-  return x, x @ jnp.array([1.0, -2.0, 0.5]) + 0.1 * jax.random.normal(keys[1], (3 * K, M))
+  return x, x @ jnp.array([1.0, -2.0, 0.5]) + 0.1 * jax.random.normal(
+    keys[1], (3 * K, M)
+  )
 
 
 def scaled_fp16_grad(w32, batch, scale):
@@ -33,7 +35,9 @@ def scaled_fp16_grad(w32, batch, scale):
 def test_overflowing_window_is_skipped_and_scale_adjusted_once_per_window():
   x, y = data()
   tx = jaxaccum.accumulate(
-      optax.sgd(0.01), K, loss_scale=jaxaccum.dynamic_loss_scale(2.0**10, growth_interval=2)
+    optax.sgd(0.01),
+    K,
+    loss_scale=jaxaccum.dynamic_loss_scale(2.0**10, growth_interval=2),
   )
   params = jnp.zeros(F, jnp.float32)  # float32 master weights
   state = tx.init(params)
@@ -61,7 +65,7 @@ def test_overflowing_window_is_skipped_and_scale_adjusted_once_per_window():
 def test_scale_grows_after_growth_interval_clean_windows():
   x, y = data()
   tx = jaxaccum.accumulate(
-      optax.sgd(0.01), 2, loss_scale=jaxaccum.dynamic_loss_scale(4.0, growth_interval=2)
+    optax.sgd(0.01), 2, loss_scale=jaxaccum.dynamic_loss_scale(4.0, growth_interval=2)
   )
   params = jnp.zeros(F)
   state = tx.init(params)
@@ -76,7 +80,7 @@ def test_scale_grows_after_growth_interval_clean_windows():
 def test_loss_scaled_fp16_matches_float32_accumulation():
   x, y = data()
   scaled = jaxaccum.accumulate(
-      optax.sgd(0.05), K, loss_scale=jaxaccum.dynamic_loss_scale(2.0**8)
+    optax.sgd(0.05), K, loss_scale=jaxaccum.dynamic_loss_scale(2.0**8)
   )
   plain = jaxaccum.accumulate(optax.sgd(0.05), K)
   p1 = p2 = jnp.zeros(F)
@@ -94,7 +98,9 @@ def test_small_gradients_survive_thanks_to_the_scale():
   w = jnp.ones(F)
   x = jnp.full((M, F), 3e-5)
   y = jnp.zeros(M)
-  tiny = jax.grad(loss)(w.astype(jnp.float16), (x.astype(jnp.float16), y.astype(jnp.float16)))
+  tiny = jax.grad(loss)(
+    w.astype(jnp.float16), (x.astype(jnp.float16), y.astype(jnp.float16))
+  )
   assert not np.any(tiny)  # underflowed
   scale = jaxaccum.dynamic_loss_scale(2.0**15)
   grads = scale.unscale(scaled_fp16_grad(w, (x, y), scale))
@@ -103,7 +109,9 @@ def test_small_gradients_survive_thanks_to_the_scale():
 
 def test_make_train_step_with_loss_scale_skips_overflow():
   x, y = data()
-  tx = jaxaccum.accumulate(optax.sgd(0.05), 1, loss_scale=jaxaccum.dynamic_loss_scale(2.0**4))
+  tx = jaxaccum.accumulate(
+    optax.sgd(0.05), 1, loss_scale=jaxaccum.dynamic_loss_scale(2.0**4)
+  )
 
   def fp16_loss(w, batch):
     xb, yb = batch

@@ -29,14 +29,14 @@ def test_two_processes_equal_one(tmp_path):
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   outs = [tmp_path / f"process{i}.json" for i in range(2)]
   procs = [
-      subprocess.Popen(
-          [sys.executable, str(WORKER), port, str(i), str(outs[i])],
-          env=env,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          text=True,
-      )
-      for i in range(2)
+    subprocess.Popen(
+      [sys.executable, str(WORKER), port, str(i), str(outs[i])],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
   ]
   logs = []
   for p in procs:

@@ -69,10 +69,10 @@ def test_cross_step_estimate_within_ten_percent():
       _, opt_state = tx.update(grad(W, sample(key, M)), opt_state, W)
       window_done = opt_state.micro_step == 0
       tracker = jax.lax.cond(
-          window_done,
-          lambda t: jaxaccum.noise_scale_update(t, opt_state.noise.last, DECAY),
-          lambda t: t,
-          tracker,
+        window_done,
+        lambda t: jaxaccum.noise_scale_update(t, opt_state.noise.last, DECAY),
+        lambda t: t,
+        tracker,
       )
       return (opt_state, tracker), None
 
@@ -98,20 +98,22 @@ def test_weighted_and_sum_modes_agree_with_mean_mode():
     return loss_sum(w, batch), jnp.asarray(batch[0].shape[0], jnp.float32)
 
   _, mean = jaxaccum.value_and_grad(loss, K, noise_stats=True)(W, (x, y))
-  _, total = jaxaccum.value_and_grad(loss_sum, K, normalize="sum", noise_stats=True)(W, (x, y))
-  _, tokens = jaxaccum.value_and_grad(weighted, K, normalize="weighted", noise_stats=True)(
-      W, (x, y)
+  _, total = jaxaccum.value_and_grad(loss_sum, K, normalize="sum", noise_stats=True)(
+    W, (x, y)
   )
+  _, tokens = jaxaccum.value_and_grad(
+    weighted, K, normalize="weighted", noise_stats=True
+  )(W, (x, y))
   # The big-batch gradient of "sum" is a sum, K*M times the mean's.
   chex.assert_trees_all_close(
-      total._replace(big_sq_norm=total.big_sq_norm / (K * M) ** 2), mean, rtol=1e-5
+    total._replace(big_sq_norm=total.big_sq_norm / (K * M) ** 2), mean, rtol=1e-5
   )
   chex.assert_trees_all_close(tokens, mean, rtol=1e-5)
 
 
 def test_one_micro_batch_gives_no_estimate():
   _, noise = jaxaccum.value_and_grad(loss, 1, noise_stats=True)(
-      W, sample(jax.random.key(3), M)
+    W, sample(jax.random.key(3), M)
   )
   state = jaxaccum.noise_scale_update(jaxaccum.noise_scale_init(), noise)
   assert int(state.num_updates) == 0
@@ -122,9 +124,11 @@ def test_one_micro_batch_gives_no_estimate():
 def test_data_parallel_equals_single_device(axis_type):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
   batch = sample(jax.random.key(4), 8 * 2 * M)
-  sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
+  sharded = jax.tree.map(
+    lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch
+  )
   (_, _), noise = jax.jit(
-      jaxaccum.value_and_grad(loss, 2, noise_stats=True, mesh=mesh, data_axis="data")
+    jaxaccum.value_and_grad(loss, 2, noise_stats=True, mesh=mesh, data_axis="data")
   )(W, sharded)
   (_, _), want = jaxaccum.value_and_grad(loss, 16, noise_stats=True)(W, batch)
   chex.assert_trees_all_close(noise, want, rtol=1e-5)

@@ -78,10 +78,14 @@ def test_resume_mid_window_from_an_orbax_checkpoint_is_bit_identical(tmp_path):
 
   # A fresh process would rebuild the structure from init, then restore.
   fresh = {"params": init_params(), "opt_state": tx.init(init_params())}
-  restored = checkpointer.restore(tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh))
+  restored = checkpointer.restore(
+    tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh)
+  )
   assert isinstance(restored["opt_state"], jaxaccum.AccumulateState)
   assert int(restored["opt_state"].micro_step) == 3
 
   resumed = run(tx, restored["params"], restored["opt_state"], batches[3:])
-  for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True):
+  for got, want in zip(
+    jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True
+  ):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
