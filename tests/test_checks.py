@@ -13,18 +13,14 @@ def weighted(w, batch):
   return jnp.sum((x @ w) ** 2 * weights), jnp.sum(weights)
 
 
-@pytest.fixture(autouse=True)
-def _drain_chexify_checks():
-  """Leaves no asynchronous check uninspected for the next test."""
-  yield
-  try:
-    chex.block_until_chexify_assertions_complete()
-  except Exception:  # noqa: BLE001 -- already asserted by the test
-    pass
-
-
 W = jnp.ones(2)
 X = jnp.ones((8, 2))
+
+
+def checked(k):
+  """The accumulated function under chexify, checking synchronously."""
+  fun = jax.jit(jaxaccum.value_and_grad(weighted, k, normalize="weighted"))
+  return chex.chexify(fun, async_check=False)
 
 
 def test_checks_are_free_without_chexify():
@@ -37,30 +33,16 @@ def test_checks_are_free_without_chexify():
 
 
 def test_chexify_catches_a_negative_weight():
-  checked = chex.chexify(
-    jax.jit(jaxaccum.value_and_grad(weighted, 4, normalize="weighted"))
-  )
-  checked(W, (X, jnp.ones(8)))  # fine
-  chex.block_until_chexify_assertions_complete()
-  bad = jnp.ones(8).at[3].set(-5.0)
-  with pytest.raises(Exception, match="weights must be finite and >= 0"):
-    checked(W, (X, bad))
-    chex.block_until_chexify_assertions_complete()
+  checked(4)(W, (X, jnp.ones(8)))  # fine
+  with pytest.raises(AssertionError, match="weights must be finite and >= 0"):
+    checked(4)(W, (X, jnp.ones(8).at[3].set(-5.0)))
 
 
 def test_chexify_catches_a_nan_weight():
-  checked = chex.chexify(
-    jax.jit(jaxaccum.value_and_grad(weighted, 2, normalize="weighted"))
-  )
-  with pytest.raises(Exception, match="weights must be finite"):
-    checked(W, (X, jnp.ones(8).at[0].set(jnp.nan)))
-    chex.block_until_chexify_assertions_complete()
+  with pytest.raises(AssertionError, match="weights must be finite"):
+    checked(2)(W, (X, jnp.ones(8).at[0].set(jnp.nan)))
 
 
 def test_zero_total_weight_passes_the_check_with_zero_grads():
-  checked = chex.chexify(
-    jax.jit(jaxaccum.value_and_grad(weighted, 2, normalize="weighted"))
-  )
-  value, grads = checked(W, (X, jnp.zeros(8)))
-  chex.block_until_chexify_assertions_complete()
+  value, grads = checked(2)(W, (X, jnp.zeros(8)))
   assert float(value) == 0.0 and not jnp.any(grads)
