@@ -44,8 +44,15 @@ class DynamicLossScale(NamedTuple):
   min_scale: jax.Array
 
   def scale_loss(self, loss: jax.Array) -> jax.Array:
-    """``loss * scale``, in the loss's dtype."""
-    return loss * self.scale.astype(loss.dtype)
+    """``loss * scale``, computed and returned in float32 (or wider).
+
+    The product stays in float32 because float16 cannot hold scales of
+    2**16 and more. Compute the loss itself in float32 from float16 logits,
+    as AMP does: a float16 scalar loss would pass the scale back into the
+    float16 graph, where it overflows from 2**16 on.
+    """
+    wide = jnp.promote_types(loss.dtype, jnp.float32)
+    return loss.astype(wide) * self.scale.astype(wide)
 
   def unscale(self, grads: PyTree) -> PyTree:
     """``grads / scale``, computed and returned in float32 (or wider)."""

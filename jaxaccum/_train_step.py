@@ -113,7 +113,7 @@ def make_train_step(
         params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs
       )
       loss = value[0] if has_aux else value
-      loss = loss / loss_scale.scale.astype(loss.dtype)
+      loss = loss / loss_scale.scale  # float32, like the scaled loss
       value = (loss, value[1]) if has_aux else loss
 
     def apply(params, opt_state):

@@ -86,9 +86,14 @@ def _all_finite(tree: PyTree) -> jax.Array:
   return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def _scalar(value: float, dtype: Any = jnp.float32) -> jax.Array:
+  """A fresh scalar array. Every state field gets its own buffer: fields that
+  shared one could not be donated (``donate_argnums``)."""
+  return jnp.full((), value, dtype)
+
+
 def _no_noise() -> _stats.GradientNoise:
-  nan = jnp.full((), jnp.nan, jnp.float32)
-  return _stats.GradientNoise(nan, nan, nan, nan)
+  return _stats.GradientNoise(*(_scalar(jnp.nan) for _ in range(4)))
 
 
 def accumulate(
@@ -158,22 +163,21 @@ def accumulate(
     raise ValueError(f"accum_dtype must be a floating dtype, got {accum_dtype}.")
 
   def init_fn(params):
-    zero = jnp.zeros((), jnp.float32)
     return AccumulateState(
-      micro_step=jnp.zeros((), jnp.int32),
-      step=jnp.zeros((), jnp.int32),
+      micro_step=_scalar(0, jnp.int32),
+      step=_scalar(0, jnp.int32),
       acc_grads=jax.tree.map(
         lambda p: jnp.zeros(
           jnp.shape(p), jnp.promote_types(accum_dtype, jnp.result_type(p))
         ),
         params,
       ),
-      acc_weight=zero,
+      acc_weight=_scalar(0.0),
       inner_state=inner.init(params),
-      num_skipped=jnp.zeros((), jnp.int32),
-      noise=WindowNoise(zero, zero, _no_noise()),
-      loss_scale=loss_scale,
-      window_finite=jnp.asarray(True),
+      num_skipped=_scalar(0, jnp.int32),
+      noise=WindowNoise(_scalar(0.0), _scalar(0.0), _no_noise()),
+      loss_scale=None if loss_scale is None else jax.tree.map(jnp.copy, loss_scale),
+      window_finite=_scalar(True, jnp.bool_),
     )
 
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):

@@ -117,17 +117,19 @@ def test_make_train_step_with_loss_scale_skips_overflow():
     xb, yb = batch
     return loss(w.astype(jnp.float16), (xb.astype(jnp.float16), yb.astype(jnp.float16)))
 
-  step = jaxaccum.make_train_step(fp16_loss, tx, 2, donate=False)
+  step = jaxaccum.make_train_step(fp16_loss, tx, 2)  # donated
   params = jnp.zeros(F)
   state = tx.init(params)
   batch = (x[:2].reshape(-1, F), y[:2].reshape(-1))
   params, state, value = step(params, state, batch)
+  assert value.dtype == jnp.float32
   np.testing.assert_allclose(value, loss(jnp.zeros(F), batch), rtol=1e-2)
   assert int(state.step) == 1
   # A batch that overflows float16 (x = 1e4: squares exceed 65504).
   huge = (jnp.full_like(batch[0], 1e4), batch[1])
+  before = np.asarray(params)  # params are donated to the step
   new_params, state, _ = step(params, state, huge)
-  np.testing.assert_array_equal(new_params, params)
+  np.testing.assert_array_equal(new_params, before)
   assert int(state.step) == 1 and float(state.loss_scale.scale) == 8.0
 
 
@@ -140,3 +142,33 @@ def test_without_loss_scale_state_has_none():
   state = jaxaccum.accumulate(optax.sgd(0.1), 2).init(jnp.zeros(2))
   assert state.loss_scale is None
   chex.assert_shape(state.window_finite, ())
+
+
+def test_scales_beyond_float16_range_with_a_float32_loss():
+  """The scale may exceed 65504 when the loss is reduced in float32, as in AMP."""
+  x, y = data()
+
+  def amp_loss(w, batch):
+    xb, yb = batch
+    pred = xb.astype(jnp.float16) @ w.astype(jnp.float16)  # float16 compute
+    return jnp.mean((pred.astype(jnp.float32) - yb) ** 2)  # float32 reduction
+
+  tx = jaxaccum.accumulate(
+    optax.sgd(0.05), 1, loss_scale=jaxaccum.dynamic_loss_scale(2.0**17)
+  )
+  step = jaxaccum.make_train_step(amp_loss, tx, 2)
+  params = jnp.zeros(F)
+  params, state, value = step(
+    params, tx.init(params), (x[:2].reshape(-1, F), y[:2].reshape(-1))
+  )
+  assert int(state.num_skipped) == 0 and int(state.step) == 1
+  assert np.isfinite(value) and np.all(np.isfinite(params))
+
+
+def test_accumulate_state_can_be_donated():
+  """Every state field owns its buffer, so make_train_step may donate it."""
+  state = jaxaccum.accumulate(
+    optax.adam(0.1), 2, loss_scale=jaxaccum.dynamic_loss_scale()
+  ).init(jnp.zeros(2))
+  buffers = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(state)]
+  assert len(set(buffers)) == len(buffers)
