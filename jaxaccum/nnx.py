@@ -37,6 +37,8 @@ def value_and_grad(
   remat: bool | Callable[..., Any] = False,
   mesh: Any = None,
   data_axis: str | None = None,
+  param_specs: Any = None,
+  noise_stats: bool = False,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -53,8 +55,12 @@ def value_and_grad(
       (the model is position 0, so the default 1 is the first after it).
     accum_dtype: the dtype of the sums; float32 by default.
     remat: as in :func:`jaxaccum.value_and_grad`.
-    mesh, data_axis: the data-parallel path, as in
-      :func:`jaxaccum.value_and_grad`.
+    mesh, data_axis, param_specs: the data-parallel path, as in
+      :func:`jaxaccum.value_and_grad`; ``param_specs`` mirrors the ``wrt``
+      state.
+    noise_stats: also return the :class:`jaxaccum.GradientNoise`, as in
+      :func:`jaxaccum.value_and_grad`: the result is then
+      ``(output, noise)``.
 
   Returns:
     A function ``(model, *args, **kwargs) -> (value, grads)`` (or
@@ -81,9 +87,6 @@ def value_and_grad(
   nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
   if 0 in nums:
     raise ValueError(f"{batch_argnums=} includes 0, which is the model.")
-  options: dict[str, Any] = {}
-  if mesh is not None or data_axis is not None:
-    options = {"mesh": mesh, "data_axis": data_axis}
 
   def accumulated(model, *args, **kwargs):
     graphdef, params, rest = _split_model(model, wrt)
@@ -106,11 +109,16 @@ def value_and_grad(
       accum_dtype=accum_dtype,
       state_argnum=1,
       remat=remat,
-      **options,
+      mesh=mesh,
+      data_axis=data_axis,
+      param_specs=param_specs,
+      noise_stats=noise_stats,
     )
-    (value, (aux, new_rest)), grads = engine_fun(params, rest, *args, **kwargs)
+    out = engine_fun(params, rest, *args, **kwargs)
+    (value, (aux, new_rest)), grads = out[0] if noise_stats else out
     flax_nnx.update(model, new_rest)
-    return ((value, aux) if has_aux else value), grads
+    result = ((value, aux) if has_aux else value), grads
+    return (result, out[1]) if noise_stats else result
 
   return accumulated
 

@@ -172,3 +172,17 @@ def test_optimizer_accepts_the_grads():
 def test_batch_argnums_cannot_be_the_model():
   with pytest.raises(ValueError, match="model"):
     jaxaccum.nnx.value_and_grad(loss, 2, batch_argnums=0)
+
+
+def test_noise_stats_pass_through():
+  model, reference = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  batch = batch_data()
+  (value, grads), noise = jaxaccum.nnx.value_and_grad(loss, K, noise_stats=True)(
+    model, batch
+  )
+  want_value, want_grads = eager_reference(reference, batch)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+  assert float(noise.b_small) == M and float(noise.b_big) == K * M
+  big = sum(jnp.sum(g**2) for g in jax.tree.leaves(want_grads))
+  np.testing.assert_allclose(noise.big_sq_norm, big, rtol=1e-4)
