@@ -39,30 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _digits import digits_split  # examples/_digits.py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import jaxaccum
-
-TRAIN_ROWS = 1344
-
-
-def digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """The fixed, stratified split: 1344 training and 453 test images.
-
-  Returns ``(x_train, y_train, x_test, y_test)``; ``x`` is float32 of
-  shape ``(rows, 8, 8, 1)`` (NHWC) scaled to [0, 1], ``y`` int32 labels.
-  """
-  digits = load_digits()
-  x = (digits.images / 16.0).astype(np.float32)[..., None]
-  y = digits.target.astype(np.int32)
-  x_train, x_test, y_train, y_test = train_test_split(
-    x, y, train_size=TRAIN_ROWS, random_state=0, stratify=y
-  )
-  return x_train, y_train, x_test, y_test
 
 
 class ConvNet(nn.Module):
@@ -204,7 +186,7 @@ def main(
     ``test_accuracy`` (final, ``train=False``), ``batch_stats_mean`` (the
     first BatchNorm's running mean after training), ``seconds`` and ``png``.
   """
-  x_train, y_train, x_test, y_test = digits_split()
+  x_train, y_train, x_test, y_test = digits_split(images=True)  # NHWC: (rows, 8, 8, 1)
   model = ConvNet()
   init_key, dropout_key = jax.random.split(jax.random.key(seed))
   variables = model.init(init_key, jnp.asarray(x_train[:1]), train=False)

@@ -64,12 +64,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _digits import digits_split  # examples/_digits.py
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import jaxaccum
@@ -98,20 +97,6 @@ class Config:
   hidden: int = 128
   learning_rate: float = 3e-3
   seed: int = 0
-
-
-def load_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """Digits as ``(x_train, y_train, x_test, y_test)``; 1347 / 450 rows.
-
-  ``x`` is float32 in [0, 1] of shape ``(rows, 64)``, ``y`` int32 labels.
-  """
-  digits = load_digits()
-  x = (digits.data / 16.0).astype(np.float32)
-  y = digits.target.astype(np.int32)
-  x_train, x_test, y_train, y_test = train_test_split(
-    x, y, test_size=450, random_state=0, stratify=y
-  )
-  return x_train, y_train, x_test, y_test
 
 
 def init_params(config: Config) -> dict[str, np.ndarray]:
@@ -212,7 +197,7 @@ def train(config: Config, *, progress: bool = True, desc: str = "train") -> dict
   process runs this same function (single-controller on one host; one
   controller per process with ``jax.distributed``).
   """
-  x_train, y_train, x_test, y_test = load_data()
+  x_train, y_train, x_test, y_test = digits_split(train_rows=1347)  # and 450 test rows
   num_devices = data_axis_size(config, jax.device_count())
   if jax.process_count() > 1 and num_devices != jax.device_count():
     raise ValueError(

@@ -37,31 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _digits import TRAIN_ROWS, digits_split  # examples/_digits.py
 from flax import nnx
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import jaxaccum
-
-TRAIN_ROWS = 1344  # = 8 * 168: the full batch splits into 8 equal micro-batches.
-
-
-def digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """The fixed, stratified split: 1344 training and 453 test images.
-
-  Returns ``(x_train, y_train, x_test, y_test)``; ``x`` is float32 of
-  shape ``(rows, 64)`` scaled to [0, 1], ``y`` int32 labels 0..9.
-  """
-  digits = load_digits()
-  x = (digits.data / 16.0).astype(np.float32)
-  y = digits.target.astype(np.int32)
-  x_train, x_test, y_train, y_test = train_test_split(
-    x, y, train_size=TRAIN_ROWS, random_state=0, stratify=y
-  )
-  return x_train, y_train, x_test, y_test
 
 
 class MLP(nnx.Module):

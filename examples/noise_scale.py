@@ -45,7 +45,6 @@ Run: ``python examples/noise_scale.py [--steps 400] [--out-dir outputs]``.
 from __future__ import annotations
 
 import argparse
-import itertools
 import pathlib
 import time
 
@@ -53,47 +52,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _digits import TRAIN_ROWS, digits_split  # examples/_digits.py
+from _mlp import init_mlp, mlp  # examples/_mlp.py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import jaxaccum
-
-TRAIN_ROWS = 1344
-
-
-def digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """The fixed, stratified split: 1344 training and 453 test images.
-
-  Returns ``(x_train, y_train, x_test, y_test)``; ``x`` is float32 of
-  shape ``(rows, 64)`` scaled to [0, 1], ``y`` int32 labels 0..9.
-  """
-  digits = load_digits()
-  x = (digits.data / 16.0).astype(np.float32)
-  y = digits.target.astype(np.int32)
-  x_train, x_test, y_train, y_test = train_test_split(
-    x, y, train_size=TRAIN_ROWS, random_state=0, stratify=y
-  )
-  return x_train, y_train, x_test, y_test
-
-
-def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
-  """He-initialized weights and zero biases, one dict per layer."""
-  params = []
-  for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
-    w = jax.random.normal(jax.random.fold_in(key, i), (fan_in, fan_out))
-    params.append({"w": w * np.sqrt(2.0 / fan_in), "b": jnp.zeros(fan_out)})
-  return params
-
-
-def mlp(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
-  """Logits of shape ``(rows, 10)``; ReLU between the layers."""
-  for layer in params[:-1]:
-    x = jax.nn.relu(x @ layer["w"] + layer["b"][None, :])
-  return x @ params[-1]["w"] + params[-1]["b"][None, :]
 
 
 def loss_fn(params, batch: tuple[jax.Array, jax.Array]) -> jax.Array:

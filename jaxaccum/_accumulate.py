@@ -81,6 +81,7 @@ class _Engine:
   state_argnum: int | None
   remat: bool | Callable[..., Any]
   noise_stats: bool
+  value_checks: bool
 
   def check_args(self, args: tuple[Any, ...]) -> None:
     """Trace-time checks of the call's positional arguments."""
@@ -176,14 +177,18 @@ class _Engine:
       policy = None if self.remat is True else self.remat
       micro_step = jax.checkpoint(micro_step, prevent_cse=False, policy=policy)
 
-    def body(carry, xs):
+    def body(carry, xs, first=False):
       acc_grads, state = carry
       micro, index = xs
       (loss, (weight, aux, new_state)), grads = micro_step(
         diff_args, micro, index, state
       )
       chex.assert_trees_all_equal_shapes(grads, diff_args)
-      acc_grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_grads, grads)
+      acc_grads = jax.tree.map(
+        lambda a, g: g.astype(a.dtype) if first else a + g.astype(a.dtype),
+        acc_grads,
+        grads,
+      )
       chex.assert_trees_all_equal_dtypes(acc_grads, init_grads)
       if self.state_argnum is not None:
         new_state = _match_state(new_state, state)
@@ -191,10 +196,20 @@ class _Engine:
       return (acc_grads, new_state), (loss, weight, aux, sq_norm)
 
     indices = index_offset + jnp.arange(k, dtype=jnp.int32)
-    (grads, state), (losses, weights, aux, sq_norms) = jax.lax.scan(
-      body, (init_grads, init_state), (micro_batches, indices)
-    )
-    _checks.check_weights(weights)
+    if k == 1:
+      # One micro-batch: no loop and no accumulator, exactly the full batch.
+      first = jax.tree.map(lambda x: x[0], (micro_batches, indices))
+      carry, ys = body((init_grads, init_state), first, first=True)
+      (grads, state), (losses, weights, aux, sq_norms) = (
+        carry,
+        jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys),
+      )
+    else:
+      (grads, state), (losses, weights, aux, sq_norms) = jax.lax.scan(
+        body, (init_grads, init_state), (micro_batches, indices)
+      )
+    if self.value_checks:
+      _checks.check_weights(weights)
     return Sums(
       loss=jnp.sum(losses.astype(jnp.promote_types(self.accum_dtype, losses.dtype))),
       grads=grads,
@@ -219,7 +234,8 @@ class _Engine:
     value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
     normalized = norm.finalize(sums.grads, sums.weight)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), normalized, diff_args)
-    _checks.check_total_weight(sums.weight, grads)
+    if self.value_checks:
+      _checks.check_total_weight(sums.weight, grads)
     aux = sums.aux
     if self.state_argnum is not None:
       aux = (aux, sums.state)
@@ -302,6 +318,7 @@ def _engine(
   state_argnum: int | None,
   remat: bool | Callable[..., Any],
   noise_stats: bool,
+  value_checks: bool,
 ) -> _Engine:
   """Validates the static arguments (at definition time) into an ``_Engine``."""
   if not callable(fun):
@@ -338,6 +355,7 @@ def _engine(
     state_argnum=state_argnum,
     remat=remat,
     noise_stats=noise_stats,
+    value_checks=value_checks,
   )
 
 
@@ -358,6 +376,7 @@ def value_and_grad(
   data_axis: str | None = None,
   param_specs: PyTree | None = None,
   noise_stats: bool = False,
+  value_checks: bool = False,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -398,6 +417,10 @@ def value_and_grad(
       ``output`` as without it and ``noise`` a :class:`GradientNoise`
       (``|G_small|²``, ``|G_big|²``, ``B_small``, ``B_big``); feed it to
       :func:`noise_scale_update`. Needs ``k >= 2``.
+    value_checks: emit value-level normalization checks (every weight finite
+      and non-negative; a zero total weight gives zero grads), which raise
+      when the step runs under ``chex.chexify``. Off by default: even unused,
+      they would take a jitted step off JAX's fast dispatch path.
     remat: wrap each micro-batch's computation (forward and backward) in
       ``jax.checkpoint``; ``True``, or a ``jax.checkpoint_policies`` policy.
       This matters when you differentiate *through* the accumulated gradient
@@ -454,6 +477,7 @@ def value_and_grad(
     state_argnum=state_argnum,
     remat=remat,
     noise_stats=noise_stats,
+    value_checks=value_checks,
   )
 
   if mesh is not None or data_axis is not None:

@@ -39,6 +39,7 @@ def value_and_grad(
   data_axis: str | None = None,
   param_specs: Any = None,
   noise_stats: bool = False,
+  value_checks: bool = False,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -61,6 +62,7 @@ def value_and_grad(
     noise_stats: also return the :class:`jaxaccum.GradientNoise`, as in
       :func:`jaxaccum.value_and_grad`: the result is then
       ``(output, noise)``.
+    value_checks: as in :func:`jaxaccum.value_and_grad`.
 
   Returns:
     A function ``(model, *args, **kwargs) -> (value, grads)`` (or
@@ -113,6 +115,7 @@ def value_and_grad(
       data_axis=data_axis,
       param_specs=param_specs,
       noise_stats=noise_stats,
+      value_checks=value_checks,
     )
     out = engine_fun(params, rest, *args, **kwargs)
     (value, (aux, new_rest)), grads = out[0] if noise_stats else out

@@ -1,8 +1,9 @@
-"""The value-level normalization checks, switched on with chex.chexify."""
+"""The value-level normalization checks: off by default, on for debugging."""
 
 import chex
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.experimental import checkify
 
@@ -19,18 +20,26 @@ X = jnp.ones((8, 2))
 
 
 def checked(k):
-  """The accumulated function under chexify, checking synchronously."""
-  fun = jax.jit(jaxaccum.value_and_grad(weighted, k, normalize="weighted"))
-  return chex.chexify(fun, async_check=False)
+  """The accumulated function with value checks, under chexify, synchronous."""
+  fun = jaxaccum.value_and_grad(weighted, k, normalize="weighted", value_checks=True)
+  return chex.chexify(jax.jit(fun), async_check=False)
 
 
-def test_checks_are_free_without_chexify():
-  """A plain jit runs them as no-ops: a bad weight does not raise there."""
+def test_checks_are_off_by_default_and_leave_no_effect():
+  """No effect on the jaxpr, so jit keeps its fast C++ dispatch path."""
+  fun = jaxaccum.value_and_grad(weighted, 4, normalize="weighted")
+  assert not jax.make_jaxpr(fun)(W, (X, jnp.ones(8))).effects
+  on = jaxaccum.value_and_grad(weighted, 4, normalize="weighted", value_checks=True)
+  assert jax.make_jaxpr(on)(W, (X, jnp.ones(8))).effects
   bad = jnp.ones(8).at[3].set(-5.0)
-  value, _ = jax.jit(jaxaccum.value_and_grad(weighted, 4, normalize="weighted"))(
-    W, (X, bad)
-  )
+  value, _ = jax.jit(fun)(W, (X, bad))  # not checked: no error
   assert jnp.isfinite(value)
+
+
+def test_default_train_step_has_no_effects():
+  tx = optax.adam(0.1)
+  step = jaxaccum.make_train_step(lambda w, x: jnp.mean((x @ w) ** 2), tx, 2)
+  assert not step.trace(W, tx.init(W), X).jaxpr.effects
 
 
 def test_chexify_catches_a_negative_weight():

@@ -1,6 +1,5 @@
 """examples/data_parallel.py trains data-parallel, on one host and in 2 processes."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from examples_util import EXAMPLES, ROOT, load_example
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "data_parallel.py"
+EXAMPLE = EXAMPLES / "data_parallel.py"
 # Tiny settings, shared by both tests so that their loss curves must agree.
 TINY = {
   "steps": 30,
@@ -25,11 +24,7 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def example():
-  spec = importlib.util.spec_from_file_location("data_parallel", EXAMPLE)
-  assert spec is not None and spec.loader is not None
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_example("data_parallel")
 
 
 @pytest.fixture(scope="module")

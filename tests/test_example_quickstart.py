@@ -1,22 +1,16 @@
 """examples/quickstart.py runs end to end with tiny settings and gives real results."""
 
-import importlib.util
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+from examples_util import load_example
 
 
 @pytest.fixture(scope="module")
 def quickstart():
-  spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
-  assert spec is not None and spec.loader is not None
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_example("quickstart")
 
 
 def test_quickstart_main_tiny(quickstart, tmp_path):

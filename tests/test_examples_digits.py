@@ -4,29 +4,13 @@ Each example is imported by path and its ``main`` run with few steps, no
 progress bar and ``out_dir=tmp_path``.
 """
 
-import importlib.util
 import pathlib
-import sys
 
 import numpy as np
 import pytest
+from examples_util import load_example
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-TRAIN_ROWS = 1344
-
-
-def load_example(name):
-  """Imports ``examples/<name>.py`` as the module ``example_<name>``."""
-  module_name = f"example_{name}"
-  if module_name in sys.modules:
-    return sys.modules[module_name]
-  spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
-  assert spec is not None and spec.loader is not None
-  module = importlib.util.module_from_spec(spec)
-  # Registered before it runs: Linen modules (dataclasses) look up their module.
-  sys.modules[module_name] = module
-  spec.loader.exec_module(module)
-  return module
+TRAIN_ROWS = load_example("_digits").TRAIN_ROWS
 
 
 def test_digits_mlp_accumulated_curve_overlaps_full_batch(tmp_path):

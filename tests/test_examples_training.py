@@ -4,28 +4,13 @@ Each example is imported by path and its ``main`` run with tiny settings, no
 progress bar and ``out_dir=tmp_path``.
 """
 
-import importlib.util
 import pathlib
-import sys
 
 import numpy as np
 import pytest
+from examples_util import load_example
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 CHANCE = 0.1  # ten digit classes
-
-
-def load_example(name):
-  """Imports ``examples/<name>.py`` as the module ``example_<name>``."""
-  module_name = f"example_{name}"
-  if module_name in sys.modules:
-    return sys.modules[module_name]
-  spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
-  assert spec is not None and spec.loader is not None
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[module_name] = module
-  spec.loader.exec_module(module)
-  return module
 
 
 def test_noise_scale_tracks_a_finite_positive_b_simple(tmp_path):

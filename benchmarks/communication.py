@@ -1,0 +1,390 @@
+"""Bytes communicated per optimizer step by data-parallel gradient accumulation.
+
+Run: ``python benchmarks/communication.py [--out benchmarks/results]``.
+
+Eight fake CPU devices form a mesh with one ``"data"`` axis. An MLP classifier
+(784 -> 512 -> 512 -> 10, 669,706 float32 parameters) gets a global batch of
+256 rows, sharded along ``"data"``. For ``k`` in {1, 2, 4, 8, 16} micro-batches,
+three ways of computing the accumulated ``(loss, grads)`` are compiled:
+
+(a) ``jaxaccum``: ``jaxaccum.value_and_grad(loss, k, mesh=mesh,
+    data_axis="data")``. Each device accumulates its own shard's gradients
+    inside ``shard_map``, and one all-reduce runs after the loop.
+(b) ``optax.microbatch``: ``optax.microbatching.microbatch(
+    jax.value_and_grad(loss), argnums=1, microbatch_size=B // k,
+    accumulator=MEAN)`` under plain ``jax.jit``, on an ``Auto``-axis mesh. GSPMD
+    decides where the collectives go.
+(c) a hand-written ``lax.scan`` over a C-order split ``batch.reshape(k, B // k,
+    ...)`` under plain ``jax.jit``.
+
+What is measured, from the optimized HLO (``jaxaccum._hlo``): every collective
+(all-reduce, reduce-scatter, all-gather, ...) counts the size of its result,
+per device, times the trip counts of the while loops around it. That sum is
+the "bytes per step". It is divided by the gradient size (the parameters'
+bytes), so an approach that all-reduces the gradients once scores about 1.
+
+Because communicating less can also mean computing redundantly, the script
+also reports an estimate of each device's compute: XLA's ``cost_analysis()``
+counts a while loop's body once, so the flops of the compiled step times
+``k`` (nearly all the work sits in the loop) are divided by the flops of the
+plain data-parallel step ``jit(jax.value_and_grad(loss))`` on the same sharded
+batch. About 1 means the work is split over the devices; 8 means every device
+computes the whole batch. It is an upper bound: the small part outside the
+loop is multiplied by ``k`` too, which is why it creeps above 1 for large
+``k`` (2 rows per device per micro-batch at ``k = 16``).
+
+What happened with jax 0.10.2 on CPU (see the JSON for the numbers):
+
+- (a) one all-reduce of ``(grads, loss, weight)`` after the loop, none
+  inside it, for every ``k``: bytes per step = 1.00 x the gradient.
+- (b) one all-reduce of the gradients inside the loop, run ``k`` times:
+  ``k`` x the gradient.
+- (c) GSPMD shards the leading micro-batch axis of the C-order reshape,
+  so the scan must gather it: for ``k = 2, 4`` it all-gathers part of the
+  batch before the loop, still all-reduces ``k`` times inside it, and each
+  device computes ``k`` times its share; for ``k >= 8`` it all-gathers the
+  whole batch and every device computes every micro-batch. That needs no
+  gradient reduction at all (fewer bytes than one gradient, here), but it is
+  not data parallelism any more: 8 x the compute per device.
+
+Finally every compiled step runs once and its loss and gradients are compared
+with ``jax.value_and_grad`` on the full, unsharded batch.
+
+Outputs: ``communication.json`` (raw numbers, jax version, date) and
+``communication.png`` (bytes per step against ``k``, log scale), in ``--out``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import datetime
+import itertools
+import json
+import pathlib
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+from jaxaccum import _hlo
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+PyTree = Any
+LossAndGrads = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]
+
+NUM_DEVICES = 8
+WIDTHS = (784, 512, 512, 10)
+BATCH_SIZE = 256
+KS = (1, 2, 4, 8, 16)
+APPROACHES = {
+  "jaxaccum": "(a) jaxaccum, mesh=, data_axis=",
+  "optax_microbatch": "(b) optax.microbatch under jit (GSPMD)",
+  "hand_scan": "(c) hand-written lax.scan, C-order split, under jit",
+}
+
+
+def init_params(rng: np.random.Generator, widths: Sequence[int] = WIDTHS) -> list:
+  """The MLP's parameters: one ``{"w", "b"}`` dict per layer, LeCun normal.
+
+  Drawn with numpy (float32), which is faster than compiling jax.random ops.
+  """
+  return [
+    {
+      "w": (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(
+        np.float32
+      ),
+      "b": np.zeros((1, fan_out), np.float32),
+    }
+    for fan_in, fan_out in itertools.pairwise(widths)
+  ]
+
+
+def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """Mean softmax cross-entropy of the ReLU MLP on ``batch = (x, labels)``."""
+  x, labels = batch
+  h = x
+  for layer in params[:-1]:
+    h = jax.nn.relu(h @ layer["w"] + layer["b"])
+  logits = h @ params[-1]["w"] + params[-1]["b"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def hand_scan(k: int) -> LossAndGrads:
+  """Accumulation written by hand: ``lax.scan`` over ``batch.reshape(k, ...)``."""
+
+  def value_and_grad(params, batch):
+    micro = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
+
+    def body(carry, micro_batch):
+      value, grads = jax.value_and_grad(loss)(params, micro_batch)
+      return jax.tree.map(jnp.add, carry, (value, grads)), None
+
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda t: t / k, total)
+
+  return value_and_grad
+
+
+def make_approach(name: str, k: int, mesh: jax.sharding.Mesh) -> LossAndGrads:
+  """``(params, batch) -> (loss, grads)`` for approach ``name`` with ``k``."""
+  if name == "jaxaccum":
+    return jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis="data")
+  if name == "optax_microbatch":
+    return optax.microbatching.microbatch(
+      jax.value_and_grad(loss),
+      argnums=1,
+      microbatch_size=BATCH_SIZE // k,
+      accumulator=optax.microbatching.AccumulationType.MEAN,
+    )
+  if name == "hand_scan":
+    return hand_scan(k)
+  raise ValueError(f"unknown approach {name!r}")
+
+
+def tree_bytes(tree: PyTree) -> int:
+  """Bytes of the arrays in ``tree``."""
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def max_rel_error(got: PyTree, want: PyTree) -> float:
+  """Largest ``|got - want| / max|want|`` over the leaves of two trees."""
+  errors = [
+    float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(w)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+  ]
+  return max(errors)
+
+
+def xla_flops(compiled: Any) -> float:
+  """Per-device flops of a compiled function, XLA's count (loop bodies once)."""
+  analysis = compiled.cost_analysis()
+  if not analysis:
+    raise RuntimeError("XLA gave no cost analysis for this backend.")
+  return float(analysis["flops"])
+
+
+def measure(
+  fun: LossAndGrads,
+  k: int,
+  *,
+  params: PyTree,
+  batch: PyTree,
+  reference: tuple[jax.Array, PyTree],
+  ideal_flops: float,
+  grad_bytes: int,
+) -> dict[str, Any]:
+  """Compiles ``jit(fun)`` once; its collectives, compute estimate and accuracy."""
+  start = time.perf_counter()
+  compiled = jax.jit(fun).lower(params, batch).compile()
+  compile_seconds = time.perf_counter() - start
+  colls = _hlo.collectives(compiled.as_text() or "")
+  bytes_per_step = sum(c.bytes * c.executions for c in colls)
+  by_op: dict[str, int] = {}
+  for c in colls:
+    by_op[c.op] = by_op.get(c.op, 0) + c.bytes * c.executions
+  in_loop = [c for c in colls if c.in_loop]
+  flops = xla_flops(compiled)
+
+  value, grads = compiled(params, batch)
+  want_value, want_grads = reference
+  return {
+    "bytes_per_step": bytes_per_step,
+    "bytes_over_grad_bytes": bytes_per_step / grad_bytes,
+    "bytes_by_op": by_op,
+    "collectives": [c._asdict() for c in colls],
+    "num_collectives": len(colls),
+    "collective_executions_per_step": sum(c.executions for c in colls),
+    "in_loop_collectives": len(in_loop),
+    "in_loop_executions_per_step": sum(c.executions for c in in_loop),
+    "in_loop_ops": sorted({c.op for c in in_loop}),
+    "xla_flops_per_device": flops,
+    "compute_vs_data_parallel_est": flops * k / ideal_flops,
+    "value_rel_error": max_rel_error(value, want_value),
+    "grads_rel_error": max_rel_error(grads, want_grads),
+    "compile_seconds": compile_seconds,
+  }
+
+
+def run() -> dict[str, Any]:
+  """Measures every approach for every ``k``; returns the JSON-ready results."""
+  if jax.device_count() < NUM_DEVICES:
+    raise RuntimeError(
+      f"Needs {NUM_DEVICES} devices, found {jax.device_count()}: set XLA_FLAGS="
+      f"--xla_force_host_platform_device_count={NUM_DEVICES} before jax starts."
+    )
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
+  rng = np.random.default_rng(0)
+  params = init_params(rng)
+  x = rng.standard_normal((BATCH_SIZE, WIDTHS[0]), dtype=np.float32)
+  labels = rng.integers(0, WIDTHS[-1], BATCH_SIZE, dtype=np.int32)
+  reference = jax.jit(jax.value_and_grad(loss))(params, (x, labels))
+  batch = jax.device_put((x, labels), NamedSharding(mesh, P("data")))
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  grad_bytes = tree_bytes(params)
+
+  # The plain data-parallel step (no accumulation): one all-reduce, B/8 rows
+  # of work per device. Its flops are the yardstick for redundant compute.
+  plain = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
+  ideal_flops = xla_flops(plain)
+
+  results: dict[str, dict[str, Any]] = {name: {} for name in APPROACHES}
+  print(
+    f"{'approach':<17} {'k':>3} {'bytes/step':>12} {'/grad':>6} {'in-loop':>8} "
+    f"{'execs':>6} {'compute~':>8} {'grad err':>9}"
+  )
+  for name in APPROACHES:
+    for k in KS:
+      fun = make_approach(name, k, mesh)
+      r = measure(
+        fun,
+        k,
+        params=params,
+        batch=batch,
+        reference=reference,
+        ideal_flops=ideal_flops,
+        grad_bytes=grad_bytes,
+      )
+      results[name][str(k)] = r
+      print(
+        f"{name:<17} {k:>3} {r['bytes_per_step']:>12,} "
+        f"{r['bytes_over_grad_bytes']:>6.2f} {r['in_loop_collectives']:>8} "
+        f"{r['collective_executions_per_step']:>6} "
+        f"{r['compute_vs_data_parallel_est']:>7.2f}x {r['grads_rel_error']:>9.1e}"
+      )
+
+  return {
+    "description": __doc__.split("\n\n")[0],
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "jax_version": jax.__version__,
+    "optax_version": optax.__version__,
+    "python_version": platform.python_version(),
+    "backend": jax.default_backend(),
+    "num_devices": NUM_DEVICES,
+    "model": {
+      "kind": "mlp",
+      "widths": list(WIDTHS),
+      "num_params": sum(int(p.size) for p in jax.tree.leaves(params)),
+    },
+    "batch_size": BATCH_SIZE,
+    "ks": list(KS),
+    "grad_bytes": grad_bytes,
+    "data_parallel_flops_per_device": ideal_flops,
+    "byte_convention": (
+      "per device: result bytes of each collective times the trip counts of "
+      "the while loops around it, summed over the compiled step"
+    ),
+    "approaches": {name: APPROACHES[name] for name in APPROACHES},
+    "results": results,
+  }
+
+
+def plot(results: dict[str, Any], png: pathlib.Path) -> None:
+  """Bytes per step against ``k`` (log-scale y), and the compute estimate."""
+  ks = results["ks"]
+  grad_bytes = results["grad_bytes"]
+  fig, (ax, ax_compute) = plt.subplots(
+    1, 2, figsize=(12, 4.8), layout="constrained", width_ratios=(3, 2)
+  )
+  markers = {"jaxaccum": "o", "optax_microbatch": "s", "hand_scan": "^"}
+  for name, label in results["approaches"].items():
+    rows = [results["results"][name][str(k)] for k in ks]
+    ax.plot(ks, [r["bytes_per_step"] for r in rows], marker=markers[name], label=label)
+    ax_compute.plot(
+      ks,
+      [r["compute_vs_data_parallel_est"] for r in rows],
+      marker=markers[name],
+      label=label,
+    )
+  ax.plot(ks, [k * grad_bytes for k in ks], ":", color="gray", label="k x gradient")
+  ax.axhline(grad_bytes, color="gray", ls="--", lw=0.8, label="1 x gradient")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xticks(ks, [str(k) for k in ks])
+  ax.set(
+    xlabel="micro-batches per step, k",
+    ylabel="bytes communicated per step (per device)",
+    title=(
+      f"{results['model']['num_params']:,}-parameter MLP, batch "
+      f"{results['batch_size']} on {results['num_devices']} devices"
+    ),
+  )
+  ax.legend(fontsize=8)
+  gathered = [k for k in ks if k >= results["num_devices"]]
+  if gathered:
+    ax.annotate(
+      "(c): batch all-gathered, no reduction,\nevery device computes everything",
+      xy=(
+        gathered[0],
+        results["results"]["hand_scan"][str(gathered[0])]["bytes_per_step"],
+      ),
+      xytext=(0.35, 0.08),
+      textcoords="axes fraction",
+      fontsize=8,
+      arrowprops={"arrowstyle": "->", "color": "gray"},
+    )
+  ax_compute.set_xscale("log", base=2)
+  ax_compute.set_xticks(ks, [str(k) for k in ks])
+  ax_compute.set(
+    xlabel="micro-batches per step, k",
+    ylabel="per-device flops / plain data-parallel step",
+    title="Compute per device (estimate: XLA flops x k)",
+    ylim=(0, None),
+  )
+  ax_compute.axhline(results["num_devices"], color="gray", ls=":", lw=0.8)
+  ax_compute.text(
+    ks[0],
+    results["num_devices"] * 0.93,
+    "every device computes the whole batch",
+    fontsize=8,
+    color="gray",
+    va="top",
+  )
+  png.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(png, dpi=120)
+  plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark, writes the JSON and the PNG, returns the results."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--out",
+    default=str(pathlib.Path(__file__).resolve().parent / "results"),
+    help="output folder (default: benchmarks/results)",
+  )
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  results = run()
+  results["seconds"] = time.perf_counter() - start
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "communication.json").write_text(json.dumps(results, indent=2) + "\n")
+  plot(results, out / "communication.png")
+  print(
+    f"gradient: {results['grad_bytes']:,} bytes; total {results['seconds']:.1f} s; "
+    f"wrote {out / 'communication.json'} and {out / 'communication.png'}"
+  )
+  return results
+
+
+if __name__ == "__main__":
+  main()
