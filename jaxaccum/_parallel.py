@@ -269,7 +269,9 @@ class DataParallel:
       out_specs=out_specs,
       axis_names={axis},
     )
-    return sharded(*args)
+    # Under an outer jit this inlines; called eagerly, it compiles the step
+    # once instead of dispatching it op by op on every device.
+    return jax.jit(sharded)(*args)
 
   def _value_aux_specs(self) -> Any:
     """Value: replicated. Aux: device-major along its micro-batch axis.

@@ -12,8 +12,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
+if __name__ == "__main__":  # before jax is imported; importing this file sets nothing
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax
 import jax.numpy as jnp

@@ -17,7 +17,8 @@ import jaxaccum
 
 SETTINGS = hypothesis.settings(
   deadline=None,
-  max_examples=40,
+  derandomize=True,  # the same cases on every run, in CI too
+  max_examples=20,
   suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -133,6 +134,11 @@ def test_value_and_grad_errors_clearly_or_is_right(case):
   want_value, want_grads = reference(case, w, batch)
   assert grads.shape == w.shape and grads.dtype == want_grads.dtype == w.dtype
   assert value.shape == () and value.dtype == want_value.dtype
+  if case["normalize"] == "weighted" and float(jnp.sum(batch[2])) == 0:
+    # No weight at all: zeros by contract, whatever the data holds.
+    assert float(value) == 0 and not jnp.any(grads)
+    hypothesis.event("zero total weight gives zeros")
+    return
   finite = bool(jnp.isfinite(want_value)) and bool(jnp.all(jnp.isfinite(want_grads)))
   if not finite:  # the user's data holds a NaN or Inf: it is reported, not hidden
     assert not (bool(jnp.isfinite(value)) and bool(jnp.all(jnp.isfinite(grads))))

@@ -282,7 +282,8 @@ def test_nnx_data_parallel(mesh):
   )
 
 
-def test_nnx_dropout_differs_across_devices(mesh):
+def test_nnx_dropout_differs_across_devices():
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Explicit,))
   _, batch = problem()
   model = Net(nnx.Rngs(0, dropout=1))
 
