@@ -211,8 +211,14 @@ def plan_micro_batches(
   ...   return jnp.mean(jnp.tanh(jnp.tanh(x @ w) @ w.T) ** 2)
   >>> args = (jnp.ones((64, 64)), jax.ShapeDtypeStruct((1024, 64), jnp.float32))
   >>> plan = jaxaccum.plan_micro_batches(loss, args, memory_limit_bytes=600_000)
-  >>> plan.num_micro_batches, plan.peak_bytes <= 600_000
-  (4, True)
+  >>> plan.num_micro_batches > 1, plan.peak_bytes <= 600_000
+  (True, True)
+
+  Every larger micro-batch (smaller ``k``) was over the budget:
+
+  >>> k = plan.num_micro_batches
+  >>> any(row.fits for row in plan.table if row.num_micro_batches < k)
+  False
   """
   builder = _is_step_builder(fun)
   batch_argnums = value_and_grad_kwargs.get(
