@@ -151,11 +151,11 @@ class _Engine:
       argnums=self.argnums,
       has_aux=True,
     )
-    acc_dtypes = jax.tree.map(
-      lambda p: jnp.promote_types(self.accum_dtype, p.dtype), diff_args
-    )
     init_grads = jax.tree.map(
-      lambda p, d: _parallel.like_vma(jnp.zeros(p.shape, d), p), diff_args, acc_dtypes
+      lambda p: _parallel.like_vma(
+        jnp.zeros(jnp.shape(p), _normalize.accumulator_dtype(self.accum_dtype, p)), p
+      ),
+      diff_args,
     )
     init_state = None if self.state_argnum is None else args[self.state_argnum]
 
@@ -183,7 +183,7 @@ class _Engine:
       (loss, (weight, aux, new_state)), grads = micro_step(
         diff_args, micro, index, state
       )
-      chex.assert_trees_all_equal_shapes(grads, diff_args)
+      chex.assert_trees_all_equal_shapes(grads, init_grads)
       acc_grads = jax.tree.map(
         lambda a, g: g.astype(a.dtype) if first else a + g.astype(a.dtype),
         acc_grads,
@@ -233,7 +233,9 @@ class _Engine:
     norm = self.normalization
     value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
     normalized = norm.finalize(sums.grads, sums.weight)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), normalized, diff_args)
+    grads = jax.tree.map(
+      lambda g, p: g.astype(_normalize.result_dtype(p)), normalized, diff_args
+    )
     if self.value_checks:
       _checks.check_total_weight(sums.weight, grads)
     aux = sums.aux
@@ -241,7 +243,11 @@ class _Engine:
       aux = (aux, sums.state)
     noise = None
     if sums.noise is not None:
-      noise = sums.noise.finalize(sq_norm(normalized))
+      big_sq_norm = sq_norm(normalized)
+      if not norm.divide:
+        # A sum over the batch's rows: its per-row mean is the sum / B_big.
+        big_sq_norm = big_sq_norm / sums.noise.examples**2
+      noise = sums.noise.finalize(big_sq_norm)
     return (value, aux), grads, noise
 
   def output(
@@ -509,7 +515,8 @@ def grad(
   """Like ``jax.grad``, accumulated over micro-batches; see ``value_and_grad``.
 
   Takes the same arguments as :func:`value_and_grad` and returns a function
-  that gives ``grads``, or ``(grads, aux)`` with ``has_aux=True``.
+  that gives ``grads``, or ``(grads, aux)`` with ``has_aux=True``; with
+  ``noise_stats=True``, ``(that, noise)``.
 
   >>> import jax.numpy as jnp, jaxaccum
   >>> loss = lambda w, x: jnp.mean((x * w) ** 2)
@@ -519,10 +526,13 @@ def grad(
   """
   value_and_grad_fun = value_and_grad(fun, num_micro_batches, **kwargs)
   has_aux = kwargs.get("has_aux", False)
+  noise_stats = kwargs.get("noise_stats", False)
 
   @functools.wraps(fun)
   def accumulated_grad(*args, **call_kwargs):
-    value, grads = value_and_grad_fun(*args, **call_kwargs)
-    return (grads, value[1]) if has_aux else grads
+    out = value_and_grad_fun(*args, **call_kwargs)
+    value, grads = out[0] if noise_stats else out
+    result = (grads, value[1]) if has_aux else grads
+    return (result, out[1]) if noise_stats else result
 
   return accumulated_grad

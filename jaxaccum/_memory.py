@@ -171,6 +171,7 @@ def plan_micro_batches(
   *,
   memory_limit_bytes: int,
   candidates: Sequence[int] | None = None,
+  step_batch_argnum: int | None = None,
   **value_and_grad_kwargs: Any,
 ) -> MicroBatchPlan:
   """Chooses the smallest ``k`` whose compiled step fits ``memory_limit_bytes``.
@@ -194,10 +195,13 @@ def plan_micro_batches(
       whole batch.
     memory_limit_bytes: the budget, e.g. 90% of the device's memory.
     candidates: the ``k`` to try; by default every divisor of the batch size
-      (the batch is ``args[batch_argnums]``; for a step builder, the last
-      argument unless ``batch_argnums`` is given).
-    **value_and_grad_kwargs: for a loss, the options of
-      :func:`jaxaccum.value_and_grad`.
+      per device (the whole batch without ``mesh``, else its share of each
+      device along ``data_axis``).
+    step_batch_argnum: for a step builder, the position of the batch among
+      the step's ``args``; by default the last. (For a loss, the batch is
+      ``args[batch_argnums]``, as in :func:`jaxaccum.value_and_grad`.)
+    **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`;
+      for a step builder, passed on to it with ``num_micro_batches``.
 
   Returns:
     A ``MicroBatchPlan``: the chosen ``k``, its peak bytes and the table of
@@ -221,11 +225,27 @@ def plan_micro_batches(
   False
   """
   builder = _is_step_builder(fun)
-  batch_argnums = value_and_grad_kwargs.get(
-    "batch_argnums", len(args) - 1 if builder else 1
-  )
-  nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+  if builder:
+    nums: Sequence[int] = (
+      len(args) - 1 if step_batch_argnum is None else step_batch_argnum,
+    )
+  elif step_batch_argnum is not None:
+    raise ValueError(
+      "step_batch_argnum is for a step builder; for a loss, pass batch_argnums."
+    )
+  else:
+    batch_argnums = value_and_grad_kwargs.get("batch_argnums", 1)
+    nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
   batch_size = _split.leading_batch_size({f"args[{n}]": args[n] for n in nums})
+  mesh, data_axis = (value_and_grad_kwargs.get(n) for n in ("mesh", "data_axis"))
+  if mesh is not None and data_axis is not None:
+    devices = mesh.shape[data_axis]
+    if batch_size % devices:
+      raise ValueError(
+        f"The global {batch_size=} is not divisible by the {devices} devices "
+        f"of data axis {data_axis!r}."
+      )
+    batch_size //= devices
   if candidates is None:
     candidates = [k for k in range(1, batch_size + 1) if batch_size % k == 0]
   if not candidates:

@@ -62,6 +62,28 @@ def safe_divide(total: PyTree, weight: jax.Array) -> PyTree:
   )
 
 
+def result_dtype(x: Any) -> Any:
+  """The dtype ``jax.grad`` gives for ``x``: float32 for a Python float, or
+  for numpy float64 while 64-bit mode is off.
+
+  >>> import numpy as np
+  >>> str(result_dtype(2.0)), str(result_dtype(np.zeros(2)))
+  ('float32', 'float32')
+  """
+  return jax.dtypes.canonicalize_dtype(jnp.result_type(x))
+
+
+def accumulator_dtype(accum_dtype: Any, x: Any) -> Any:
+  """The dtype of a sum of ``x``-like values: ``accum_dtype``, or ``x``'s own
+  dtype where that is wider (float64 with 64-bit mode on).
+
+  >>> import jax.numpy as jnp
+  >>> str(accumulator_dtype(jnp.float32, jnp.zeros(2, jnp.bfloat16)))
+  'float32'
+  """
+  return jax.dtypes.canonicalize_dtype(jnp.promote_types(accum_dtype, result_dtype(x)))
+
+
 def _unit_weight(value: Any) -> tuple[jax.Array, jax.Array]:
   _check_scalar_loss(value, "The loss")
   return value, jnp.ones((), jnp.float32)

@@ -26,11 +26,13 @@ micro-batches, keys included.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -134,6 +136,7 @@ class DataParallel:
       mesh.axis_types[mesh.axis_names.index(data_axis)]
       == jax.sharding.AxisType.Explicit
     )
+    self._steps: dict[Any, Any] = {}
 
   def _diff_dims(self, diff_args: tuple[PyTree, ...]) -> tuple[PyTree, ...]:
     """Per parameter leaf: the dimension sharded along the data axis, or None."""
@@ -168,11 +171,28 @@ class DataParallel:
     )
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    engine, axis = self.engine, self.axis
-    engine.check_args(args)
+    """Runs the step as one jitted program, compiled once per configuration.
+
+    Under an outer ``jit`` it inlines. Called eagerly, the jitted step is
+    cached on the parameter sharding and the non-array keyword arguments
+    (static, like Python values in ``fun``), so a loop compiles it once.
+    """
+    self.engine.check_args(args)
     self._check_global_batch(args)
+    dims = self._diff_dims(tuple(args[i] for i in self.engine.argnums))
+    static = tuple(sorted(n for n, v in kwargs.items() if _is_static(v)))
+    flat_dims, dims_tree = jax.tree.flatten(dims, is_leaf=lambda x: x is None)
+    key = (dims_tree, tuple(flat_dims), static)
+    step = self._steps.get(key)
+    if step is None:
+      step = jax.jit(functools.partial(self._step, dims), static_argnames=static)
+      self._steps[key] = step
+    return step(*args, **kwargs)
+
+  def _step(self, dims: tuple[PyTree, ...], *args: Any, **kwargs: Any) -> Any:
+    """The ``shard_map`` of the local accumulation and its one reduction."""
+    engine, axis = self.engine, self.axis
     diff_args = tuple(args[i] for i in engine.argnums)
-    dims = self._diff_dims(diff_args)
     flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None)
 
     # in_specs: the batch along the data axis; parameters as they are sharded
@@ -239,7 +259,7 @@ class DataParallel:
         loss=jax.lax.psum(sums.loss, axis),
         weight=jax.lax.psum(sums.weight, axis),
         grads=grads,
-        state=_reduce_state(_restore_keys(sums.state, state_in), axis),
+        state=_reduce_state(sums.state, state_in, axis),
         noise=None if sums.noise is None else jax.lax.psum(sums.noise, axis),
       )
 
@@ -262,16 +282,13 @@ class DataParallel:
       ),
       P(),
     )
-    sharded = jax.shard_map(
+    return jax.shard_map(
       local_step,
       mesh=self.mesh,
       in_specs=tuple(specs),
       out_specs=out_specs,
       axis_names={axis},
-    )
-    # Under an outer jit this inlines; called eagerly, it compiles the step
-    # once instead of dispatching it op by op on every device.
-    return jax.jit(sharded)(*args)
+    )(*args)
 
   def _value_aux_specs(self) -> Any:
     """Value: replicated. Aux: device-major along its micro-batch axis.
@@ -285,23 +302,40 @@ class DataParallel:
     return (P(), aux_spec)
 
 
-def _reduce_state(state: PyTree, axis: str) -> PyTree:
+def _is_static(value: Any) -> bool:
+  """A keyword argument without arrays that can be hashed: a Python value
+  that ``fun`` may branch on, so the step compiles per value."""
+  if any(
+    isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in jax.tree.leaves(value)
+  ):
+    return False
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
+
+
+def _reduce_state(state: PyTree, state_in: PyTree, axis: str) -> PyTree:
   """Makes each device's final state one replicated state.
 
   Every device threads its own state through its micro-batches. Floating
   statistics (BatchNorm's running averages) are averaged over devices.
   Integer counters advance identically on every device; their maximum is
-  taken. PRNG keys were restored to their input value already.
+  taken. PRNG keys, which came in with the device index folded in, go out as
+  they came in if ``fun`` left them alone (an nnx RNG stream advances its
+  counter, not its key), and otherwise as device 0's new key.
   """
+  device = jax.lax.axis_index(axis)
 
-  def reduce(x):
-    if _is_key(x):
-      return x
-    if jnp.issubdtype(jnp.result_type(x), jnp.floating):
-      return jax.lax.pmean(x, axis)
-    return jax.lax.pmax(x, axis)
+  def reduce(new, old):
+    if _is_key(new):
+      return _final_key(new, old, device, axis)
+    if jnp.issubdtype(jnp.result_type(new), jnp.floating):
+      return jax.lax.pmean(new, axis)
+    return jax.lax.pmax(new, axis)
 
-  return jax.tree.map(reduce, state)
+  return jax.tree.map(reduce, state, state_in)
 
 
 def _is_key(x: Any) -> bool:
@@ -312,11 +346,15 @@ def _fold_key(x: Any, device: jax.Array) -> Any:
   return jax.random.fold_in(x, device) if _is_key(x) else x
 
 
-def _restore_keys(state: PyTree, state_in: PyTree) -> PyTree:
-  """The state, with every PRNG key as it came in (before the device fold)."""
-  if state_in is None:
-    return state
-  return jax.tree.map(lambda new, old: old if _is_key(new) else new, state, state_in)
+def _final_key(new: Any, old: Any, device: jax.Array, axis: str) -> Any:
+  """``old`` if device 0 left its key as it got it, else device 0's key."""
+  new_data = jax.random.key_data(new)
+  got = jax.random.key_data(_fold_key(old, device))
+  on_zero = device == 0
+  changed = jax.lax.psum((on_zero & jnp.any(new_data != got)).astype(jnp.int32), axis)
+  key_zero = jax.lax.psum(jnp.where(on_zero, new_data, 0), axis)
+  data = jnp.where(changed > 0, key_zero, jax.random.key_data(old))
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
 
 
 def wrap(

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum import _accumulate
+from jaxaccum._loss_scale import DynamicLossScale
 
 PyTree = Any
 
@@ -30,6 +31,24 @@ def all_finite(tree: PyTree) -> jax.Array:
   """
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.asarray(leaves)) if leaves else jnp.asarray(True)
+
+
+def find_loss_scale(opt_state: PyTree) -> DynamicLossScale | None:
+  """The one :class:`DynamicLossScale` in ``opt_state`` (e.g. inside an
+  ``optax.chain``), or None."""
+  found = [
+    x
+    for x in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, DynamicLossScale)
+    )
+    if isinstance(x, DynamicLossScale)
+  ]
+  if len(found) > 1:
+    raise ValueError(
+      f"opt_state holds {len(found)} loss scales; make_train_step scales the "
+      "loss by one."
+    )
+  return found[0] if found else None
 
 
 def make_train_step(
@@ -55,12 +74,13 @@ def make_train_step(
     num_micro_batches: ``k``; or give ``micro_batch_size``.
     skip_nonfinite: if the value or a gradient is NaN or Inf, return the
       parameters and optimizer state unchanged (``lax.cond``, the optimizer
-      does not run).
+      does not run), and with ``state_argnum`` the state as it came in.
       For float16, pass ``tx = jaxaccum.accumulate(inner, 1,
       loss_scale=jaxaccum.dynamic_loss_scale())``: the step then multiplies
       the loss by the current scale, and ``accumulate`` unscales the
       gradients, skips a step that overflowed and adjusts the scale once per
-      step.
+      step. Inside an ``optax.chain``, put that ``accumulate`` first, so that
+      nothing sees the gradients before they are unscaled.
     donate: donate ``params`` and ``opt_state`` to the step. Do not use the
       arrays you passed in after the call.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
@@ -68,8 +88,10 @@ def make_train_step(
       ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``, ...).
 
   Returns:
-    The jitted step (a ``jax.jit`` function: ``.lower(...)`` works on it). ``value`` is what ``value_and_grad`` returns first: the
-    loss, or ``(loss, aux)`` with ``has_aux``.
+    The jitted step (a ``jax.jit`` function: ``.lower(...)`` works on it).
+    ``value`` is what ``value_and_grad`` returns first: the loss, or
+    ``(loss, aux)`` with ``has_aux``; with ``noise_stats=True`` it is
+    ``(that, noise)``, the step's :class:`jaxaccum.GradientNoise`.
 
   >>> import jax.numpy as jnp, optax, jaxaccum
   >>> loss = lambda w, x: jnp.mean((x @ w - 1.0) ** 2)
@@ -84,6 +106,8 @@ def make_train_step(
     raise ValueError("make_train_step differentiates the parameters, argnums=0.")
   has_aux = value_and_grad_kwargs.get("has_aux", False)
   weighted = value_and_grad_kwargs.get("normalize", "mean") == "weighted"
+  noise_stats = value_and_grad_kwargs.get("noise_stats", False)
+  state_argnum = value_and_grad_kwargs.get("state_argnum")
 
   def scaled_loss_fn(*args, _jaxaccum_loss_scale, **kwargs):
     """``loss_fn`` with its loss (not its weight or aux) times the scale."""
@@ -103,31 +127,37 @@ def make_train_step(
   )
 
   def step(params, opt_state, *args, **kwargs):
-    loss_scale = getattr(opt_state, "loss_scale", None)
+    loss_scale = find_loss_scale(opt_state)
     if loss_scale is None:
-      value, grads = grad_fn(params, *args, **kwargs)
+      out = grad_fn(params, *args, **kwargs)
     else:
-      # float16: the loss is scaled; accumulate() unscales, skips overflowing
-      # windows and adjusts the scale, so no skip here.
-      value, grads = scaled_grad_fn(
-        params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs
-      )
-      loss = value[0] if has_aux else value
+      out = scaled_grad_fn(params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs)
+    (value, grads), noise = out if noise_stats else (out, None)
+    loss = value[0] if has_aux else value
+    if loss_scale is not None:
       loss = loss / loss_scale.scale  # float32, like the scaled loss
       value = (loss, value[1]) if has_aux else loss
+    finite = all_finite(grads) & all_finite(loss)
+    if state_argnum is not None and skip_nonfinite:
+      # A skipped step leaves the threaded state (BatchNorm statistics) as it
+      # was too: one bad batch must not poison every later step.
+      old_state = args[state_argnum - 1]
+      aux, new_state = value[1]
+      new_state = jax.lax.cond(finite, lambda: new_state, lambda: old_state)
+      value = (loss, (aux, new_state))
 
     def apply(params, opt_state):
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
     if not skip_nonfinite or loss_scale is not None:
+      # float16: accumulate() unscales, skips overflowing windows and adjusts
+      # the scale itself.
       params, opt_state = apply(params, opt_state)
-      return params, opt_state, value
-    loss = value[0] if has_aux else value
-    finite = all_finite(grads) & all_finite(loss)
-    params, opt_state = jax.lax.cond(
-      finite, apply, lambda p, s: (p, s), params, opt_state
-    )
-    return params, opt_state, value
+    else:
+      params, opt_state = jax.lax.cond(
+        finite, apply, lambda p, s: (p, s), params, opt_state
+      )
+    return params, opt_state, ((value, noise) if noise_stats else value)
 
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())

@@ -144,7 +144,9 @@ def accumulate(
     An ``optax.GradientTransformationExtraArgs``; its ``update`` also takes
     ``weight`` (a scalar) and ``flush`` (a bool: end the window now, e.g. at
     the end of an epoch, normalized by what it holds). Other keyword arguments
-    are passed on to ``inner.update``.
+    are passed on to ``inner.update``: those of the call that completes the
+    window (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau`` should
+    then be the window's loss).
 
   >>> import jax.numpy as jnp, optax, jaxaccum
   >>> tx = jaxaccum.accumulate(optax.sgd(1.0), every_k=2)
@@ -167,9 +169,7 @@ def accumulate(
       micro_step=_scalar(0, jnp.int32),
       step=_scalar(0, jnp.int32),
       acc_grads=jax.tree.map(
-        lambda p: jnp.zeros(
-          jnp.shape(p), jnp.promote_types(accum_dtype, jnp.result_type(p))
-        ),
+        lambda p: jnp.zeros(jnp.shape(p), _normalize.accumulator_dtype(accum_dtype, p)),
         params,
       ),
       acc_weight=_scalar(0.0),

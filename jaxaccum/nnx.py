@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx as flax_nnx
 
@@ -91,6 +92,7 @@ def value_and_grad(
     raise ValueError(f"{batch_argnums=} includes 0, which is the model.")
 
   def accumulated(model, *args, **kwargs):
+    _check_no_nnx_objects(args, kwargs)
     graphdef, params, rest = _split_model(model, wrt)
 
     def pure(params, rest, *args, **kwargs):
@@ -124,6 +126,23 @@ def value_and_grad(
     return (result, out[1]) if noise_stats else result
 
   return accumulated
+
+
+def _check_no_nnx_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+  """Only the model's variables are threaded through the micro-batches."""
+  is_node = flax_nnx.graph.is_graph_node
+  named = {f"argument {n}": a for n, a in enumerate(args, start=1)}
+  named.update({f"keyword argument {k!r}": v for k, v in kwargs.items()})
+  for name, value in named.items():
+    nodes = [x for x in jax.tree.leaves(value, is_leaf=is_node) if is_node(x)]
+    if nodes:
+      raise ValueError(
+        f"The {name} of fun is an nnx object ({type(nodes[0]).__name__}); "
+        "jaxaccum.nnx threads the model's state through the micro-batches, "
+        "not other nnx objects. Keep RNG streams inside the model (e.g. "
+        "nnx.Dropout(0.1, rngs=rngs)), or pass a plain key and use "
+        "jaxaccum.value_and_grad with rng_argnum."
+      )
 
 
 def _split_model(model: Any, wrt: Any) -> tuple[Any, Any, Any]:

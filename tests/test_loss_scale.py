@@ -107,11 +107,15 @@ def test_small_gradients_survive_thanks_to_the_scale():
   np.testing.assert_allclose(grads, jax.grad(loss)(w, (x, y)), rtol=2e-2)
 
 
-def test_make_train_step_with_loss_scale_skips_overflow():
+@pytest.mark.parametrize("chained", [False, True])
+def test_make_train_step_with_loss_scale_skips_overflow(chained):
   x, y = data()
   tx = jaxaccum.accumulate(
     optax.sgd(0.05), 1, loss_scale=jaxaccum.dynamic_loss_scale(2.0**4)
   )
+  if chained:  # the step finds the loss scale inside the chain's state
+    tx = optax.chain(tx, optax.scale(1.0))
+  accumulated = (lambda state: state[0]) if chained else (lambda state: state)
 
   def fp16_loss(w, batch):
     xb, yb = batch
@@ -124,13 +128,14 @@ def test_make_train_step_with_loss_scale_skips_overflow():
   params, state, value = step(params, state, batch)
   assert value.dtype == jnp.float32
   np.testing.assert_allclose(value, loss(jnp.zeros(F), batch), rtol=1e-2)
-  assert int(state.step) == 1
+  assert int(accumulated(state).step) == 1
   # A batch that overflows float16 (x = 1e4: squares exceed 65504).
   huge = (jnp.full_like(batch[0], 1e4), batch[1])
   before = np.asarray(params)  # params are donated to the step
   new_params, state, _ = step(params, state, huge)
   np.testing.assert_array_equal(new_params, before)
-  assert int(state.step) == 1 and float(state.loss_scale.scale) == 8.0
+  assert int(accumulated(state).step) == 1
+  assert float(accumulated(state).loss_scale.scale) == 8.0
 
 
 def test_bad_loss_scale_arguments():

@@ -177,3 +177,62 @@ def test_train_step_skips_a_nan_step():
   assert np.isnan(value)
   chex.assert_trees_all_equal(new_params, params)
   chex.assert_trees_all_equal(new_state, tx.init(params))
+
+
+def test_train_step_skip_keeps_the_state_as_it_came_in():
+  """A NaN batch must not poison the threaded state (BatchNorm statistics)."""
+
+  def loss_with_stats(params, batch, stats):
+    x, y = batch
+    new_stats = 0.9 * stats + 0.1 * jnp.mean(x, axis=0)
+    return deep_loss(params, (x - stats[None, :], y)), (None, new_stats)
+
+  params, (x, y) = deep_problem()
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(
+    loss_with_stats, tx, 4, state_argnum=2, has_aux=True, donate=False
+  )
+  stats = jnp.zeros(WIDTH)
+  _, _, (value, (_, good_stats)) = step(params, tx.init(params), (x, y), stats)
+  assert np.isfinite(value) and not np.allclose(good_stats, stats)
+  bad = (x.at[3, 0].set(jnp.nan), y)
+  new_params, _, (value, (_, new_stats)) = step(params, tx.init(params), bad, stats)
+  assert np.isnan(value)
+  chex.assert_trees_all_equal(new_params, params)
+  chex.assert_trees_all_equal(new_stats, stats)
+
+
+def test_plan_a_step_whose_batch_is_not_the_last_argument():
+  params, batch = deep_problem()
+  tx = optax.sgd(0.1)
+
+  def noisy_loss(params, batch, key):
+    x, y = batch
+    return deep_loss(params, (x + 0.01 * jax.random.normal(key, x.shape), y))
+
+  builder = functools.partial(jaxaccum.make_train_step, noisy_loss, tx, rng_argnum=2)
+  args = (*abstract((params, tx.init(params), batch)), jax.random.key(0))
+  plan = jaxaccum.plan_micro_batches(
+    builder, args, memory_limit_bytes=10**9, candidates=[1, 4], step_batch_argnum=2
+  )
+  assert [row.micro_batch_size for row in plan.table] == [BATCH, BATCH // 4]
+  with pytest.raises(ValueError, match="step_batch_argnum is for a step builder"):
+    jaxaccum.plan_micro_batches(
+      deep_loss, (params, batch), memory_limit_bytes=10**9, step_batch_argnum=1
+    )
+
+
+def test_plan_with_a_mesh_splits_each_device_batch():
+  params, batch = deep_problem(batch=64)
+  mesh = jax.make_mesh((8,), ("data",))
+  plan = jaxaccum.plan_micro_batches(
+    deep_loss,
+    abstract((params, batch)),
+    memory_limit_bytes=10**9,
+    mesh=mesh,
+    data_axis="data",
+  )
+  # 8 rows per device: k runs over the divisors of 8, not of 64.
+  assert [row.num_micro_batches for row in plan.table] == [1, 2, 4, 8]
+  assert [row.micro_batch_size for row in plan.table] == [8, 4, 2, 1]
+  assert plan.num_micro_batches == 1

@@ -186,3 +186,15 @@ def test_noise_stats_pass_through():
   assert float(noise.b_small) == M and float(noise.b_big) == K * M
   big = sum(jnp.sum(g**2) for g in jax.tree.leaves(want_grads))
   np.testing.assert_allclose(noise.big_sq_norm, big, rtol=1e-4)
+
+
+def test_nnx_objects_outside_the_model_are_refused_clearly():
+  model = Net(nnx.Rngs(0))
+
+  def loss_with_rngs(model, batch, rngs):
+    del rngs
+    return loss(model, batch)
+
+  fun = jaxaccum.nnx.value_and_grad(loss_with_rngs, K)
+  with pytest.raises(ValueError, match=r"argument 2 of fun is an nnx object \(Rngs\)"):
+    fun(model, batch_data(), nnx.Rngs(1))

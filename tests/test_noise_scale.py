@@ -104,11 +104,32 @@ def test_weighted_and_sum_modes_agree_with_mean_mode():
   _, tokens = jaxaccum.value_and_grad(
     weighted, K, normalize="weighted", noise_stats=True
   )(W, (x, y))
-  # The big-batch gradient of "sum" is a sum, K*M times the mean's.
-  chex.assert_trees_all_close(
-    total._replace(big_sq_norm=total.big_sq_norm / (K * M) ** 2), mean, rtol=1e-5
-  )
+  # Both norms are of per-example means, whatever the mode sums: the same
+  # measurements, and so the same S, |G|² and B_simple.
+  chex.assert_trees_all_close(total, mean, rtol=1e-5)
   chex.assert_trees_all_close(tokens, mean, rtol=1e-5)
+  assert float(total.trace()) > 0 and float(total.sq_norm()) > 0
+
+
+def test_grad_returns_the_grads_and_the_noise():
+  batch = sample(jax.random.key(4), K * M)
+  (_, grads), noise = jaxaccum.value_and_grad(loss, K, noise_stats=True)(W, batch)
+  only_grads, only_noise = jaxaccum.grad(loss, K, noise_stats=True)(W, batch)
+  chex.assert_trees_all_close(only_grads, grads)
+  chex.assert_trees_all_close(only_noise, noise)
+  chex.assert_trees_all_close(only_grads, jax.grad(loss)(W, batch), atol=1e-6)
+
+
+def test_train_step_returns_the_noise():
+  batch = sample(jax.random.key(5), K * M)
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(loss, tx, K, noise_stats=True, donate=False)
+  new_w, _, (value, noise) = step(W, tx.init(W), batch)
+  full_value, full_grads = jax.value_and_grad(loss)(W, batch)
+  chex.assert_trees_all_close(value, full_value, atol=1e-6)
+  chex.assert_trees_all_close(new_w, W - 0.1 * full_grads, atol=1e-6)
+  _, expected = jaxaccum.value_and_grad(loss, K, noise_stats=True)(W, batch)
+  chex.assert_trees_all_close(noise, expected, rtol=1e-5)
 
 
 def test_one_micro_batch_gives_no_estimate():

@@ -301,3 +301,47 @@ def test_nnx_dropout_differs_across_devices():
   assert not np.array_equal(dropped[0], dropped[1])
   # The stream advanced as on one device: once per micro-batch and call.
   assert int(model.drop.rngs.count[...]) == 2
+
+
+def test_eager_calls_trace_once_and_keep_array_kwargs_dynamic(mesh):
+  """Called eagerly in a loop, the data-parallel step compiles once per
+  configuration; array keyword arguments stay inputs, Python ones static."""
+  params, batch = problem()
+  traces = []
+
+  def scaled_loss(p, batch, *, scale, square):
+    traces.append(square)
+    loss = mlp_loss(p, batch)
+    return scale * (loss**2 if square else loss)
+
+  fun = jaxaccum.value_and_grad(scaled_loss, 2, mesh=mesh, data_axis="data")
+  sharded = shard(mesh, batch)
+  for scale in (1.0, 2.0, 3.0):
+    value, grads = fun(params, sharded, scale=jnp.asarray(scale), square=False)
+    want = jax.value_and_grad(mlp_loss)(params, batch)
+    assert_close((value, grads), jax.tree.map(lambda w, s=scale: s * w, want))
+  assert traces == [False]
+  fun(params, sharded, scale=jnp.asarray(1.0), square=True)
+  assert traces == [False, True]
+
+
+def test_a_key_that_fun_advances_in_the_state_moves_on(mesh):
+  """A key carried in the state and split by ``fun`` comes back advanced
+  (device 0's chain), never reset to the key that came in."""
+  params, batch = problem()
+  k = 2
+
+  def loss_with_key(p, batch, key):
+    x, y = batch
+    noise = 0.01 * jax.random.normal(key, x.shape)
+    return mlp_loss(p, (x + noise, y)), (None, jax.random.split(key)[0])
+
+  key = jax.random.key(7)
+  fun = jaxaccum.value_and_grad(
+    loss_with_key, k, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+  )
+  (_, (_, final)), _ = jax.jit(fun)(params, shard(mesh, batch), key)
+  want = jax.random.fold_in(key, 0)  # device 0's copy
+  for _ in range(k):
+    want = jax.random.split(want)[0]
+  np.testing.assert_array_equal(jax.random.key_data(final), jax.random.key_data(want))

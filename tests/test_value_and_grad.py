@@ -1,5 +1,7 @@
 """Accumulated value and gradients equal full-batch ``jax.value_and_grad``."""
 
+import warnings
+
 import chex
 import hypothesis
 import hypothesis.strategies as st
@@ -113,6 +115,25 @@ def test_grad_matches_jax_grad():
   )(params, batch)
   assert_close(grads, jax.grad(mlp_loss)(params, batch))
   np.testing.assert_array_equal(aux, jnp.ones(2))
+
+
+def test_python_and_numpy_parameter_leaves_like_jax():
+  """Leaves that are Python floats or numpy float64 arrays (x64 off) get the
+  grads jax.value_and_grad gives: float32, and no dtype warnings."""
+  params, batch = make_problem(batch_size=8)
+  params = {**params, "w2": np.asarray(params["w2"], np.float64)}
+
+  def loss(p, batch):
+    return p["scale"] * mlp_loss({n: v for n, v in p.items() if n != "scale"}, batch)
+
+  params["scale"] = 2.0
+  want = jax.value_and_grad(loss)(params, batch)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = jaxaccum.value_and_grad(loss, 4)(params, batch)
+  # The scale doubles the grads (up to ~4), and their rounding with them.
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=2 * ATOL)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
 
 
 def test_order_is_contiguous_rows():
