@@ -39,7 +39,6 @@ class Sums(NamedTuple):
     aux: ``fun``'s aux per micro-batch, each leaf with a leading axis ``k``.
     state: the state after the last micro-batch (``None`` without state).
     losses: the per-micro-batch losses; shape=(k,), ``fun``'s loss dtype.
-    weights: the per-micro-batch weights; shape=(k,).
     noise: partial sums for the gradient noise scale (``None`` unless
       ``noise_stats``).
   """
@@ -50,7 +49,6 @@ class Sums(NamedTuple):
   aux: PyTree
   state: PyTree
   losses: jax.Array
-  weights: jax.Array
   noise: _stats.NoiseSums | None
 
 
@@ -217,7 +215,6 @@ class _Engine:
       aux=aux,
       state=state,
       losses=losses,
-      weights=weights,
       noise=None
       if sq_norms is None
       else _stats.micro_batch_noise(self.normalization.name, sq_norms, weights, m),

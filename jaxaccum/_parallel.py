@@ -363,7 +363,8 @@ def wrap(
   data_axis: str | None,
   param_specs: PyTree | None,
 ) -> Callable[..., Any]:
-  """The data-parallel ``f(*args)`` returning ``((value, aux), grads_tuple)``."""
+  """The data-parallel ``f(*args)`` returning ``((value, aux), grads_tuple,
+  noise)``, as ``_Engine.finish`` does."""
   if mesh is None:
     raise ValueError(f"{data_axis=} needs mesh=, the mesh that holds that axis.")
   if data_axis is None:

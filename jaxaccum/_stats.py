@@ -87,7 +87,12 @@ class NoiseScaleState(NamedTuple):
 
 
 def noise_scale_init() -> NoiseScaleState:
-  """An empty tracker state (see :func:`noise_scale_update`)."""
+  """An empty tracker state (see :func:`noise_scale_update`).
+
+  >>> state = noise_scale_init()
+  >>> int(state.num_updates), bool(jnp.isnan(critical_batch_size(state)))
+  (0, True)
+  """
   zero = jnp.zeros((), jnp.float32)
   return NoiseScaleState(zero, zero, jnp.zeros((), jnp.int32))
 
@@ -99,6 +104,24 @@ def noise_scale_update(
 
   Steps whose estimates are not finite (e.g. ``B_small == B_big``, one
   micro-batch) are left out.
+
+  Args:
+    state: the tracker, from :func:`noise_scale_init` or a previous update.
+    noise: one step's measurements, e.g. from ``jaxaccum.value_and_grad(...,
+      noise_stats=True)``.
+    decay: the EMAs' decay per step.
+
+  Returns:
+    The new tracker state.
+
+  >>> import jax.numpy as jnp
+  >>> one = GradientNoise(jnp.array(2.0), jnp.array(1.25), jnp.array(4.0), jnp.array(16.0))
+  >>> state = noise_scale_update(noise_scale_init(), one, decay=0.5)
+  >>> float(state.trace), float(state.sq_norm), int(state.num_updates)  # S=4, |G|²=1
+  (2.0, 0.5, 1)
+  >>> one_micro_batch = one._replace(b_small=jnp.array(16.0))
+  >>> int(noise_scale_update(state, one_micro_batch).num_updates)  # left out
+  1
   """
   trace, g2 = noise.trace(), noise.sq_norm()
   ok = jnp.isfinite(trace) & jnp.isfinite(g2)
