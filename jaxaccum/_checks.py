@@ -5,9 +5,8 @@ Two kinds:
 - Value-level checks inside the engine, written with
   ``jax.experimental.checkify.debug_check``. They are off by default: even
   as no-ops they would put an effect on the step's jaxpr, and an effectful
-  ``jit`` leaves JAX's fast C++ dispatch path (measured: about 20 µs more per
-  call and array). Switch them on while debugging with
-  ``value_and_grad(..., value_checks=True)`` and run the step under
+  ``jit`` leaves JAX's fast C++ dispatch path. Switch them on while debugging
+  with ``value_and_grad(..., value_checks=True)`` and run the step under
   ``chex.chexify`` (or ``checkify.checkify``).
   (The static, trace-time checks are ``chex`` shape and dtype assertions in
   the engine; they are always on and cost nothing at run time.)
