@@ -28,7 +28,6 @@ Run: ``python examples/convnet_batchnorm.py [--steps 200] [--out-dir outputs]``.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import time
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _cli import command_line  # examples/_cli.py
 from _digits import digits_split  # examples/_digits.py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -259,23 +259,4 @@ def plot(losses, train_acc, eval_steps, test_accs, *, k, m, png: pathlib.Path) -
 
 
 if __name__ == "__main__":
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=200)
-  parser.add_argument("--batch-size", type=int, default=256)
-  parser.add_argument("--num-micro-batches", type=int, default=8)
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
-  parser.add_argument("--eval-every", type=int, default=20)
-  parser.add_argument("--out-dir", default="outputs")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--no-progress", action="store_true")
-  args = parser.parse_args()
-  main(
-    steps=args.steps,
-    batch_size=args.batch_size,
-    num_micro_batches=args.num_micro_batches,
-    learning_rate=args.learning_rate,
-    eval_every=args.eval_every,
-    out_dir=args.out_dir,
-    progress=not args.no_progress,
-    seed=args.seed,
-  )
+  command_line(main, __doc__)

@@ -35,7 +35,6 @@ Run: ``python examples/cross_step.py [--epochs 12] [--out-dir outputs]``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import pathlib
 import time
@@ -45,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _cli import command_line  # examples/_cli.py
 from _digits import digits_split  # examples/_digits.py
 from flax import nnx
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -262,25 +262,4 @@ def plot(result: dict, every_k: int, png: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--epochs", type=int, default=12)
-  parser.add_argument("--micro-batch-size", type=int, default=20)
-  parser.add_argument("--every-k", type=int, default=8)
-  parser.add_argument("--hidden", type=int, default=128)
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
-  parser.add_argument("--no-flush", action="store_true")
-  parser.add_argument("--out-dir", default="outputs")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--no-progress", action="store_true")
-  args = parser.parse_args()
-  main(
-    epochs=args.epochs,
-    micro_batch_size=args.micro_batch_size,
-    every_k=args.every_k,
-    hidden=args.hidden,
-    learning_rate=args.learning_rate,
-    flush_at_epoch_end=not args.no_flush,
-    out_dir=args.out_dir,
-    progress=not args.no_progress,
-    seed=args.seed,
-  )
+  command_line(main, __doc__)

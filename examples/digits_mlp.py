@@ -29,7 +29,6 @@ Run: ``python examples/digits_mlp.py [--steps 150] [--out-dir outputs]``.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import time
 
@@ -37,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _cli import command_line  # examples/_cli.py
 from _digits import TRAIN_ROWS, digits_split  # examples/_digits.py
 from flax import nnx
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -203,21 +203,4 @@ def plot(
 
 
 if __name__ == "__main__":
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=150)
-  parser.add_argument("--num-micro-batches", type=int, default=8)
-  parser.add_argument("--hidden", type=int, default=128)
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
-  parser.add_argument("--out-dir", default="outputs")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--no-progress", action="store_true")
-  args = parser.parse_args()
-  main(
-    steps=args.steps,
-    num_micro_batches=args.num_micro_batches,
-    hidden=args.hidden,
-    learning_rate=args.learning_rate,
-    out_dir=args.out_dir,
-    progress=not args.no_progress,
-    seed=args.seed,
-  )
+  command_line(main, __doc__)

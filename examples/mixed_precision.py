@@ -46,7 +46,6 @@ Run: ``python examples/mixed_precision.py [--steps-bf16 200] [--steps-fp16 300]`
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import pathlib
@@ -56,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _cli import command_line  # examples/_cli.py
 from _digits import TRAIN_ROWS, digits_split  # examples/_digits.py
 from _mlp import init_mlp, mlp  # examples/_mlp.py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -466,29 +466,4 @@ def plot(
 
 
 if __name__ == "__main__":
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps-bf16", type=int, default=200)
-  parser.add_argument("--steps-fp16", type=int, default=300)
-  parser.add_argument("--num-micro-batches", type=int, default=8)
-  parser.add_argument("--micro-batch-size", type=int, default=32)
-  parser.add_argument("--hidden", type=int, default=128)
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
-  parser.add_argument("--initial-scale", type=float, default=2.0**15)
-  parser.add_argument("--growth-interval", type=int, default=25)
-  parser.add_argument("--out-dir", default="outputs")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--no-progress", action="store_true")
-  args = parser.parse_args()
-  main(
-    steps_bf16=args.steps_bf16,
-    steps_fp16=args.steps_fp16,
-    num_micro_batches=args.num_micro_batches,
-    micro_batch_size=args.micro_batch_size,
-    hidden=args.hidden,
-    learning_rate=args.learning_rate,
-    initial_scale=args.initial_scale,
-    growth_interval=args.growth_interval,
-    out_dir=args.out_dir,
-    progress=not args.no_progress,
-    seed=args.seed,
-  )
+  command_line(main, __doc__)

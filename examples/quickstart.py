@@ -34,8 +34,6 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
-import inspect
 import math
 import re
 import time
@@ -48,6 +46,7 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
+from _cli import command_line  # examples/_cli.py
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -605,30 +604,4 @@ def main(
 
 
 if __name__ == "__main__":
-  defaults = {n: p.default for n, p in inspect.signature(main).parameters.items()}
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  for flag, name, kind, text in [
-    ("--steps", "steps", int, "optimizer steps"),
-    ("--batch-size", "batch_size", int, "sequences per optimizer step"),
-    ("--micro-batches", "num_micro_batches", int, "k: micro-batches per step"),
-    ("--seq-len", "seq_len", int, "tokens per sequence, after padding"),
-    ("--width", "width", int, "model width"),
-    ("--layers", "layers", int, "transformer blocks"),
-    ("--learning-rate", "learning_rate", float, "peak AdamW learning rate"),
-    ("--out-dir", "out_dir", str, "where the loss curve goes"),
-    ("--seed", "seed", int, "data order, initialization and dropout"),
-  ]:
-    parser.add_argument(
-      flag, dest=name, type=kind, default=defaults[name], metavar="", help=text
-    )
-  parser.add_argument(
-    "--no-progress",
-    dest="progress",
-    action="store_false",
-    default=argparse.SUPPRESS,  # main's default: show it
-    help="hide the progress bar",
-  )
-  main(**vars(parser.parse_args()))
+  command_line(main, __doc__)
