@@ -178,36 +178,10 @@ class Approach(abc.ABC):
     return 1
 
 
-class FullBatch(Approach):
-  """``jax.value_and_grad`` on all ``B`` rows and one update, in one jit."""
+class OneCallStep(Approach):
+  """An approach whose whole step is one jitted ``fn(params, opt_state, batch)``."""
 
-  name, label = "full_batch", "full batch"
-
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    self.fn = full_batch_step(model.loss, tx)
-
-  def step(self) -> PyTree:
-    self.params, self.opt_state, _ = self.fn(
-      self.params, self.opt_state, self.model.batch
-    )
-    return self.params
-
-  def memory(self) -> dict[str, Any]:
-    params = shape_of(self.model.params)
-    return compiled_stats(
-      self.fn, params, shape_of(self.tx.init(self.model.params)), self.model.batch
-    )
-
-
-class JaxAccum(Approach):
-  """``jaxaccum.make_train_step``: ``lax.scan`` over micro-batches in one jit."""
-
-  name, label = "jaxaccum", "jaxaccum"
-
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    self.fn = jaxaccum.make_train_step(model.loss, tx, k)
+  fn: Any
 
   def step(self) -> PyTree:
     self.params, self.opt_state, _ = self.fn(
@@ -224,7 +198,27 @@ class JaxAccum(Approach):
     )
 
 
-class OptaxMicrobatch(Approach):
+class FullBatch(OneCallStep):
+  """``jax.value_and_grad`` on all ``B`` rows and one update, in one jit."""
+
+  name, label = "full_batch", "full batch"
+
+  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
+    super().__init__(model, tx, k)
+    self.fn = full_batch_step(model.loss, tx)
+
+
+class JaxAccum(OneCallStep):
+  """``jaxaccum.make_train_step``: ``lax.scan`` over micro-batches in one jit."""
+
+  name, label = "jaxaccum", "jaxaccum"
+
+  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
+    super().__init__(model, tx, k)
+    self.fn = jaxaccum.make_train_step(model.loss, tx, k)
+
+
+class OptaxMicrobatch(OneCallStep):
   """``optax.microbatching.microbatch(jax.value_and_grad(loss), ...)``, MEAN."""
 
   name, label = "optax_microbatch", "optax.microbatch"
@@ -244,20 +238,6 @@ class OptaxMicrobatch(Approach):
       return optax.apply_updates(params, updates), opt_state, value
 
     self.fn = jax.jit(step, donate_argnums=(0, 1))
-
-  def step(self) -> PyTree:
-    self.params, self.opt_state, _ = self.fn(
-      self.params, self.opt_state, self.model.batch
-    )
-    return self.params
-
-  def memory(self) -> dict[str, Any]:
-    return compiled_stats(
-      self.fn,
-      shape_of(self.model.params),
-      shape_of(self.tx.init(self.model.params)),
-      self.model.batch,
-    )
 
 
 class OptaxMultiSteps(Approach):
