@@ -437,7 +437,11 @@ def value_and_grad(
       ``micro_batch_size`` rows) and accumulates locally inside
       ``shard_map``; ONE reduction of the gradients runs after the loop. The
       micro-batch index folded into the key is global (``d * k + i`` on device
-      ``d``), and floating-point state is averaged over devices.
+      ``d``). Each device threads its own copy of the state; after the loop
+      floating-point state is averaged over devices, integers take their
+      maximum, and a typed PRNG key (``jax.random.key``; a raw ``uint32`` key
+      counts as integers) that ``fun`` advanced comes from device 0. Devices
+      draw different numbers from typed keys in the state only.
     data_axis: the mesh axis that the batch is sharded along.
     param_specs: ``PartitionSpec``s of the differentiated arguments (a tree
       prefix per entry of ``argnums``). Only needed inside ``jit`` with an

@@ -27,8 +27,8 @@ micro-batches, keys included.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -174,22 +174,33 @@ class DataParallel:
     """Runs the step as one jitted program, compiled once per configuration.
 
     Under an outer ``jit`` it inlines. Called eagerly, the jitted step is
-    cached on the parameter sharding and the non-array keyword arguments
-    (static, like Python values in ``fun``), so a loop compiles it once.
+    cached on the parameter sharding and on the keyword arguments' structure
+    and non-array values (static, as Python values are in ``fun``), so a loop
+    compiles it once; arrays in keyword arguments are inputs.
     """
     self.engine.check_args(args)
     self._check_global_batch(args)
     dims = self._diff_dims(tuple(args[i] for i in self.engine.argnums))
-    static = tuple(sorted(n for n, v in kwargs.items() if _is_static(v)))
+    split, arrays = _split_kwargs(kwargs)
     flat_dims, dims_tree = jax.tree.flatten(dims, is_leaf=lambda x: x is None)
-    key = (dims_tree, tuple(flat_dims), static)
-    step = self._steps.get(key)
+    key: Any = (dims_tree, tuple(flat_dims), split)
+    try:
+      step = self._steps.get(key)
+    except TypeError:  # an unhashable keyword value: compile for this call
+      key, step = None, None
     if step is None:
-      step = jax.jit(functools.partial(self._step, dims), static_argnames=static)
-      self._steps[key] = step
-    return step(*args, **kwargs)
+      step = jax.jit(functools.partial(self._step, dims, split))
+      if key is not None:
+        self._steps[key] = step
+    return step(args, arrays)
 
-  def _step(self, dims: tuple[PyTree, ...], *args: Any, **kwargs: Any) -> Any:
+  def _step(
+    self,
+    dims: tuple[PyTree, ...],
+    split: _KwargsSplit,
+    args: tuple[Any, ...],
+    kwarg_arrays: list[Any],
+  ) -> Any:
     """The ``shard_map`` of the local accumulation and its one reduction."""
     engine, axis = self.engine, self.axis
     diff_args = tuple(args[i] for i in engine.argnums)
@@ -208,16 +219,19 @@ class DataParallel:
         arg_dims,
         is_leaf=lambda x: x is None,
       )
+    # Keyword arrays reach every device whole, as inputs (an Explicit mesh
+    # allows no closing over them).
+    kwarg_specs = [P()] * len(kwarg_arrays)
     if self.explicit:
-      args = tuple(
-        jax.tree.map(
-          lambda x, s: jax.sharding.reshard(x, NamedSharding(self.mesh, s)), a, sp
-        )
-        for a, sp in zip(args, specs, strict=True)
+      args, kwarg_arrays = jax.tree.map(
+        lambda x, s: jax.sharding.reshard(x, NamedSharding(self.mesh, s)),
+        (args, kwarg_arrays),
+        (tuple(specs), kwarg_specs),
       )
 
-    def local_step(*local_args):
-      split = engine.plan(local_args)
+    def local_step(local_args, local_kwarg_arrays):
+      kwargs = split.merge(local_kwarg_arrays)
+      micro = engine.plan(local_args)
       local_diff = tuple(local_args[i] for i in engine.argnums)
       full = jax.tree.map(
         lambda x, d: (
@@ -242,9 +256,9 @@ class DataParallel:
       sums = engine.sums(
         local_args,
         kwargs,
-        split,
+        micro,
         diff_args=to_varying(full, axis),
-        index_offset=device * split.num_micro_batches,
+        index_offset=device * micro.num_micro_batches,
       )
       grads = jax.tree.map(
         lambda g, d: (
@@ -285,10 +299,10 @@ class DataParallel:
     return jax.shard_map(
       local_step,
       mesh=self.mesh,
-      in_specs=tuple(specs),
+      in_specs=(tuple(specs), kwarg_specs),
       out_specs=out_specs,
       axis_names={axis},
-    )(*args)
+    )(args, kwarg_arrays)
 
   def _value_aux_specs(self) -> Any:
     """Value: replicated. Aux: device-major along its micro-batch axis.
@@ -302,18 +316,35 @@ class DataParallel:
     return (P(), aux_spec)
 
 
-def _is_static(value: Any) -> bool:
-  """A keyword argument without arrays that can be hashed: a Python value
-  that ``fun`` may branch on, so the step compiles per value."""
-  if any(
-    isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in jax.tree.leaves(value)
-  ):
-    return False
-  try:
-    hash(value)
-  except TypeError:
-    return False
-  return True
+class _KwargsSplit(NamedTuple):
+  """Keyword arguments without their arrays: what a compiled step is for.
+
+  Attributes:
+    treedef: the structure of the keyword arguments.
+    is_array: per leaf, whether it is an array (an input of the step).
+    static: per leaf, the leaf itself where it is not an array (a Python
+      value that ``fun`` may branch on or use as a shape), else None.
+  """
+
+  treedef: Any
+  is_array: tuple[bool, ...]
+  static: tuple[Any, ...]
+
+  def merge(self, arrays: Sequence[Any]) -> dict[str, Any]:
+    """The keyword arguments, with ``arrays`` put back in their places."""
+    it = iter(arrays)
+    leaves = [
+      next(it) if a else s for a, s in zip(self.is_array, self.static, strict=True)
+    ]
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[_KwargsSplit, list[Any]]:
+  leaves, treedef = jax.tree.flatten(kwargs)
+  is_array = tuple(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)
+  static = tuple(None if a else x for x, a in zip(leaves, is_array, strict=True))
+  arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
+  return _KwargsSplit(treedef, is_array, static), arrays
 
 
 def _reduce_state(state: PyTree, state_in: PyTree, axis: str) -> PyTree:
@@ -324,7 +355,9 @@ def _reduce_state(state: PyTree, state_in: PyTree, axis: str) -> PyTree:
   Integer counters advance identically on every device; their maximum is
   taken. PRNG keys, which came in with the device index folded in, go out as
   they came in if ``fun`` left them alone (an nnx RNG stream advances its
-  counter, not its key), and otherwise as device 0's new key.
+  counter, not its key), and otherwise as device 0's new key. Only typed keys
+  (``jax.random.key``) are keys here: a raw ``uint32`` key is an integer
+  array, the same on every device.
   """
   device = jax.lax.axis_index(axis)
 
@@ -343,7 +376,13 @@ def _is_key(x: Any) -> bool:
 
 
 def _fold_key(x: Any, device: jax.Array) -> Any:
-  return jax.random.fold_in(x, device) if _is_key(x) else x
+  """``fold_in(x, device)`` for a key or an array of keys; ``x`` otherwise."""
+  if not _is_key(x):
+    return x
+  fold = jax.random.fold_in
+  for _ in range(jnp.ndim(x)):
+    fold = jax.vmap(fold, in_axes=(0, None))
+  return fold(x, device)
 
 
 def _final_key(new: Any, old: Any, device: jax.Array, axis: str) -> Any:

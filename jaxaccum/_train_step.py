@@ -18,6 +18,7 @@ import optax
 
 from jaxaccum import _accumulate
 from jaxaccum._loss_scale import DynamicLossScale
+from jaxaccum._transform import AccumulateState
 
 PyTree = Any
 
@@ -33,9 +34,24 @@ def all_finite(tree: PyTree) -> jax.Array:
   return jnp.all(jnp.asarray(leaves)) if leaves else jnp.asarray(True)
 
 
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``pred``, else ``old`` (keys included), laid out as ``new``."""
+  if jax.dtypes.issubdtype(jnp.result_type(new), jax.dtypes.prng_key):
+    data = _select(pred, jax.random.key_data(new), jax.random.key_data(old))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
+  new_sharding = getattr(jax.typeof(new), "sharding", None)
+  if new_sharding is not None and jax.typeof(old).sharding != new_sharding:
+    old = jax.sharding.reshard(old, new_sharding)
+  return jnp.where(pred, new, old)
+
+
 def find_loss_scale(opt_state: PyTree) -> DynamicLossScale | None:
-  """The one :class:`DynamicLossScale` in ``opt_state`` (e.g. inside an
-  ``optax.chain``), or None."""
+  """The loss scale of the ``accumulate(..., loss_scale=...)`` that sees the
+  gradients first: ``tx`` itself or the first link of an ``optax.chain``
+  (also inside ``inject_hyperparams`` or ``MultiSteps``); None if there is
+  no loss scale. A scale anywhere else would leave other gradients scaled,
+  so it raises a ``ValueError``.
+  """
   found = [
     x
     for x in jax.tree.leaves(
@@ -43,12 +59,30 @@ def find_loss_scale(opt_state: PyTree) -> DynamicLossScale | None:
     )
     if isinstance(x, DynamicLossScale)
   ]
-  if len(found) > 1:
+  if not found:
+    return None
+  first = opt_state
+  while not isinstance(first, AccumulateState):
+    if isinstance(
+      first, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    ):
+      first = first.inner_state
+    elif isinstance(first, optax.MultiStepsState):
+      first = first.inner_opt_state
+    elif type(first) is tuple and first:  # optax.chain
+      first = first[0]
+    else:
+      break
+  if (
+    len(found) > 1 or not isinstance(first, AccumulateState) or first.loss_scale is None
+  ):
     raise ValueError(
-      f"opt_state holds {len(found)} loss scales; make_train_step scales the "
-      "loss by one."
+      "make_train_step multiplies the whole loss by the loss scale, so the "
+      "jaxaccum.accumulate(..., loss_scale=...) that unscales it must see "
+      "every gradient first: pass it as tx, or first in optax.chain. This "
+      f"opt_state holds {len(found)} loss scale(s) elsewhere."
     )
-  return found[0] if found else None
+  return first.loss_scale
 
 
 def make_train_step(
@@ -80,7 +114,9 @@ def make_train_step(
       the loss by the current scale, and ``accumulate`` unscales the
       gradients, skips a step that overflowed and adjusts the scale once per
       step. Inside an ``optax.chain``, put that ``accumulate`` first, so that
-      nothing sees the gradients before they are unscaled.
+      nothing sees the gradients before they are unscaled (anywhere else,
+      e.g. under ``optax.masked``, the step raises a ``ValueError``). With
+      ``noise_stats``, the noise is reported unscaled.
     donate: donate ``params`` and ``opt_state`` to the step. Do not use the
       arrays you passed in after the call.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
@@ -137,13 +173,21 @@ def make_train_step(
     if loss_scale is not None:
       loss = loss / loss_scale.scale  # float32, like the scaled loss
       value = (loss, value[1]) if has_aux else loss
+      if noise is not None:  # measured on scaled gradients
+        unscale = loss_scale.scale.astype(jnp.float32) ** 2
+        noise = noise._replace(
+          small_sq_norm=noise.small_sq_norm / unscale,
+          big_sq_norm=noise.big_sq_norm / unscale,
+        )
     finite = all_finite(grads) & all_finite(loss)
     if state_argnum is not None and skip_nonfinite:
       # A skipped step leaves the threaded state (BatchNorm statistics) as it
       # was too: one bad batch must not poison every later step.
       old_state = args[state_argnum - 1]
       aux, new_state = value[1]
-      new_state = jax.lax.cond(finite, lambda: new_state, lambda: old_state)
+      new_state = jax.tree.map(
+        lambda new, old: _select(finite, new, old), new_state, old_state
+      )
       value = (loss, (aux, new_state))
 
     def apply(params, opt_state):

@@ -178,3 +178,49 @@ def test_accumulate_state_can_be_donated():
   ).init(jnp.zeros(2))
   buffers = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(state)]
   assert len(set(buffers)) == len(buffers)
+
+
+def test_train_step_noise_is_in_unscaled_units():
+  x, y = data()
+  batch = (x[:2].reshape(-1, F), y[:2].reshape(-1))
+  params = jnp.array([1.0, -2.0, 0.5])
+  plain = jaxaccum.make_train_step(
+    loss, optax.sgd(0.05), 4, noise_stats=True, donate=False
+  )
+  _, _, (_, want) = plain(params, optax.sgd(0.05).init(params), batch)
+  tx = jaxaccum.accumulate(
+    optax.sgd(0.05), 1, loss_scale=jaxaccum.dynamic_loss_scale(2.0**10)
+  )
+  scaled = jaxaccum.make_train_step(loss, tx, 4, noise_stats=True, donate=False)
+  _, _, (_, noise) = scaled(params, tx.init(params), batch)
+  chex.assert_trees_all_close(noise, want, rtol=1e-5)
+
+
+def test_train_step_loss_scale_must_see_every_gradient_first():
+  x, y = data()
+  batch = (x[:2].reshape(-1, F), y[:2].reshape(-1))
+  params = {"a": jnp.ones(F), "b": jnp.ones(F)}
+
+  def two_part_loss(p, batch):
+    return loss(p["a"], batch) + loss(p["b"], batch)
+
+  scaled = jaxaccum.accumulate(
+    optax.sgd(0.05), 1, loss_scale=jaxaccum.dynamic_loss_scale(2.0**10)
+  )
+  # Found through inject_hyperparams around the chain:
+  ok = optax.inject_hyperparams(lambda lr: optax.chain(scaled, optax.scale(lr)))(lr=1.0)
+  step = jaxaccum.make_train_step(two_part_loss, ok, 2, donate=False)
+  new, _, _ = step(params, ok.init(params), batch)
+  grads = jax.grad(two_part_loss)(params, batch)
+  chex.assert_trees_all_close(
+    new, jax.tree.map(lambda p, g: p - 0.05 * g, params, grads), rtol=1e-5
+  )
+  # Refused where other gradients would skip the unscaling:
+  for bad in (
+    optax.multi_transform({"s": scaled, "p": optax.sgd(0.05)}, {"a": "s", "b": "p"}),
+    optax.masked(scaled, {"a": True, "b": False}),
+    optax.chain(optax.clip_by_global_norm(1.0), scaled),
+  ):
+    step = jaxaccum.make_train_step(two_part_loss, bad, 2, donate=False)
+    with pytest.raises(ValueError, match="must see every gradient first"):
+      step(params, bad.init(params), batch)

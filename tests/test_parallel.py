@@ -345,3 +345,86 @@ def test_a_key_that_fun_advances_in_the_state_moves_on(mesh):
   for _ in range(k):
     want = jax.random.split(want)[0]
   np.testing.assert_array_equal(jax.random.key_data(final), jax.random.key_data(want))
+
+
+class _Unhashable:
+  __hash__ = None  # type: ignore[assignment]
+
+  def __init__(self, power):
+    self.power = power
+
+
+def test_keyword_arguments_of_any_kind(mesh):
+  """Python values in keyword arguments (in dicts and lists, unhashable
+  objects, None) stay Python values in ``fun``; arrays, even sharded along
+  the data axis, reach every device whole. The reference is one device with
+  ``D * k`` micro-batches, the same global micro-batches."""
+  params, batch = problem()
+  k = 2
+
+  def loss(p, batch, *, cfg, shape, obj, offset, unused):
+    assert unused is None and isinstance(cfg["square"], bool)
+    value = mlp_loss(p, batch) + jnp.sum(jnp.zeros(shape)) + jnp.sum(offset)
+    return value**obj.power if cfg["square"] else value
+
+  offset = jnp.arange(D, dtype=jnp.float32) / 100
+  kwargs = {
+    "cfg": {"square": True, "scale": jnp.float32(2.0)},
+    "shape": [2, 3],
+    "obj": _Unhashable(2),
+    "offset": shard(mesh, offset),
+    "unused": None,
+  }
+  fun = jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis="data")
+  want = jaxaccum.value_and_grad(loss, D * k)(
+    params, batch, **{**kwargs, "offset": offset}
+  )
+  assert_close(fun(params, shard(mesh, batch), **kwargs), want)
+  assert_close(
+    jax.jit(lambda p, b: fun(p, b, **kwargs))(params, shard(mesh, batch)), want
+  )
+
+
+def test_batched_keys_in_the_state():
+  mesh = jax.make_mesh((D,), ("data",))
+  params, batch = problem()
+
+  def loss_with_keys(p, batch, keys):
+    x, y = batch
+    noise = 0.01 * jax.random.normal(keys[0], x.shape)
+    return mlp_loss(p, (x + noise, y)), (None, keys)
+
+  keys = jax.random.split(jax.random.key(3), 3)
+  fun = jaxaccum.value_and_grad(
+    loss_with_keys, 2, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+  )
+  (_, (_, final)), _ = jax.jit(fun)(params, shard(mesh, batch), keys)
+  np.testing.assert_array_equal(jax.random.key_data(final), jax.random.key_data(keys))
+
+
+def test_train_step_skip_keeps_a_sharded_state(mesh):
+  params, (x, y) = problem()
+  tx = optax.sgd(0.1)
+
+  def loss_with_stats(p, batch, stats):
+    x, _ = batch
+    return mlp_loss(p, batch), (None, 0.9 * stats + 0.1 * jnp.mean(x))
+
+  stats = jax.device_put(jnp.zeros(D), NamedSharding(mesh, DATA))
+  step = jaxaccum.make_train_step(
+    loss_with_stats,
+    tx,
+    2,
+    state_argnum=2,
+    has_aux=True,
+    donate=False,
+    mesh=mesh,
+    data_axis="data",
+  )
+  _, _, (value, (_, good)) = step(params, tx.init(params), shard(mesh, (x, y)), stats)
+  assert np.isfinite(value) and not np.allclose(good, 0.0)
+  bad = shard(mesh, (x.at[5, 0].set(jnp.nan), y))
+  new_params, _, (value, (_, kept)) = step(params, tx.init(params), bad, stats)
+  assert np.isnan(value)
+  chex.assert_trees_all_equal(new_params, params)
+  np.testing.assert_array_equal(kept, np.zeros(D))
