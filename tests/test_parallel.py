@@ -389,16 +389,25 @@ def test_batched_keys_in_the_state():
   mesh = jax.make_mesh((D,), ("data",))
   params, batch = problem()
 
+  k = 2
+
   def loss_with_keys(p, batch, keys):
     x, y = batch
     noise = 0.01 * jax.random.normal(keys[0], x.shape)
-    return mlp_loss(p, (x + noise, y)), (None, keys)
+    return mlp_loss(p, (x + noise, y)), (noise[0, 0], keys)
 
   keys = jax.random.split(jax.random.key(3), 3)
   fun = jaxaccum.value_and_grad(
-    loss_with_keys, 2, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+    loss_with_keys, k, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
   )
-  (_, (_, final)), _ = jax.jit(fun)(params, shard(mesh, batch), keys)
+  (_, (draws, final)), _ = jax.jit(fun)(params, shard(mesh, batch), keys)
+  # Every key of the array had the device folded in: devices draw differently
+  # (fun leaves the keys alone, so micro-batches of one device draw alike).
+  draws = np.asarray(draws)
+  assert draws.shape == (D * k,)
+  assert len(set(draws[::k].tolist())) == D
+  np.testing.assert_array_equal(draws[::k], draws[1::k])
+  # ... and the keys come back as they went in.
   np.testing.assert_array_equal(jax.random.key_data(final), jax.random.key_data(keys))
 
 
