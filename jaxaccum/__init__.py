@@ -9,7 +9,8 @@ The public surface:
   and runs the inner optimizer once per window.
 - :func:`make_train_step`: a jitted, donated step with one optimizer update.
 - :func:`verify_equivalence`: checks accumulation against the full batch.
-- :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory.
+- :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory,
+  also for an accelerator you do not have (:func:`compile_target`).
 - :func:`scale_lr_linear`, :func:`scale_adam_sqrt`, :func:`warmup`:
   hyperparameters for a larger effective batch.
 - :class:`GradientNoise`, :func:`noise_scale_update`,
@@ -39,6 +40,8 @@ from jaxaccum._stats import NoiseScaleState as NoiseScaleState
 from jaxaccum._stats import critical_batch_size as critical_batch_size
 from jaxaccum._stats import noise_scale_init as noise_scale_init
 from jaxaccum._stats import noise_scale_update as noise_scale_update
+from jaxaccum._targets import CompileTarget as CompileTarget
+from jaxaccum._targets import compile_target as compile_target
 from jaxaccum._train_step import make_train_step as make_train_step
 from jaxaccum._transform import AccumulateState as AccumulateState
 from jaxaccum._transform import accumulate as accumulate

@@ -8,6 +8,12 @@ compiled step will ask the device for:
 ``peak = argument + output + temp - alias``
 
 (``alias`` is the output memory that reuses donated argument buffers).
+Every number is device memory; a batch in host memory (``pinned_host``) is
+counted apart, in ``host_bytes``.
+
+With ``target=`` (see :func:`jaxaccum.compile_target`) the step is compiled
+for compile-only devices of an accelerator this machine does not have, an
+H100 or a TPU slice, and the numbers are that accelerator's, per device.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jaxaccum import _accumulate, _split
+from jaxaccum._targets import CompileTarget
 
 
 class MemoryStats(NamedTuple):
@@ -30,6 +37,15 @@ class MemoryStats(NamedTuple):
     temp_bytes: XLA's scratch: activations, the accumulator, intermediates.
     alias_bytes: outputs that reuse donated input buffers.
     code_bytes: the generated code.
+    host_bytes: host memory (``pinned_host``) of arguments, outputs and
+      temporaries, less aliased host outputs; not part of ``peak_bytes``.
+
+  On TPU, XLA's memory analysis reports ``temp_size_in_bytes`` as 0 for many
+  programs that hold large intermediates, while its
+  ``peak_memory_in_bytes`` counts them, together with host arguments and
+  outputs. There ``temp_bytes`` is what that peak holds beyond the host
+  memory and the device arguments and outputs, so that ``peak_bytes`` is
+  the TPU compiler's own peak of device memory.
   """
 
   argument_bytes: int
@@ -37,6 +53,7 @@ class MemoryStats(NamedTuple):
   temp_bytes: int
   alias_bytes: int
   code_bytes: int
+  host_bytes: int = 0
 
   @property
   def peak_bytes(self) -> int:
@@ -51,6 +68,8 @@ class MemoryStats(NamedTuple):
       ("aliased (donated)", -self.alias_bytes),
       ("peak", self.peak_bytes),
     ]
+    if self.host_bytes:
+      rows.append(("host memory", self.host_bytes))
     return "\n".join(f"{name:>18}: {format_bytes(n):>10}" for name, n in rows)
 
 
@@ -68,40 +87,88 @@ def format_bytes(n: float) -> str:
   raise AssertionError("unreachable")
 
 
-def compiled_memory(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryStats:
+def _from_analysis(analysis: Any, platform: str) -> MemoryStats:
+  """``MemoryStats`` of XLA's ``CompiledMemoryStats``; device memory only."""
+  arguments = int(analysis.argument_size_in_bytes)
+  outputs = int(analysis.output_size_in_bytes)
+  alias = int(analysis.alias_size_in_bytes)
+  temp = int(analysis.temp_size_in_bytes)
+  host = sum(
+    sign * int(getattr(analysis, f"host_{name}_size_in_bytes", 0))
+    for sign, name in ((1, "argument"), (1, "output"), (1, "temp"), (-1, "alias"))
+  )
+  peak = int(getattr(analysis, "peak_memory_in_bytes", 0))
+  if platform == "tpu" and peak:
+    temp = max(0, peak - host - (arguments + outputs - alias))
+  return MemoryStats(
+    argument_bytes=arguments,
+    output_bytes=outputs,
+    temp_bytes=temp,
+    alias_bytes=alias,
+    code_bytes=int(analysis.generated_code_size_in_bytes),
+    host_bytes=host,
+  )
+
+
+def _platform(compiled: jax.stages.Compiled) -> str:
+  for sharding in jax.tree.leaves(compiled.input_shardings):
+    return next(iter(sharding.device_set)).platform
+  return jax.default_backend()
+
+
+def compiled_memory(
+  fun: Callable[..., Any],
+  *args: Any,
+  target: CompileTarget | None = None,
+  **kwargs: Any,
+) -> MemoryStats:
   """Compiles ``fun(*args, **kwargs)`` and returns XLA's memory analysis.
 
   ``fun`` may already be jitted (with its own ``donate_argnums`` and
   shardings); otherwise it is wrapped in ``jax.jit``. The arguments may be
   arrays or ``jax.ShapeDtypeStruct``s. Nothing runs.
 
+  With ``target``, the step is compiled for that accelerator's compile-only
+  devices and the numbers are per device of it. ``ShapeDtypeStruct``s
+  sharded on the target (``target.place``, ``target.mesh()``) keep their
+  sharding and memory kind; every other array is replicated on the target,
+  in host memory if it was in host memory.
+
   >>> import jax, jax.numpy as jnp
   >>> stats = compiled_memory(lambda x: x * 2, jax.ShapeDtypeStruct((256,), jnp.float32))
   >>> stats.argument_bytes, stats.output_bytes
   (1024, 1024)
+
+  The same on a TPU v5e chip, with a 1 MiB argument in host memory:
+
+  >>> tpu = jaxaccum.compile_target("tpu-v5e")
+  >>> x = tpu.place(jax.ShapeDtypeStruct((512, 512), jnp.float32), memory_kind="pinned_host")
+  >>> stats = compiled_memory(lambda x: jax.device_put(x, jax.memory.Space.Device).sum(), x, target=tpu)
+  >>> stats.argument_bytes, stats.host_bytes
+  (0, 1048576)
   """
+  if target is not None:
+    return _from_analysis(target._memory_analysis(fun, args, kwargs), target.platform)
   jitted = fun if hasattr(fun, "lower") else jax.jit(fun)
-  analysis = jitted.lower(*args, **kwargs).compile().memory_analysis()
+  compiled = jitted.lower(*args, **kwargs).compile()
+  analysis = compiled.memory_analysis()
   if analysis is None:  # some backends do not report
     raise RuntimeError(
       f"The {jax.default_backend()} backend reports no memory analysis."
     )
-  return MemoryStats(
-    argument_bytes=int(analysis.argument_size_in_bytes),
-    output_bytes=int(analysis.output_size_in_bytes),
-    temp_bytes=int(analysis.temp_size_in_bytes),
-    alias_bytes=int(analysis.alias_size_in_bytes),
-    code_bytes=int(analysis.generated_code_size_in_bytes),
-  )
+  return _from_analysis(analysis, _platform(compiled))
 
 
 def memory_report(
   fun: Callable[..., Any],
   *args: Any,
   print_fn: Callable[[str], Any] = print,
+  target: CompileTarget | None = None,
   **kwargs: Any,
 ) -> MemoryStats:
-  """Prints ``compiled_memory(fun, *args, **kwargs)`` readably and returns it.
+  """Prints ``compiled_memory(fun, *args, target=target, **kwargs)`` readably.
+
+  Returns the ``MemoryStats`` it printed.
 
   >>> import jax, jax.numpy as jnp
   >>> _ = memory_report(lambda x: x * 2, jnp.ones(256))
@@ -111,7 +178,7 @@ def memory_report(
    aliased (donated):       0 B
                 peak:     2.0 KiB
   """
-  stats = compiled_memory(fun, *args, **kwargs)
+  stats = compiled_memory(fun, *args, target=target, **kwargs)
   print_fn(str(stats))
   return stats
 
@@ -122,13 +189,15 @@ class Candidate(NamedTuple):
   Attributes:
     num_micro_batches: ``k``.
     micro_batch_size: rows per micro-batch.
-    memory: the compiled step's memory.
+    memory: the compiled step's memory; ``None`` when the compiler refused
+      the step for want of device memory (XLA's TPU compiler does, for a
+      step beyond the chip's memory).
     fits: whether ``memory.peak_bytes <= memory_limit_bytes``.
   """
 
   num_micro_batches: int
   micro_batch_size: int
-  memory: MemoryStats
+  memory: MemoryStats | None
   fits: bool
 
 
@@ -139,11 +208,13 @@ class MicroBatchPlan(NamedTuple):
     num_micro_batches: the smallest ``k`` (largest micro-batch) that fits.
     peak_bytes: the peak of that compiled step.
     table: every candidate, by increasing ``k``.
+    memory_limit_bytes: the budget the candidates were held to.
   """
 
   num_micro_batches: int
   peak_bytes: int
   table: tuple[Candidate, ...]
+  memory_limit_bytes: int = 0
 
   def __str__(self) -> str:
     lines = [f"{'k':>6} {'micro-batch':>12} {'peak':>12}  fits"]
@@ -151,9 +222,9 @@ class MicroBatchPlan(NamedTuple):
       mark = "yes" if row.fits else "no"
       if row.num_micro_batches == self.num_micro_batches:
         mark += "  <- chosen"
+      peak = "> device" if row.memory is None else format_bytes(row.memory.peak_bytes)
       lines.append(
-        f"{row.num_micro_batches:>6} {row.micro_batch_size:>12} "
-        f"{format_bytes(row.memory.peak_bytes):>12}  {mark}"
+        f"{row.num_micro_batches:>6} {row.micro_batch_size:>12} {peak:>12}  {mark}"
       )
     return "\n".join(lines)
 
@@ -169,15 +240,20 @@ def plan_micro_batches(
   fun: Callable[..., Any],
   args: Sequence[Any],
   *,
-  memory_limit_bytes: int,
+  memory_limit_bytes: int | None = None,
   candidates: Sequence[int] | None = None,
   step_batch_argnum: int | None = None,
+  target: CompileTarget | None = None,
   **value_and_grad_kwargs: Any,
 ) -> MicroBatchPlan:
   """Chooses the smallest ``k`` whose compiled step fits ``memory_limit_bytes``.
 
   Every candidate is lowered and compiled, never run, and measured with XLA's
-  memory analysis (``argument + output + temp - alias``).
+  memory analysis (``argument + output + temp - alias``, device memory per
+  device). With ``target`` (:func:`jaxaccum.compile_target`) the candidates
+  are compiled for an accelerator this machine need not have, e.g. an H100
+  or a TPU v5e slice; see :func:`compiled_memory` for how the arguments are
+  placed on it.
 
   ``fun`` is one of two things:
 
@@ -193,13 +269,18 @@ def plan_micro_batches(
     fun: a loss, or a step builder.
     args: the step's arguments, arrays or ``jax.ShapeDtypeStruct``s, with the
       whole batch.
-    memory_limit_bytes: the budget, e.g. 90% of the device's memory.
+    memory_limit_bytes: the budget per device, e.g. 90% of the device's
+      memory. Required without ``target``; with one it defaults to
+      ``target.budget_bytes``: 75% of a GPU's memory (what JAX preallocates
+      by default), 90% of a TPU's.
     candidates: the ``k`` to try; by default every divisor of the batch size
       per device (the whole batch without ``mesh``, else its share of each
       device along ``data_axis``).
     step_batch_argnum: for a step builder, the position of the batch among
       the step's ``args``; by default the last. (For a loss, the batch is
       ``args[batch_argnums]``, as in :func:`jaxaccum.value_and_grad`.)
+    target: a :class:`jaxaccum.CompileTarget` to compile for; by default
+      JAX's default backend.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`;
       for a step builder, passed on to it with ``num_micro_batches``.
 
@@ -208,7 +289,8 @@ def plan_micro_batches(
     all candidates.
 
   Raises:
-    ValueError: if no candidate fits, naming the budget and the smallest peak.
+    ValueError: if no candidate fits, naming the budget and the smallest peak;
+      if neither ``memory_limit_bytes`` nor ``target`` is given.
 
   >>> import jax, jax.numpy as jnp, jaxaccum
   >>> def loss(w, x):
@@ -223,7 +305,23 @@ def plan_micro_batches(
   >>> k = plan.num_micro_batches
   >>> any(row.fits for row in plan.table if row.num_micro_batches < k)
   False
+
+  Planning for a TPU v5e chip, with the budget at its default, 90% of the
+  chip's 16 GiB: an 8 GiB batch whose activations are as large again needs
+  micro-batches there.
+
+  >>> tpu = jaxaccum.compile_target("tpu-v5e")
+  >>> big = (jnp.ones((2**16, 16)), jax.ShapeDtypeStruct((2**15, 2**16), jnp.float32))
+  >>> plan = jaxaccum.plan_micro_batches(loss, big, target=tpu, candidates=[1, 8])
+  >>> plan.num_micro_batches, plan.memory_limit_bytes == tpu.budget_bytes
+  (8, True)
   """
+  if memory_limit_bytes is None:
+    if target is None:
+      raise ValueError(
+        "Give memory_limit_bytes, or a target whose memory sets the budget."
+      )
+    memory_limit_bytes = target.budget_bytes
   builder = _is_step_builder(fun)
   if builder:
     nums: Sequence[int] = (
@@ -257,19 +355,29 @@ def plan_micro_batches(
       step = fun(num_micro_batches=k, **value_and_grad_kwargs)
     else:
       step = _accumulate.value_and_grad(fun, k, **value_and_grad_kwargs)
-    memory = compiled_memory(step, *args)
-    fits = memory.peak_bytes <= memory_limit_bytes
+    try:
+      memory: MemoryStats | None = compiled_memory(step, *args, target=target)
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      memory = None  # the compiler itself found the step too large
+    fits = memory is not None and memory.peak_bytes <= memory_limit_bytes
     table.append(Candidate(k, batch_size // k, memory, fits))
 
   fitting = [row for row in table if row.fits]
   if not fitting:
-    smallest = min(row.memory.peak_bytes for row in table)
+    peaks = [row.memory.peak_bytes for row in table if row.memory is not None]
+    smallest = (
+      f"the smallest compiled peak is {min(peaks)} bytes ({format_bytes(min(peaks))})"
+      if peaks
+      else "the compiler found every candidate too large for the device"
+    )
     raise ValueError(
       f"No candidate fits {memory_limit_bytes=} ({format_bytes(memory_limit_bytes)}); "
-      f"the smallest compiled peak is {smallest} bytes ({format_bytes(smallest)}) "
-      f"among num_micro_batches={[row.num_micro_batches for row in table]}."
+      f"{smallest} among num_micro_batches={[row.num_micro_batches for row in table]}."
     )
   chosen = fitting[0]
+  assert chosen.memory is not None
   return MicroBatchPlan(
-    chosen.num_micro_batches, chosen.memory.peak_bytes, tuple(table)
+    chosen.num_micro_batches, chosen.memory.peak_bytes, tuple(table), memory_limit_bytes
   )

@@ -1,0 +1,91 @@
+"""The one place jaxaccum uses JAX internals: compiling for compile-only GPUs.
+
+XLA's compile-only GPU devices (``jax.experimental.topologies`` with the CUDA
+plugin) have no memory kinds, and ``NamedSharding(..., memory_kind=
+"pinned_host")`` on them silently drops the kind. So a batch in host memory
+cannot be expressed on them through the public API. What works: trace and
+lower on CPU devices, which do have ``pinned_host``, for the ``cuda`` platform
+(``Traced.lower(lowering_platforms=("cuda",))``), then compile that module
+with the compile-only GPU client, device for device.
+
+The lowering is public; the compilation is not: it reads the lowering's
+compile arguments and device assignment and builds XLA compile options the
+way ``jax.jit`` does (``pxla.create_compile_options``). Everything private is
+in :func:`compile_lowered`; ``tests/test_targets.py`` pins it, so that a JAX
+release that moves it fails loudly there and not silently in a plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@contextlib.contextmanager
+def _internals() -> Iterator[None]:
+  """Turns a moved JAX internal into an error that says what moved."""
+  try:
+    yield
+  except (AttributeError, KeyError, ImportError, TypeError) as e:
+    raise RuntimeError(
+      f"JAX {jax.__version__} changed an internal that jaxaccum uses to compile "
+      f"for compile-only GPUs (jaxaccum/_aot.py): {type(e).__name__}: {e}"
+    ) from e
+
+
+def lowering_devices(lowered: jax.stages.Lowered) -> tuple[jax.Device, ...]:
+  """The devices ``lowered`` was lowered for, in XLA's device-assignment order."""
+  with _internals():
+    device_list = lowered._lowering._device_list  # type: ignore[attr-defined]
+  if device_list is None:
+    raise ValueError("The lowered computation has no device assignment.")
+  return tuple(device_list)
+
+
+def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) -> Any:
+  """Compiles ``lowered`` for ``devices`` and returns XLA's memory statistics.
+
+  Args:
+    lowered: a computation lowered (for the platform of ``devices``) on other
+      devices, e.g. CPU devices standing in for GPUs.
+    devices: compile-only devices, one per device of ``lowered``'s device
+      assignment, in that order.
+
+  Returns:
+    The executable's ``CompiledMemoryStats`` (per device).
+  """
+  lowered_on = lowering_devices(lowered)
+  if len(devices) != len(lowered_on):
+    raise ValueError(
+      f"{len(devices)} target devices for a computation lowered on {len(lowered_on)}."
+    )
+  with _internals():
+    from jax._src.interpreters import pxla  # noqa: PLC0415
+    from jax._src.lib import xla_client as xc  # noqa: PLC0415
+
+    lowering: Any = lowered._lowering
+    args = lowering.compile_args
+    allow_in, allow_out = pxla.get_prop_to_input_output(
+      args["in_shardings"], args["out_shardings"], len(args["ordered_effects"])
+    )
+    assignment = np.empty(len(devices), dtype=object)
+    assignment[:] = list(devices)
+    client = devices[0].client
+    options = pxla.create_compile_options(
+      lowering.stablehlo(),
+      args["tuple_args"],
+      allow_in,
+      allow_out,
+      client,
+      assignment,
+      dict(lowering._compiler_options_kvs),
+    )
+    device_list = xc.DeviceList(tuple(devices))
+  executable = client.compile(
+    lowering.stablehlo(), executable_devices=device_list, compile_options=options
+  )
+  return executable.get_compiled_memory_stats()
