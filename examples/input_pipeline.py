@@ -1,0 +1,629 @@
+"""Loading that keeps up: a Grain pipeline feeding the accumulated step.
+
+A small Flax NNX convnet learns scikit-learn's bundled digits (8x8 images,
+offline). Each optimizer step takes a batch of 192 augmented images, computed
+as 8 micro-batches of 24 by ``jaxaccum.make_train_step`` in one jitted,
+donated step. The batches come from a Grain pipeline::
+
+    grain.MapDataset.source(DigitsSource(x, y))  # {"image", "label", "index"}
+      .shuffle(seed).repeat()                    # a new order every epoch
+      .batch(192, drop_remainder=True)
+      .random_map(augment_batch)                 # rotate, shift, noise: numpy
+      .to_iter_dataset()
+      [.mp_prefetch(grain.MultiprocessingOptions(num_workers=...))]
+    grain.experimental.device_put(ds, sharding)  # threads: host, then device
+
+``device_put`` keeps a few batches built on the host and a couple already
+copied into device memory, in background threads, so the step never waits
+for the data as long as the pipeline is faster than the step.
+
+Then it measures, on this machine, steps/s of the same step fed in different
+ways (each the median of ``--repeats`` timed loops of ``--measure-steps``
+steps, from fresh copies of the initial parameters), and the pipeline's own
+batches/s with no training. The measurements back these rules:
+
+- **Keep the dispatch asynchronous.** A jitted call returns before the step
+  has run; ``float(loss)`` waits for it. Reading the loss every step stops
+  the next step (and, in a plain loop, the next batch) from being prepared
+  while this one runs. Read it every ``--loss-every`` steps; keep the other
+  losses as device arrays and read them at the end.
+- **Transform batches, not examples.** ``augment_batch`` resamples 192 images
+  with a handful of numpy calls; ``augment_example`` runs the same arithmetic
+  once per image, and pays Python and Grain's per-element overhead 192
+  times.
+- **Worker processes help only when cores are free.** Grain's
+  ``mp_prefetch`` moves the pipeline into spawned processes. That is worth
+  it when the pipeline is the bottleneck and there are idle cores; when the
+  step already keeps the cores busy the workers compete with it for them.
+  Spawned workers unpickle the pipeline, so its functions must be top-level
+  names of an importable module (here ``examples/_pipeline.py``); each
+  worker also imports the main script anew, JAX included, before its first
+  batch. Outside ``absl.app.run``, Grain's absl flags must be marked parsed
+  first (``absl.flags.FLAGS.mark_as_parsed()``).
+
+``--placement pinned_host`` puts the batches in pinned host memory instead of
+device memory, for jaxaccum to stream one micro-batch at a time to the
+device. That needs the host-batch streaming of the jaxaccum engine; where the
+installed jaxaccum cannot do that yet, the script says so and stops.
+
+It prints the test accuracy and a JSON summary line, and saves a plot of
+augmented examples, the loss curve and the measurements.
+
+Run: ``python examples/input_pipeline.py [--steps 300] [--out-dir outputs]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _cli import command_line  # examples/_cli.py
+from _digits import digits_split  # examples/_digits.py
+from _pipeline import (  # examples/_pipeline.py: importable by Grain's workers
+  DigitsSource,
+  augment_batch,
+  augment_example,
+)
+from absl import flags
+from flax import nnx
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+import jaxaccum
+
+Batch = dict[str, Any]
+Params = dict[str, Any]  # nnx.to_pure_dict of the model's state: arrays only
+
+
+class ConvNet(nnx.Module):
+  """Conv-ReLU, strided Conv-ReLU (8x8 -> 4x4), Dense-ReLU, Dense."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 16, (3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(16, 32, (3, 3), strides=(2, 2), rngs=rngs)
+    self.dense = nnx.Linear(4 * 4 * 32, 64, rngs=rngs)
+    self.out = nnx.Linear(64, 10, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = nnx.relu(self.conv1(x))  # (batch, 8, 8, 16)
+    x = nnx.relu(self.conv2(x))  # (batch, 4, 4, 32)
+    x = nnx.relu(self.dense(x.reshape((x.shape[0], -1))))
+    return self.out(x)
+
+
+def digits_pipeline(
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  batch_size: int,
+  seed: int,
+  augment: str = "batch",
+  workers: int = 0,
+  read_threads: int | None = 0,
+) -> grain.IterDataset:
+  """An endless stream of shuffled, augmented batches of the digits.
+
+  Args:
+    x: float32 images of shape ``(rows, 8, 8, 1)``; ``y``: int32 labels.
+    batch_size: rows per batch; it must divide ``rows``, so that each epoch
+      is a whole number of batches and no row is dropped.
+    seed: the shuffle and augmentation seed; every epoch is shuffled anew.
+    augment: ``"batch"`` (one vectorized ``augment_batch`` per batch),
+      ``"example"`` (``augment_example`` on each image, then batching) or
+      ``"none"``.
+    workers: Grain worker processes (``mp_prefetch``); 0 builds the batches
+      in this process.
+    read_threads: ``grain.ReadOptions.num_threads``, the threads (in each
+      process) that compute elements ahead. Grain's default, 16 threads and
+      500 elements ahead, suits reading from remote storage; for data in
+      memory they only contend for the GIL and the cores, so 0 (the
+      elements are computed by whoever iterates, here ``device_put``'s
+      prefetch thread). None keeps Grain's default.
+
+  Returns:
+    A ``grain.IterDataset`` of dicts of numpy arrays: ``image`` of shape
+    ``(batch_size, 8, 8, 1)``, ``label`` and ``index`` (the row in ``x``)
+    of shape ``(batch_size,)``.
+  """
+  if len(x) % batch_size:
+    raise ValueError(f"{batch_size=} does not divide the {len(x)} rows")
+  if augment not in ("batch", "example", "none"):
+    raise ValueError(f"{augment=} is not one of 'batch', 'example', 'none'")
+  ds = grain.MapDataset.source(DigitsSource(x, y)).shuffle(seed=seed).repeat()
+  if augment == "example":
+    ds = ds.random_map(augment_example, seed=seed + 1)
+  ds = ds.batch(batch_size, drop_remainder=True)
+  if augment == "batch":
+    ds = ds.random_map(augment_batch, seed=seed + 1)
+  if read_threads is None:  # Grain's default
+    it = ds.to_iter_dataset()
+  else:
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads))
+  if workers:
+    if not flags.FLAGS.is_parsed():  # Grain reads absl flags in its workers
+      flags.FLAGS.mark_as_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  return it
+
+
+def python_batches(
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  batch_size: int,
+  seed: int,
+  sharding: jax.sharding.Sharding,
+) -> Iterator[Batch]:
+  """The synchronous baseline: each batch built in this thread when asked for.
+
+  The same shuffle-per-epoch and the same ``augment_batch``, then
+  ``jax.device_put``; nothing is prepared ahead.
+  """
+  rng = np.random.default_rng(seed)
+  while True:
+    order = rng.permutation(len(x)).astype(np.int32)
+    for start in range(0, len(x) - batch_size + 1, batch_size):
+      rows = order[start : start + batch_size]
+      batch = {"image": x[rows], "label": y[rows], "index": rows}
+      yield jax.device_put(augment_batch(batch, rng), sharding)
+
+
+def make_step(
+  graphdef: nnx.GraphDef, tx: optax.GradientTransformation, k: int
+) -> Callable[..., Any]:
+  """``step(params, opt_state, (images, labels)) -> (params, opt_state, loss)``."""
+
+  def loss_fn(params: Params, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    images, labels = batch
+    logits = nnx.merge(graphdef, params)(images)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  return jaxaccum.make_train_step(loss_fn, tx, k)
+
+
+def check_placement(placement: str) -> jax.sharding.Sharding:
+  """The sharding that puts a batch on device 0, in ``placement`` memory."""
+  device = jax.devices()[0]
+  kinds = [memory.kind for memory in device.addressable_memories()]
+  if placement not in ("device", "pinned_host"):
+    raise ValueError(f"{placement=} is not 'device' or 'pinned_host'")
+  if placement not in kinds:
+    raise ValueError(f"{placement=}: {device} offers the memory kinds {kinds}")
+  return jax.sharding.SingleDeviceSharding(device, memory_kind=placement)
+
+
+def first_step(step: Callable[..., Any], *args: Any, placement: str) -> Any:
+  """Runs (and compiles) the first step; explains a missing streaming engine."""
+  try:
+    return step(*args)
+  except ValueError as error:
+    if placement == "pinned_host" and "memory_space" in str(error):
+      raise RuntimeError(
+        "--placement pinned_host needs jaxaccum's host-batch streaming (the "
+        "scan copying one micro-batch at a time from pinned host memory to "
+        "the device); this jaxaccum traces the step with the whole "
+        "batch in host memory, which XLA refuses. Use --placement device."
+      ) from error
+    raise
+
+
+def steps_per_second(
+  step: Callable[..., Any],
+  params: Params,
+  opt_state: Any,
+  batches: Iterator[Batch],
+  *,
+  steps: int,
+  loss_every: int,
+  warmup: int = 10,
+) -> float:
+  """Times ``steps`` steps fed from ``batches``, after ``warmup`` untimed ones.
+
+  The untimed steps compile (once per shape), start the pipeline and use up
+  most of the head start its buffers gained meanwhile. The loss is read
+  (``float``, which waits for the step) every ``loss_every`` steps and
+  after the last one.
+  """
+  for _ in range(warmup):
+    params, opt_state, loss = step(params, opt_state, as_inputs(next(batches)))
+  float(loss)
+  start = time.perf_counter()
+  for i in range(steps):
+    params, opt_state, loss = step(params, opt_state, as_inputs(next(batches)))
+    if (i + 1) % loss_every == 0:
+      float(loss)
+  float(loss)
+  return steps / (time.perf_counter() - start)
+
+
+def batches_per_second(ds: grain.IterDataset, *, batches: int) -> float:
+  """The pipeline alone on the host, no training: batches/s after the first."""
+  with contextlib.closing(iter(ds)) as it:
+    next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+      next(it)
+    return batches / (time.perf_counter() - start)
+
+
+def as_inputs(batch: Batch) -> tuple[jax.Array, jax.Array]:
+  """What the step trains on; ``index`` stays out of it."""
+  return batch["image"], batch["label"]
+
+
+def median_of(
+  measurements: dict[str, Callable[[], float]], repeats: int
+) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+  """Runs every measurement ``repeats`` times, interleaved; medians and ranges.
+
+  Interleaving spreads a slow spell of a shared machine over all of them
+  rather than onto one.
+  """
+  runs: dict[str, list[float]] = {name: [] for name in measurements}
+  for _ in range(repeats):
+    for name, measure in measurements.items():
+      runs[name].append(measure())
+  medians = {name: statistics.median(r) for name, r in runs.items()}
+  return medians, {name: (min(r), max(r)) for name, r in runs.items()}
+
+
+class Setup(NamedTuple):
+  """What the training run and the measurements share."""
+
+  step: Callable[..., Any]  # the accumulated, jitted, donating step
+  fresh: Callable[[], tuple[Params, Any]]  # initial params, new Adam state
+  pipeline: Callable[..., grain.IterDataset]  # (augment, workers, read_threads)
+  on_device: Callable[[grain.IterDataset], grain.IterDataset]  # prefetching
+  python_loop: Callable[[], Iterator[Batch]]  # the synchronous baseline
+  batches_per_epoch: int
+
+
+def train(
+  setup: Setup,
+  *,
+  steps: int,
+  augment: str,
+  workers: int,
+  loss_every: int,
+  placement: str,
+  progress: bool,
+) -> dict[str, Any]:
+  """The training run: Grain -> ``device_put`` prefetching -> the step."""
+  params, opt_state = setup.fresh()
+  losses, indices = [], []
+  bar = tqdm(total=steps, desc="input_pipeline", disable=not progress)
+  feed = iter(setup.on_device(setup.pipeline(augment, workers)))
+  with contextlib.closing(feed), bar:
+    batch = next(feed)
+    params, opt_state, loss = first_step(
+      setup.step, params, opt_state, as_inputs(batch), placement=placement
+    )
+    shown = np.asarray(batch["image"])[:8], np.asarray(batch["index"])[:8]
+    float(loss)
+    start = time.perf_counter()  # from the second step on: compiled, started
+    for i in range(steps):
+      if i:
+        batch = next(feed)
+        params, opt_state, loss = setup.step(params, opt_state, as_inputs(batch))
+      losses.append(loss)  # a device array: keeping it does not wait
+      indices.append(batch["index"])
+      bar.update()
+      if (i + 1) % loss_every == 0:
+        bar.set_postfix(loss=f"{float(loss):.4f}")
+    float(loss)
+    seconds = time.perf_counter() - start
+  return {
+    "params": params,
+    "losses": np.asarray(jnp.stack(losses)),
+    "indices": np.concatenate([np.asarray(i) for i in indices]),
+    "shown": shown,
+    "steps_per_s": (steps - 1) / seconds if steps > 1 else 0.0,
+  }
+
+
+def measure(
+  setup: Setup,
+  *,
+  steps: int,
+  repeats: int,
+  loss_every: int,
+  workers: tuple[int, ...],
+) -> tuple[dict[str, float], dict[str, float], dict[str, tuple[float, float]]]:
+  """Steps/s of the step fed in each way, and the pipelines' own batches/s.
+
+  Returns:
+    ``(steps_per_s, batches_per_s, spread)``: medians by name, and each
+    measurement's ``(min, max)`` (the pipeline ones named ``pipeline_*``).
+  """
+  # One epoch of finished batches, placed before the loop and cycled.
+  with contextlib.closing(iter(setup.on_device(setup.pipeline("batch", 0)))) as it:
+    resident = list(itertools.islice(it, setup.batches_per_epoch))
+
+  def resident_fed() -> Iterator[Batch]:
+    return itertools.cycle(resident)
+
+  def grain_fed(augment: str, w: int, read_threads: int | None = 0):
+    return lambda: iter(setup.on_device(setup.pipeline(augment, w, read_threads)))
+
+  def timed(batches: Callable[[], Iterator[Batch]], every: int) -> float:
+    it = batches()
+    try:
+      return steps_per_second(
+        setup.step,
+        *setup.fresh(),
+        it,
+        steps=steps,
+        loss_every=every,
+        warmup=min(10, steps),
+      )
+    finally:
+      if hasattr(it, "close"):
+        it.close()  # stops Grain's threads and worker processes
+
+  def alone(augment: str, w: int) -> Callable[[], float]:
+    return lambda: batches_per_second(setup.pipeline(augment, w), batches=steps)
+
+  every = loss_every
+  fed = {
+    "resident": (resident_fed, every),
+    "grain": (grain_fed("batch", 0), every),
+    "python_loop": (setup.python_loop, every),
+    # Grain's default ReadOptions: 16 threads computing 500 elements ahead.
+    "grain_default_read_threads": (grain_fed("batch", 0, None), every),
+    # (a) reading the loss after every step
+    "resident_loss_every_step": (resident_fed, 1),
+    "python_loop_loss_every_step": (setup.python_loop, 1),
+    # (b) per-example augmentation, and (c) in worker processes
+    **{
+      f"grain_per_example_{w}w": (grain_fed("example", w), every) for w in (0, *workers)
+    },
+  }
+  pipelines = {
+    "no_augment_0w": alone("none", 0),
+    "per_batch_0w": alone("batch", 0),
+    **{f"per_example_{w}w": alone("example", w) for w in (0, *workers)},
+  }
+  medians, spread = median_of(
+    {
+      **{name: functools.partial(timed, *how) for name, how in fed.items()},
+      **{f"pipeline_{name}": run for name, run in pipelines.items()},
+    },
+    repeats,
+  )
+  steps_per_s = {name: medians[name] for name in fed}
+  batches_per_s = {name: medians[f"pipeline_{name}"] for name in pipelines}
+  return steps_per_s, batches_per_s, spread
+
+
+def main(
+  *,
+  steps: int = 300,
+  batch_size: int = 192,
+  num_micro_batches: int = 8,
+  learning_rate: float = 3e-3,
+  augment: str = "batch",
+  placement: str = "device",
+  workers: int = 0,
+  loss_every: int = 25,
+  measure_steps: int = 50,
+  repeats: int = 3,
+  measure_workers: tuple[int, ...] = (1, 2),
+  out_dir: str = "outputs",
+  progress: bool = True,
+  seed: int = 0,
+) -> dict:
+  """Trains from the Grain pipeline, then measures the ways of feeding the step.
+
+  Args:
+    steps: optimizer steps of the training run, each on ``batch_size`` rows.
+    batch_size: rows per step; it must divide the 1344 training rows.
+    num_micro_batches: ``k``; it must divide ``batch_size``.
+    learning_rate: Adam's learning rate.
+    augment: the training run's augmentation: ``batch``, ``example`` or
+      ``none``.
+    placement: ``device`` (batches prefetched into device memory) or
+      ``pinned_host`` (into pinned host memory, streamed by jaxaccum).
+    workers: Grain worker processes for the training run.
+    loss_every: read the loss every this many steps.
+    measure_steps: timed steps (or batches) per measurement; 0 skips the
+      measurements.
+    repeats: timed loops per measurement, interleaved; the median is
+      reported.
+    measure_workers: worker counts, besides 0, to measure.
+    out_dir: where the plot ``input_pipeline.png`` goes.
+    progress: show a tqdm progress bar.
+    seed: the initialization, shuffle and augmentation seed.
+
+  Returns:
+    A dict with ``losses`` (float32, shape ``(steps,)``), ``indices`` (the
+    training rows in the order the steps saw them, int32 of shape
+    ``(steps * batch_size,)``), ``test_accuracy``, ``train_steps_per_s``,
+    ``steps_per_s`` and ``batches_per_s`` (dicts from a measurement's name
+    to its median; empty without measurements), ``spread`` (each
+    measurement's (min, max)), ``summary`` (what the JSON line holds) and
+    ``png``.
+  """
+  sharding = check_placement(placement)
+  x_train, y_train, x_test, y_test = digits_split(images=True)
+  if batch_size % num_micro_batches:
+    raise ValueError(f"{num_micro_batches=} does not divide {batch_size=}")
+
+  graphdef, state = nnx.split(ConvNet(rngs=nnx.Rngs(seed)))
+  init_params = nnx.to_pure_dict(state)  # nested dicts of arrays
+  tx = optax.adam(learning_rate)
+
+  def fresh() -> tuple[Params, Any]:
+    params = jax.tree.map(jnp.copy, init_params)  # the step donates its params
+    return params, tx.init(params)
+
+  def pipeline(augment: str, workers: int, read_threads: int | None = 0):
+    return digits_pipeline(
+      x_train,
+      y_train,
+      batch_size=batch_size,
+      seed=seed,
+      augment=augment,
+      workers=workers,
+      read_threads=read_threads,
+    )
+
+  setup = Setup(
+    step=make_step(graphdef, tx, num_micro_batches),
+    fresh=fresh,
+    pipeline=pipeline,
+    on_device=functools.partial(
+      grain.experimental.device_put,
+      device=sharding,
+      cpu_buffer_size=4,  # batches built ahead on the host
+      device_buffer_size=2,  # batches already in `sharding`'s memory
+    ),
+    python_loop=functools.partial(
+      python_batches,
+      x_train,
+      y_train,
+      batch_size=batch_size,
+      seed=seed,
+      sharding=sharding,
+    ),
+    batches_per_epoch=len(x_train) // batch_size,
+  )
+  run = train(
+    setup,
+    steps=steps,
+    augment=augment,
+    workers=workers,
+    loss_every=loss_every,
+    placement=placement,
+    progress=progress,
+  )
+  losses = run["losses"]
+  logits = nnx.merge(graphdef, run["params"])(jnp.asarray(x_test))
+  test_accuracy = float(jnp.mean(jnp.argmax(logits, axis=-1) == y_test))
+
+  steps_per_s: dict[str, float] = {}
+  batches_per_s: dict[str, float] = {}
+  spread: dict[str, tuple[float, float]] = {}
+  if measure_steps:
+    steps_per_s, batches_per_s, spread = measure(
+      setup,
+      steps=measure_steps,
+      repeats=repeats,
+      loss_every=loss_every,
+      workers=measure_workers,
+    )
+
+  png = pathlib.Path(out_dir) / "input_pipeline.png"
+  plot(
+    x_train,
+    shown=run["shown"],
+    losses=losses,
+    steps_per_s=steps_per_s,
+    spread=spread,
+    png=png,
+  )
+  summary = {
+    "steps": steps,
+    "batch_size": batch_size,
+    "num_micro_batches": num_micro_batches,
+    "augment": augment,
+    "placement": placement,
+    "workers": workers,
+    "cpu_cores": os.cpu_count(),
+    "backend": jax.default_backend(),
+    "first_loss": float(losses[0]),
+    "final_loss": float(np.mean(losses[-min(steps, 10) :])),
+    "test_accuracy": test_accuracy,
+    "train_steps_per_s": run["steps_per_s"],
+    "steps_per_s": steps_per_s,
+    "batches_per_s": batches_per_s,
+  }
+  m = batch_size // num_micro_batches
+  print(
+    f"{steps} steps of {batch_size} rows ({num_micro_batches} x {m}), "
+    f"augment={augment}, placement={placement}, workers={workers}"
+  )
+  print(
+    f"training run: {run['steps_per_s']:.1f} steps/s; loss {losses[0]:.3f} -> "
+    f"{summary['final_loss']:.3f}; test accuracy {test_accuracy:.4f}"
+  )
+  if measure_steps:
+    print(f"median of {repeats} x {measure_steps} steps (min .. max):")
+  for name, value in steps_per_s.items():
+    low, high = spread[name]
+    print(f"  {name:30s} {value:7.1f} steps/s   ({low:.1f} .. {high:.1f})")
+  for name, value in batches_per_s.items():
+    low, high = spread[f"pipeline_{name}"]
+    print(
+      f"  pipeline alone, {name:13s} {value:7.1f} batches/s ({low:.1f} .. {high:.1f})"
+    )
+  print(f"plot: {png}")
+  print(json.dumps(summary))
+  return {
+    "losses": losses,
+    "indices": run["indices"],
+    "test_accuracy": test_accuracy,
+    "train_steps_per_s": run["steps_per_s"],
+    "steps_per_s": steps_per_s,
+    "batches_per_s": batches_per_s,
+    "spread": spread,
+    "summary": summary,
+    "png": str(png),
+  }
+
+
+def plot(
+  x_train: np.ndarray,
+  *,
+  shown: tuple[np.ndarray, np.ndarray] | None,
+  losses: np.ndarray,
+  steps_per_s: dict[str, float],
+  spread: dict[str, tuple[float, float]],
+  png: pathlib.Path,
+) -> None:
+  """Originals over their augmented copies; the loss; the measured steps/s."""
+  fig = Figure(figsize=(14, 4.2), layout="constrained")
+  FigureCanvasAgg(fig)
+  left, middle, right = fig.subfigures(1, 3, width_ratios=[1.1, 1, 1.3])
+  if shown is not None:
+    images, rows = shown
+    axes = left.subplots(2, len(rows))
+    for j, row in enumerate(rows):
+      axes[0, j].imshow(x_train[row, ..., 0], cmap="gray_r", vmin=0, vmax=1)
+      axes[1, j].imshow(images[j, ..., 0], cmap="gray_r", vmin=0, vmax=1)
+      axes[0, j].set_axis_off()
+      axes[1, j].set_axis_off()
+    left.suptitle("Training rows (top) as the first batch saw them")
+  ax = middle.subplots()
+  ax.plot(np.arange(1, len(losses) + 1), losses, lw=1)
+  ax.set(xlabel="optimizer step", ylabel="training loss", yscale="log")
+  ax.set_title("Accumulated step fed by Grain")
+  ax = right.subplots()
+  if steps_per_s:
+    names = list(steps_per_s)[::-1]
+    values = [steps_per_s[n] for n in names]
+    errors = np.array(
+      [[v - spread[n][0], spread[n][1] - v] for n, v in zip(names, values, strict=True)]
+    )
+    ax.barh(names, values, xerr=errors.T, color="tab:blue", alpha=0.8)
+    ax.set(xlabel="steps/s (median; bars: min..max)")
+    ax.set_title(f"Feeding the step, {os.cpu_count()} CPU cores")
+  png.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__":
+  command_line(main, __doc__)
