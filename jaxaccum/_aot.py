@@ -9,10 +9,12 @@ lower on CPU devices, which do have ``pinned_host``, for the ``cuda`` platform
 with the compile-only GPU client, device for device.
 
 The lowering is public; the compilation is not: it reads the lowering's
-compile arguments and device assignment and builds XLA compile options the
-way ``jax.jit`` does (``pxla.create_compile_options``). Everything private is
-in :func:`compile_lowered`; ``tests/test_targets.py`` pins it, so that a JAX
-release that moves it fails loudly there and not silently in a plan.
+compile arguments and device assignment (``Lowered._lowering``) and JAX's rule
+for which shardings XLA may choose (``pxla.get_prop_to_input_output``), and
+builds the compile options with jaxlib's ``xla_client.CompileOptions``.
+Everything private is in this module; ``tests/test_targets.py`` pins it, so
+that a JAX release that moves it fails loudly there and not silently in a
+plan.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jaxlib import xla_client
 
 
 @contextlib.contextmanager
@@ -65,27 +68,34 @@ def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) 
     )
   with _internals():
     from jax._src.interpreters import pxla  # noqa: PLC0415
-    from jax._src.lib import xla_client as xc  # noqa: PLC0415
 
     lowering: Any = lowered._lowering
     args = lowering.compile_args
+    module = lowering.stablehlo()
     allow_in, allow_out = pxla.get_prop_to_input_output(
       args["in_shardings"], args["out_shardings"], len(args["ordered_effects"])
     )
-    assignment = np.empty(len(devices), dtype=object)
-    assignment[:] = list(devices)
-    client = devices[0].client
-    options = pxla.create_compile_options(
-      lowering.stablehlo(),
-      args["tuple_args"],
-      allow_in,
-      allow_out,
-      client,
-      assignment,
-      dict(lowering._compiler_options_kvs),
-    )
-    device_list = xc.DeviceList(tuple(devices))
+    tuple_args = bool(args["tuple_args"])
+  # The options jax.jit would build, from jaxlib's (stable) CompileOptions
+  # rather than from JAX's private helper, whose signature changes between
+  # releases (0.10.0 and 0.10.2 differ). What is left out are tuning knobs
+  # from JAX's config (optimization effort levels); XLA_FLAGS still apply.
+  options = xla_client.CompileOptions()
+  options.num_replicas = 1
+  options.num_partitions = len(devices)
+  options.device_assignment = xla_client.DeviceAssignment.create(
+    np.array([[d.id for d in devices]])
+  )
+  options.parameter_is_tupled_arguments = tuple_args
+  build = options.executable_build_options
+  build.use_spmd_partitioning = True
+  build.use_shardy_partitioner = bool(jax.config.jax_use_shardy_partitioner)
+  build.allow_spmd_sharding_propagation_to_parameters = list(allow_in)
+  build.allow_spmd_sharding_propagation_to_output = list(allow_out)
+  client = devices[0].client
   executable = client.compile(
-    lowering.stablehlo(), executable_devices=device_list, compile_options=options
+    module,
+    executable_devices=xla_client.DeviceList(tuple(devices)),
+    compile_options=options,
   )
   return executable.get_compiled_memory_stats()

@@ -23,6 +23,7 @@ import importlib.resources
 import importlib.util
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -252,6 +253,12 @@ def _gpu_devices(spec: dict[str, Any], topology: str) -> tuple[jax.Device, ...]:
 def _tpu_devices(spec: dict[str, Any], topology: str) -> tuple[jax.Device, ...]:
   if importlib.util.find_spec("libtpu") is None:
     raise _missing("libtpu")
+  platforms = jax.config.jax_platforms or ""
+  if platforms and "tpu" not in platforms.split(","):
+    # libtpu only compiles here, it drives no TPU: let other processes load it
+    # too (two planning scripts, pytest workers) instead of failing on
+    # /tmp/libtpu_lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     dims = [int(n) for n in topology.split("x")]
   except ValueError:
