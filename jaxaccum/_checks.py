@@ -1,21 +1,14 @@
-"""Checks that accumulation is normalized correctly.
+"""``verify_equivalence``: accumulation checked against the full batch.
 
-Two kinds:
-
-- Value-level checks inside the engine, written with
-  ``jax.experimental.checkify.debug_check``. They are off by default: even
-  as no-ops they would put an effect on the step's jaxpr, and an effectful
-  ``jit`` leaves JAX's fast C++ dispatch path. Switch them on while debugging
-  with ``value_and_grad(..., value_checks=True)`` and run the step under
-  ``chex.chexify`` (or ``checkify.checkify``).
-  (The static, trace-time checks are ``chex`` shape and dtype assertions in
-  the engine; they are always on and cost nothing at run time.)
-- ``verify_equivalence``: run the accumulated and the full-batch computation
-  side by side and raise with the largest deviation.
+It runs the accumulated and the full-batch computation side by side and
+raises with the largest deviation. (The engine's own checks are elsewhere:
+static ``chex`` shape and dtype assertions at trace time in ``_engine``, and
+the opt-in value-level checks of the weights in ``_normalize``.)
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,30 +16,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
+
+from jaxaccum._accumulate import value_and_grad
 
 PyTree = Any
-
-
-def check_weights(weights: jax.Array) -> None:
-  """Every micro-batch weight is finite and non-negative (under chexify)."""
-  checkify.debug_check(
-    jnp.all(jnp.isfinite(weights) & (weights >= 0)),
-    "jaxaccum: micro-batch weights must be finite and >= 0, got {weights}.",
-    weights=weights,
-  )
-
-
-def check_total_weight(total: jax.Array, grads: PyTree) -> None:
-  """The total weight is positive, or it is zero and handled: zero grads."""
-  zero = jnp.all(
-    jnp.asarray([jnp.all(g == 0) for g in jax.tree.leaves(grads)] or [True])
-  )
-  checkify.debug_check(
-    (total > 0) | zero,
-    "jaxaccum: total weight {total} is not positive, yet the grads are not zero.",
-    total=total,
-  )
 
 
 class Deviation(NamedTuple):
@@ -91,15 +64,18 @@ def verify_equivalence(
   args: tuple[Any, ...],
   num_micro_batches: int,
   *,
+  fun_kwargs: dict[str, Any] | None = None,
   rtol: float | None = None,
-  **kwargs: Any,
+  **options: Any,
 ) -> Deviation:
   """Checks that accumulation over micro-batches equals the full batch.
 
-  Computes ``value_and_grad(fun, num_micro_batches, **kwargs)(*args)`` and
-  the full-batch reference (``jax.value_and_grad`` on the whole batch; for
-  ``normalize="weighted"``, the full-batch ``loss_sum / weight``), and
-  compares value and gradients leaf by leaf with ``chex``.
+  Computes ``value_and_grad(fun, num_micro_batches, **options)(*args,
+  **fun_kwargs)`` and the full-batch reference (``jax.value_and_grad`` on the
+  whole batch, under ``jit``; for ``normalize="weighted"``, the full-batch
+  ``loss_sum / weight``), and compares value and gradients leaf by leaf with
+  ``chex``. With ``mesh=`` and ``data_axis=`` the accumulated side runs
+  data-parallel and the reference is the full batch on the same arrays.
 
   This holds for losses in which examples do not interact. Per-micro-batch
   keys (``rng_argnum``) and threaded state (``state_argnum``) have no
@@ -109,10 +85,13 @@ def verify_equivalence(
     fun: the loss, as for :func:`jaxaccum.value_and_grad`.
     args: the positional arguments, with the whole batch.
     num_micro_batches: ``k``.
+    fun_kwargs: keyword arguments of ``fun`` for both calls, e.g.
+      ``{"train": False}``; Python values stay Python values.
     rtol: the tolerance, relative to each leaf's largest magnitude; by default
       ``max(1e-5, 8 * eps)`` of the leaf's dtype (``1e-5`` for float32).
-    **kwargs: further arguments of :func:`jaxaccum.value_and_grad`
-      (``argnums``, ``batch_argnums``, ``has_aux``, ``normalize``, ...).
+    **options: further arguments of :func:`jaxaccum.value_and_grad`
+      (``argnums``, ``batch_argnums``, ``has_aux``, ``normalize``, ``mesh``,
+      ...).
 
   Returns:
     The largest deviations, as a ``Deviation``.
@@ -127,20 +106,22 @@ def verify_equivalence(
   >>> dev.grads < 1e-6
   True
   """
-  from jaxaccum._accumulate import value_and_grad  # noqa: PLC0415 (a cycle)
-
-  for name in ("rng_argnum", "state_argnum", "mesh", "data_axis"):
-    if kwargs.get(name) is not None:
+  for name in ("rng_argnum", "state_argnum", "noise_stats"):
+    if options.get(name):
       raise ValueError(
         f"verify_equivalence compares with one full-batch call; {name} has "
         "no full-batch counterpart."
       )
-  argnums = kwargs.get("argnums", 0)
-  has_aux = kwargs.get("has_aux", False)
-  normalize = kwargs.get("normalize", "mean")
-  accumulated = jax.jit(value_and_grad(fun, num_micro_batches, **kwargs))
-  reference = jax.jit(_full_batch(fun, argnums, has_aux, normalize))
-  (value, grads), (ref_value, ref_grads) = accumulated(*args), reference(*args)
+  fun_kwargs = dict(fun_kwargs or {})
+  argnums = options.get("argnums", 0)
+  has_aux = options.get("has_aux", False)
+  normalize = options.get("normalize", "mean")
+  accumulated = value_and_grad(fun, num_micro_batches, **options)
+  reference = jax.jit(
+    functools.partial(_full_batch(fun, argnums, has_aux, normalize), **fun_kwargs)
+  )
+  (value, grads) = accumulated(*args, **fun_kwargs)
+  ref_value, ref_grads = reference(*args)
   if has_aux:
     value, ref_value = value[0], ref_value[0]
 

@@ -1,17 +1,21 @@
 """Reading collectives out of compiled HLO text.
 
-Used to check the data-parallel contract ("no all-reduce inside the loop") and
-to measure the bytes a step communicates: every collective's result size,
-times the trip counts of the while loops around it.
+Used to check the data-parallel contract ("no reduction over the data axes
+inside the loop") and to measure the bytes a step communicates: every
+collective's result size, times the trip counts of the while loops around it.
+Each collective's replica groups are read too, in the three forms XLA prints
+(explicit lists, iota ``[G,S]<=[dims]T(perm)``, and named mesh axes), so that
+:meth:`Collective.spans` can say which mesh axes it communicates over.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 COLLECTIVES = (
   "all-reduce",
@@ -38,6 +42,12 @@ _CALLED = re.compile(
   r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_GROUP_LISTS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUP_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUP_MESH = re.compile(
+  r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
+  r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
+)
 _TRIP_COUNT = re.compile(r'known_trip_count[^0-9]*"?n"?\s*:\s*"?(\d+)')
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\]")
 
@@ -59,6 +69,26 @@ class Collective(NamedTuple):
   bytes: int
   executions: int
   in_loop: bool
+  groups: tuple[tuple[int, ...], ...] | None = None
+
+  def spans(self, mesh_shape: Sequence[int], axes: Sequence[int]) -> bool:
+    """Whether a replica group holds devices that differ along mesh ``axes``.
+
+    Partition ``p`` is the device at flat position ``p`` of the mesh (the
+    order ``jit`` assigns devices over a mesh), so its coordinates are
+    ``np.unravel_index(p, mesh_shape)``. Unknown groups count as spanning.
+
+    >>> c = Collective("all-reduce", "main", 4, 1, False, ((0, 2), (1, 3)))
+    >>> c.spans((2, 2), axes=[0]), c.spans((2, 2), axes=[1])
+    (True, False)
+    """
+    if self.groups is None:
+      return True
+    for group in self.groups:
+      coords = np.array(np.unravel_index(np.asarray(group), tuple(mesh_shape)))
+      if any(len(set(coords[a].tolist())) > 1 for a in axes):
+        return True
+    return False
 
 
 def _top_level(type_text: str) -> list[str]:
@@ -102,6 +132,52 @@ def _shape_bytes(type_text: str) -> int:
   return total
 
 
+def _ints(text: str | None) -> list[int]:
+  return [int(t) for t in (text or "").split(",") if t.strip()]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  return ids.transpose(perm) if perm else ids
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+  """The replica groups of one HLO instruction, as partition ids.
+
+  >>> replica_groups("x = all-reduce(y), replica_groups={{0,2},{1,3}}")
+  ((0, 2), (1, 3))
+  >>> replica_groups("x = all-reduce(y), replica_groups=[2,2]<=[2,2]T(1,0), to_apply=f")
+  ((0, 2), (1, 3))
+  >>> replica_groups("x = all-gather(y), replica_groups=mesh['a'=2,'b'=2] {'a'}, dimensions={0}")
+  ((0, 2), (1, 3))
+  """
+  match = _GROUP_LISTS.search(line)
+  if match:
+    return tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,]*)\}", match.group(1)))
+  match = _GROUP_IOTA.search(line)
+  if match:
+    shape, dims, perm = _ints(match.group(1)), _ints(match.group(2)), match.group(3)
+    ids = _iota(dims, _ints(perm) if perm else None).reshape(shape)
+    return tuple(tuple(int(i) for i in row) for row in ids)
+  match = _GROUP_MESH.search(line)
+  if match:
+    axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", match.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    order = (
+      _iota(_ints(match.group(2)), _ints(match.group(3)) or None).reshape(-1)
+      if match.group(2)
+      else np.arange(int(np.prod(sizes)))
+    )
+    grid = order.reshape(sizes)
+    over = [names.index(a) for a in re.findall(r"'([^']+)'", match.group(4))]
+    rest = [i for i in range(len(names)) if i not in over]
+    groups = grid.transpose(rest + over).reshape(
+      -1, int(np.prod([sizes[i] for i in over]))
+    )
+    return tuple(tuple(int(i) for i in row) for row in groups)
+  return None
+
+
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective in compiled HLO text, with its execution count.
 
@@ -114,7 +190,7 @@ def collectives(hlo_text: str) -> list[Collective]:
   ...   %g = f32[16]{0} all-gather(f32[8]{0} %a), dimensions={0}
   ...   %s = (f32[8]{0}, f32[64]{0}) all-gather-start(f32[8]{0} %a), dimensions={0}
   ... }'''
-  >>> [(c.op, c.bytes, c.executions, c.in_loop) for c in collectives(text)]
+  >>> [(c.op, c.bytes, c.executions, c.in_loop) for c in collectives(text)]  # doctest: +NORMALIZE_WHITESPACE
   [('all-reduce', 32, 4, True), ('all-gather', 64, 1, False), ('all-gather-start', 256, 1, False)]
   """
   bodies: dict[str, list[str]] = {}
@@ -144,7 +220,14 @@ def collectives(hlo_text: str) -> list[Collective]:
       _, type_text, op = match.groups()
       if op in COLLECTIVES:
         found.append(
-          Collective(op, name, _result_bytes(op, type_text), executions, in_loop)
+          Collective(
+            op,
+            name,
+            _result_bytes(op, type_text),
+            executions,
+            in_loop,
+            replica_groups(line),
+          )
         )
       if op == "while":
         trips = _TRIP_COUNT.search(line)

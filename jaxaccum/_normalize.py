@@ -12,6 +12,12 @@ sums into the result. A mode is therefore just two functions:
 
 Dividing is zero-safe: a total weight of zero gives zeros, never NaN. Masks
 select with ``jnp.where``; they never multiply (``0 * nan`` is ``nan``).
+
+The value-level checks of the weights (:func:`check_weights`,
+:func:`check_total_weight`) live here too. They are written with
+``checkify.debug_check`` and are off unless ``value_checks=True``: even as
+no-ops they would put an effect on the step's jaxpr, which takes a jitted
+step off JAX's fast C++ dispatch path.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 PyTree = Any
 
@@ -85,6 +92,13 @@ def accumulator_dtype(accum_dtype: Any, x: Any) -> Any:
 
 
 def _unit_weight(value: Any) -> tuple[jax.Array, jax.Array]:
+  if isinstance(value, (tuple, list)):
+    raise ValueError(
+      f"fun returned a {type(value).__name__} of length {len(value)} as its "
+      "value, where a scalar loss was expected. Did you mean has_aux=True "
+      "(fun returns (loss, aux)), or normalize='weighted' (fun returns "
+      "(loss_sum, weight))?"
+    )
   _check_scalar_loss(value, "The loss")
   return value, jnp.ones((), jnp.float32)
 
@@ -103,6 +117,12 @@ def _pair(value: Any) -> tuple[jax.Array, jax.Array]:
       "(jnp.sum(token_losses * mask), jnp.sum(mask))."
     )
   loss_sum, weight = value
+  if isinstance(loss_sum, (tuple, list)):
+    raise ValueError(
+      'normalize="weighted" needs fun to return (loss_sum, weight) as its '
+      f"value, but its first element is a {type(loss_sum).__name__}. Did you "
+      "mean has_aux=True (fun returns ((loss_sum, weight), aux))?"
+    )
   _check_scalar_loss(loss_sum, "loss_sum")
   weight = jnp.asarray(weight)
   if weight.shape != ():
@@ -128,3 +148,24 @@ def get(normalize: str) -> Normalization:
     return MODES[normalize]
   except (KeyError, TypeError):
     raise ValueError(f"Unknown {normalize=}; choose one of {sorted(MODES)}.") from None
+
+
+def check_weights(weights: jax.Array) -> None:
+  """Every micro-batch weight is finite and non-negative (under checkify)."""
+  checkify.debug_check(
+    jnp.all(jnp.isfinite(weights) & (weights >= 0)),
+    "jaxaccum: micro-batch weights must be finite and >= 0, got {weights}.",
+    weights=weights,
+  )
+
+
+def check_total_weight(total: jax.Array, grads: PyTree) -> None:
+  """The total weight is positive, or it is zero and handled: zero grads."""
+  zero = jnp.all(
+    jnp.asarray([jnp.all(g == 0) for g in jax.tree.leaves(grads)] or [True])
+  )
+  checkify.debug_check(
+    (total > 0) | zero,
+    "jaxaccum: total weight {total} is not positive, yet the grads are not zero.",
+    total=total,
+  )

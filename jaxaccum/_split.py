@@ -1,18 +1,26 @@
 """Splitting a batch into micro-batches, and validating the batch first.
 
-The split is a free, C-order reshape of the leading axis: ``(B, ...)`` becomes
+The split is a C-order reshape of the leading axis: ``(B, ...)`` becomes
 ``(k, m, ...)`` with ``B = k * m``, so micro-batch ``i`` holds rows
-``i*m .. (i+1)*m - 1``. Nothing is transposed or copied. Inside a data-parallel
+``i*m .. (i+1)*m - 1``. Nothing is transposed. Inside a data-parallel
 ``shard_map`` the same reshape runs on each device's local shard, so micro-batch
 ``i`` is the ``i``-th contiguous slice of every shard and no data moves between
-devices.
+devices. (The reshape itself is free; XLA may still copy the current
+micro-batch out of the batch inside the loop, as it would for any slice.)
+
+Batch leaves that live in host memory (``memory_kind="pinned_host"``) are not
+reshaped: :class:`MicroBatches` streams them, slicing micro-batch ``i + 1`` out
+of the host array and copying it to device memory while micro-batch ``i``
+computes, so that only two micro-batches of them are ever in device memory.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 PyTree = Any
 
@@ -40,8 +48,11 @@ def check_split_arguments(
   ):
     if size is None:
       continue
-    if isinstance(size, bool) or not isinstance(size, int):
-      raise TypeError(f"{name} must be a Python int, got {size!r}.")
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+      raise TypeError(
+        f"{name} must be an integer (a Python or numpy int), got {size!r} "
+        f"of type {type(size).__name__}."
+      )
     if size <= 0:
       raise ValueError(f"{name} must be positive, got {name}={size}.")
 
@@ -113,10 +124,12 @@ def plan_split(
   """
   check_split_arguments(num_micro_batches, micro_batch_size)
   if num_micro_batches is not None:
+    num_micro_batches = int(num_micro_batches)
     if batch_size % num_micro_batches:
       raise ValueError(f"{batch_size=} is not divisible by {num_micro_batches=}.")
     return MicroBatching(batch_size, num_micro_batches, batch_size // num_micro_batches)
   assert micro_batch_size is not None
+  micro_batch_size = int(micro_batch_size)
   if batch_size % micro_batch_size:
     raise ValueError(f"{batch_size=} is not divisible by {micro_batch_size=}.")
   return MicroBatching(batch_size, batch_size // micro_batch_size, micro_batch_size)
@@ -135,3 +148,76 @@ def split(batch: PyTree, num_micro_batches: int) -> PyTree:
     ),
     batch,
   )
+
+
+def in_host_memory(x: Any) -> bool:
+  """Whether ``x`` lives in host memory (e.g. ``memory_kind="pinned_host"``).
+
+  >>> import jax.numpy as jnp
+  >>> in_host_memory(jnp.ones(2))
+  False
+  """
+  space = getattr(jax.typeof(x), "memory_space", None)
+  return space == jax.memory.Space.Host
+
+
+class MicroBatches:
+  """Hands micro-batch ``i`` of a batch to the scan body.
+
+  Leaves in device memory are reshaped to ``(k, m, ...)`` and scanned over
+  (:meth:`scanned`). Leaves in host memory are streamed: :meth:`fetch` slices
+  micro-batch ``i`` out of the host array by index and copies it into device
+  memory. The engine fetches micro-batch ``i + 1`` in the body that computes
+  micro-batch ``i`` and carries it to the next iteration, so the copy can
+  overlap the computation (double buffering), and only two micro-batches of
+  the host leaves are in device memory at a time.
+
+  >>> import jax.numpy as jnp
+  >>> mb = MicroBatches({"x": jnp.arange(6)}, 3)
+  >>> mb.take(jax.tree.map(lambda x: x[1], mb.scanned()), mb.fetch(1))["x"].tolist()
+  [2, 3]
+  """
+
+  def __init__(self, batch: PyTree, num_micro_batches: int):
+    leaves, self._treedef = jax.tree.flatten(batch)
+    self._leaves = leaves
+    self._host = tuple(in_host_memory(x) for x in leaves)
+    self.num_micro_batches = num_micro_batches
+    self.micro_batch_size = leaves[0].shape[0] // num_micro_batches if leaves else 0
+
+  @property
+  def streamed(self) -> bool:
+    """Whether any leaf lives in host memory."""
+    return any(self._host)
+
+  def scanned(self) -> tuple[Any, ...]:
+    """The device leaves as ``(k, m, ...)`` (None for the host leaves)."""
+    return tuple(
+      None if host else split(x, self.num_micro_batches)
+      for x, host in zip(self._leaves, self._host, strict=True)
+    )
+
+  def fetch(self, index: jax.Array | int) -> tuple[Any, ...]:
+    """Micro-batch ``index`` of the host leaves, in device memory."""
+    m = self.micro_batch_size
+
+    def copy(x):
+      micro = jax.lax.dynamic_slice_in_dim(x, index * m, m, axis=0)
+      return jax.device_put(micro, jax.memory.Space.Device)
+
+    return tuple(
+      copy(x) if host else None
+      for x, host in zip(self._leaves, self._host, strict=True)
+    )
+
+  def take(self, scanned: tuple[Any, ...], fetched: tuple[Any, ...]) -> PyTree:
+    """Micro-batch ``i`` from its scanned and its fetched leaves."""
+    leaves = [
+      f if host else s for s, f, host in zip(scanned, fetched, self._host, strict=True)
+    ]
+    return jax.tree.unflatten(self._treedef, leaves)
+
+  def next_index(self, index: jax.Array) -> jax.Array:
+    """The micro-batch to prefetch while ``index`` computes (the last one
+    fetches itself again rather than reading past the batch)."""
+    return jnp.minimum(index + 1, self.num_micro_batches - 1)

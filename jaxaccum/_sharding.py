@@ -1,0 +1,150 @@
+"""Sharding vocabulary shared by the engine and the data-parallel path.
+
+Two small concerns live here, so that the engine, which knows nothing of
+meshes, and the data-parallel path, which wraps it, can share them without
+importing each other:
+
+- *varying* values: inside ``shard_map`` a value either varies over a manual
+  axis (each device holds its own) or is invariant. Autodiff inserts a
+  ``psum`` for the gradient of an invariant value, so the data-parallel path
+  casts the parameters to varying, and the engine's accumulators must vary
+  like the parameters.
+- how a ``PartitionSpec`` splits into its *data* part (the axes the batch is
+  split over, which ``shard_map`` makes manual) and the rest (tensor-parallel
+  or other axes, which keep their sharding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The manual mesh axes that ``x`` varies over (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax >= 0.9: the manual axis type
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def to_varying(tree: PyTree, axes: Sequence[str]) -> PyTree:
+  """Casts every leaf to varying along ``axes`` (where it is not already)."""
+
+  def cast(x):
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def like_vma(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` cast to varying along every manual axis that ``like`` varies over.
+
+  Outside ``shard_map`` nothing varies and ``x`` is returned as it is.
+  """
+  axes = tuple(sorted(varying_axes(like) - varying_axes(x)))
+  return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def visible_spec(x: Any) -> P | None:
+  """The ``PartitionSpec`` that ``x`` is known to have, or None if unknown.
+
+  A concrete array knows its sharding. A traced value knows it only where
+  the mesh axes are ``Explicit`` (the sharding is part of its type); under
+  ``jit`` on an ``Auto`` mesh it is unknown.
+  """
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and not isinstance(x, jax.core.Tracer):
+    return sharding.spec
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  if isinstance(sharding, NamedSharding) and any(
+    t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types
+  ):
+    return sharding.spec
+  return None
+
+
+class SplitSpec(NamedTuple):
+  """A ``PartitionSpec`` cut in two along the data axes.
+
+  Attributes:
+    data: per dimension, the data axes it is sharded over (a tuple, in
+      order; empty where none).
+    other: per dimension, the other axes it is sharded over.
+  """
+
+  data: tuple[tuple[str, ...], ...]
+  other: tuple[tuple[str, ...], ...]
+
+  def data_spec(self) -> P:
+    """The data part, as ``shard_map`` wants it for its manual axes."""
+    return P(*(_entry(names) for names in self.data))
+
+  def other_spec(self, axes: frozenset[str] | None = None) -> P:
+    """The rest (restricted to ``axes`` if given), as a ``PartitionSpec``."""
+    return P(
+      *(
+        _entry(tuple(n for n in names if axes is None or n in axes))
+        for names in self.other
+      )
+    )
+
+  def full_spec(self) -> P:
+    """Data and other axes together: the spec the array had."""
+    return P(*(_entry(d + o) for d, o in zip(self.data, self.other, strict=True)))
+
+  def sharded_dims(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """``(dim, data_axes)`` for every dimension sharded along data axes."""
+    return tuple((d, names) for d, names in enumerate(self.data) if names)
+
+  def data_axes_used(self) -> frozenset[str]:
+    return frozenset(n for names in self.data for n in names)
+
+
+def _entry(names: tuple[str, ...]) -> Any:
+  if not names:
+    return None
+  return names[0] if len(names) == 1 else names
+
+
+def split_spec(
+  spec: P | None, ndim: int, data_axes: Sequence[str], what: str = "An array"
+) -> SplitSpec:
+  """Cuts ``spec`` into its data part and the rest; ``None`` is replicated.
+
+  Raises:
+    ValueError: if one dimension is sharded along a data axis and another
+      axis together, which a per-device split cannot express.
+
+  >>> split_spec(P(("replica", "fsdp"), "model"), 2, ("replica", "fsdp"))
+  SplitSpec(data=(('replica', 'fsdp'), ()), other=((), ('model',)))
+  >>> split_spec(None, 1, ("data",)).data_spec() == P(None)
+  True
+  """
+  data: list[tuple[str, ...]] = []
+  other: list[tuple[str, ...]] = []
+  entries = tuple(spec.partitions) if spec is not None else ()
+  for dim in range(ndim):
+    entry = entries[dim] if dim < len(entries) else None
+    names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    names = tuple(n for n in names if n is not P.UNCONSTRAINED)
+    in_data = tuple(n for n in names if n in data_axes)
+    rest = tuple(n for n in names if n not in data_axes)
+    if in_data and rest:
+      raise ValueError(
+        f"{what} is sharded along {names} in dimension {dim}: data axes "
+        f"{tuple(data_axes)} and other mesh axes together. jaxaccum splits "
+        "every device's data shard locally, so a dimension may be sharded "
+        "along data axes or along other axes, not both."
+      )
+    data.append(in_data)
+    other.append(rest)
+  return SplitSpec(tuple(data), tuple(other))

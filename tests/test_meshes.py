@@ -1,0 +1,279 @@
+"""The meshes real training runs use, on 8 CPU devices, Auto and Explicit.
+
+- (8,) ``data``: data parallel with an FSDP-sharded weight;
+- (4, 2) ``data`` x ``model``: FSDP + tensor parallel;
+- (2, 2, 2) ``replica`` x ``fsdp`` x ``model``: HSDP + tensor parallel, with
+  ``data_axis=("replica", "fsdp")``.
+
+Each layout must give the full-batch value and grads, grads sharded exactly
+like the parameters, no reduction over a data axis inside the loop (tensor-
+parallel collectives over ``model`` belong there), as many data-axis
+collectives for k = 2 as for k = 8, and a per-device peak below the plain
+full-batch ``jit`` step on the same mesh.
+"""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+from jaxaccum import _hlo
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  name: str
+  shape: tuple[int, ...]
+  axis_names: tuple[str, ...]
+  data_axis: str | tuple[str, ...]
+  specs: dict
+  model: str | None  # the tensor-parallel axis, if any
+
+  def mesh(self, axis_type):
+    return jax.make_mesh(
+      self.shape, self.axis_names, axis_types=(axis_type,) * len(self.shape)
+    )
+
+  @property
+  def data_dims(self):
+    axes = (self.data_axis,) if isinstance(self.data_axis, str) else self.data_axis
+    return [self.axis_names.index(a) for a in axes]
+
+
+LAYOUTS = [
+  Layout(
+    "dp_fsdp",
+    (8,),
+    ("data",),
+    "data",
+    {"w1": P("data", None), "b1": P(), "w2": P()},
+    None,
+  ),
+  Layout(
+    "fsdp_tp",
+    (4, 2),
+    ("data", "model"),
+    "data",
+    {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", None)},
+    "model",
+  ),
+  Layout(
+    "hsdp_tp",
+    (2, 2, 2),
+    ("replica", "fsdp", "model"),
+    ("replica", "fsdp"),
+    {"w1": P("fsdp", "model"), "b1": P("model"), "w2": P("model", "fsdp")},
+    "model",
+  ),
+]
+MODES = [AxisType.Auto, AxisType.Explicit]
+
+
+@pytest.fixture(params=LAYOUTS, ids=lambda layout: layout.name)
+def layout(request):
+  return request.param
+
+
+@pytest.fixture(params=MODES, ids=["auto", "explicit"])
+def mode(request):
+  return request.param
+
+
+def make_loss(layout, mode):
+  """The same MLP loss, written as a user writes it for each mode.
+
+  Explicit: the FSDP weights are gathered in global view (``reshard``), and
+  the contraction over the tensor-parallel axis names its output sharding
+  with the idiom that runs both under plain jit and inside jaxaccum: the
+  batch axis read from the input's type.
+  """
+  model = layout.model
+
+  def loss(p, batch):
+    x, y = batch
+    w1, w2 = p["w1"], p["w2"]
+    if mode == AxisType.Explicit:
+      w1 = jax.sharding.reshard(w1, P(None, model))
+      w2 = jax.sharding.reshard(w2, P(model, None))
+    h = jnp.tanh(x @ w1 + p["b1"][None])
+    if mode == AxisType.Explicit:
+      batch_axis = jax.typeof(h).sharding.spec[0]
+      out = jnp.einsum("bh,hf->bf", h, w2, out_sharding=P(batch_axis, None))
+    else:
+      out = h @ w2
+    return jnp.mean((out - y) ** 2)
+
+  return loss
+
+
+def make_problem(batch_size=64, features=16, hidden=32, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  params = {
+    "w1": jax.random.normal(keys[0], (features, hidden)) / features**0.5,
+    "b1": 0.1 * jax.random.normal(keys[1], (hidden,)),
+    "w2": jax.random.normal(keys[2], (hidden, features)) / hidden**0.5,
+  }
+  x = jax.random.normal(keys[3], (batch_size, features))
+  return params, (x, jnp.sin(x))
+
+
+def place(layout, mesh, params, batch):
+  sharded = {
+    n: jax.device_put(v, NamedSharding(mesh, layout.specs[n]))
+    for n, v in params.items()
+  }
+  return sharded, jax.device_put(batch, NamedSharding(mesh, P(layout.data_axis)))
+
+
+def accumulated(layout, mesh, mode, k, *, under_jit):
+  """jaxaccum's step; under an outer jit on an Auto mesh the shardings are
+  not visible, so there (only) the parameter specs are passed."""
+  specs = layout.specs if (under_jit and mode == AxisType.Auto) else None
+  fun = jaxaccum.value_and_grad(
+    make_loss(layout, mode), k, mesh=mesh, data_axis=layout.data_axis, param_specs=specs
+  )
+  return jax.jit(fun) if under_jit else fun
+
+
+def full_batch(layout, mesh, mode):
+  """The plain full-batch step under jit on the same mesh."""
+  return jax.jit(jax.value_and_grad(make_loss(layout, mode)))
+
+
+def assert_sharded_like(grads, params):
+  for name, g in grads.items():
+    assert g.sharding.is_equivalent_to(params[name].sharding, g.ndim), (
+      name,
+      g.sharding,
+      params[name].sharding,
+    )
+
+
+@pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
+def test_full_batch_value_and_grads_sharded_like_the_parameters(
+  layout, mode, under_jit
+):
+  mesh = layout.mesh(mode)
+  params, batch = make_problem()
+  sharded, sharded_batch = place(layout, mesh, params, batch)
+  fun = accumulated(layout, mesh, mode, 4, under_jit=under_jit)
+  value, grads = fun(sharded, sharded_batch)
+  with jax.set_mesh(mesh):
+    want = full_batch(layout, mesh, mode)(sharded, sharded_batch)
+  # ... and against one device, unsharded, as a second reference.
+  one_device = jax.value_and_grad(make_loss(LAYOUTS[0], AxisType.Auto))(params, batch)
+  for reference in (want, one_device):
+    chex.assert_trees_all_close((value, grads), reference, rtol=1e-5, atol=1e-6)
+  assert_sharded_like(grads, sharded)
+
+
+def data_collectives(layout, mesh, mode, k):
+  params, batch = make_problem()
+  sharded, sharded_batch = place(layout, mesh, params, batch)
+  text = _hlo.compiled_text(
+    accumulated(layout, mesh, mode, k, under_jit=True), sharded, sharded_batch
+  )
+  colls = _hlo.collectives(text)
+  over_data = [c for c in colls if c.spans(layout.shape, layout.data_dims)]
+  return colls, over_data
+
+
+def test_no_data_axis_collective_inside_the_loop(layout, mode):
+  mesh = layout.mesh(mode)
+  counts = {}
+  for k in (2, 8):
+    colls, over_data = data_collectives(layout, mesh, mode, k)
+    assert all(c.groups is not None for c in colls), colls
+    assert [c for c in over_data if c.in_loop] == [], over_data
+    counts[k] = sorted((c.op, c.executions) for c in over_data)
+    if layout.model is not None:
+      # Tensor parallelism stays: the model-axis reduction of the activations
+      # runs in the loop, once per micro-batch.
+      model_dim = [layout.axis_names.index(layout.model)]
+      assert any(c.in_loop and c.spans(layout.shape, model_dim) for c in colls)
+  assert counts[2] == counts[8], counts
+  # FSDP weights: gathered once and reduce-scattered once, outside the loop.
+  ops = [op for op, _ in counts[2]]
+  assert "reduce-scatter" in ops and any(op.startswith("all-gather") for op in ops)
+  assert all(n == 1 for _, n in counts[2])
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_peak_per_device_below_the_full_batch_step(layout, mode, k):
+  mesh = layout.mesh(mode)
+  # Activations dominate, as where accumulation is needed. (An FSDP weight
+  # costs one full-size float32 accumulator per device: the price of one
+  # reduce-scatter per step instead of k.)
+  params, batch = make_problem(batch_size=4096, features=128, hidden=2048)
+  sharded, sharded_batch = place(layout, mesh, params, batch)
+  with jax.set_mesh(mesh):
+    full = jaxaccum.compiled_memory(
+      full_batch(layout, mesh, mode), sharded, sharded_batch
+    )
+  accum = jaxaccum.compiled_memory(
+    accumulated(layout, mesh, mode, k, under_jit=True), sharded, sharded_batch
+  )
+  assert accum.peak_bytes < full.peak_bytes, (str(accum), str(full))
+
+
+def test_hsdp_keys_are_global_micro_batches():
+  """With data_axis=("replica", "fsdp"), device d's micro-batch i is the
+  global micro-batch d*k + i: the masks equal one device with D*k."""
+  layout = LAYOUTS[2]
+  mesh = layout.mesh(AxisType.Explicit)
+  params, (x, y) = make_problem()
+  k = 2
+
+  def dropout_loss(p, batch, key):
+    x, y = batch
+    keep = jax.random.bernoulli(key, 0.5, x.shape)
+    h = jnp.tanh(jnp.where(keep, x, 0.0) @ p["w1"] + p["b1"][None])
+    return jnp.mean((h @ p["w2"] - y) ** 2), keep
+
+  key = jax.random.key(3)
+  (value, masks), grads = jaxaccum.value_and_grad(
+    dropout_loss, k, rng_argnum=2, has_aux=True, mesh=mesh, data_axis=layout.data_axis
+  )(params, jax.device_put((x, y), NamedSharding(mesh, P(layout.data_axis))), key)
+  devices = 4
+  (want_value, want_masks), want_grads = jaxaccum.value_and_grad(
+    dropout_loss, devices * k, rng_argnum=2, has_aux=True
+  )(params, (x, y), key)
+  np.testing.assert_array_equal(np.asarray(masks), np.asarray(want_masks))
+  assert len({np.asarray(m).tobytes() for m in masks}) == devices * k
+  chex.assert_trees_all_close(
+    (value, grads), (want_value, want_grads), rtol=1e-5, atol=1e-6
+  )
+
+
+def test_naming_the_data_axis_in_fun_is_a_clear_error():
+  layout = LAYOUTS[1]
+  mesh = layout.mesh(AxisType.Explicit)
+  params, batch = make_problem()
+  sharded, sharded_batch = place(layout, mesh, params, batch)
+
+  def loss(p, batch):
+    x, _ = batch
+    h = jnp.einsum("bf,fh->bh", x, p["w1"], out_sharding=P("data", "model"))
+    return jnp.mean(h**2)
+
+  fun = jaxaccum.value_and_grad(loss, 2, mesh=mesh, data_axis="data")
+  with pytest.raises(ValueError, match=r"data axes \('data',\).*manual.*typeof"):
+    fun(sharded, sharded_batch)
+
+
+def test_a_dimension_sharded_along_data_and_model_is_refused():
+  layout = LAYOUTS[1]
+  mesh = layout.mesh(AxisType.Explicit)
+  params, batch = make_problem()
+  w1 = jax.device_put(params["w1"], NamedSharding(mesh, P(("data", "model"), None)))
+  fun = jaxaccum.value_and_grad(
+    make_loss(layout, AxisType.Explicit), 2, mesh=mesh, data_axis="data"
+  )
+  with pytest.raises(ValueError, match=r"args\[0\]\['w1'\].*data axes.*not both"):
+    fun({**params, "w1": w1}, batch)
