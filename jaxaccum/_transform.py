@@ -92,6 +92,44 @@ def _scalar(value: float, dtype: Any = jnp.float32) -> jax.Array:
   return jnp.full((), value, dtype)
 
 
+def _cast_like(tree: PyTree, like: PyTree) -> PyTree:
+  """``tree`` with the dtypes of ``like`` (arrays or ``jax.ShapeDtypeStruct``s)
+  and no weak types; a leaf that already has them is returned as it is."""
+
+  def cast(x, target):
+    aval = jax.typeof(x)
+    if aval.dtype == target.dtype and not getattr(aval, "weak_type", False):
+      return x
+    return jax.lax.convert_element_type(x, target.dtype)
+
+  return jax.tree.map(cast, tree, like)
+
+
+def _inner_init(inner: optax.GradientTransformationExtraArgs, params: PyTree) -> PyTree:
+  """``inner.init(params)`` at the dtypes that its state keeps.
+
+  Many optimizers create their state in the parameters' dtype and return it
+  in the dtype promoted with the gradients' (adam's ``mu``: float16 params
+  and float32 gradients give a float32 ``mu``). A state that changes dtype
+  cannot go through ``lax.cond``, a ``lax.scan`` carry or donation, so
+  :func:`accumulate` fixes the inner state's dtypes here, once: those after
+  one inner update on gradients in the parameters' dtype (what ``jax.grad``
+  gives), which for optax's optimizers are the dtypes of ``inner.init``. Each
+  window casts the inner state back to them, as ``optax.MultiSteps`` does.
+  """
+  state = inner.init(params)
+  grads = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(jnp.shape(p), _normalize.result_dtype(p)), params
+  )
+  try:
+    _, after = jax.eval_shape(inner.update, grads, state, params)
+  except Exception:  # an inner update that needs keyword arguments (value=)
+    after = state
+  if jax.tree.structure(after) != jax.tree.structure(state):
+    after = state
+  return _cast_like(state, after)
+
+
 def _no_noise() -> _stats.GradientNoise:
   return _stats.GradientNoise(*(_scalar(jnp.nan) for _ in range(4)))
 
@@ -173,7 +211,7 @@ def accumulate(
         params,
       ),
       acc_weight=_scalar(0.0),
-      inner_state=inner.init(params),
+      inner_state=_inner_init(inner, params),
       num_skipped=_scalar(0, jnp.int32),
       noise=WindowNoise(_scalar(0.0), _scalar(0.0), _no_noise()),
       loss_scale=None if loss_scale is None else jax.tree.map(jnp.copy, loss_scale),
@@ -221,19 +259,21 @@ def accumulate(
 
     def inner_update(acc_grads, acc_weight, inner_state, noise):
       mean = _normalize.safe_divide(acc_grads, acc_weight)
-      updates, inner_state = inner.update(
+      updates, new_inner_state = inner.update(
         jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads),
         inner_state,
         params,
         **extra_args,
       )
+      # The state keeps its dtypes, whatever the gradients' dtype promoted it to.
+      new_inner_state = _cast_like(new_inner_state, inner_state)
       if noise_stats:
         noise = noise._replace(
           last=_stats.NoiseSums(
             noise.sq_norm_sum, noise.num_micro_batches, acc_weight
           ).finalize(_stats.sq_norm(mean))
         )
-      return updates, inner_state, noise
+      return updates, new_inner_state, noise
 
     def no_update(acc_grads, acc_weight, inner_state, noise):
       shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state, noise)
