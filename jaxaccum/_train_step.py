@@ -191,8 +191,19 @@ def make_train_step(
       value = (loss, (aux, new_state))
 
     def apply(params, opt_state):
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+      updates, next_state = tx.update(grads, opt_state, params)
+      # The state keeps its dtypes (adam's mu would come back promoted with the
+      # gradients'): lax.cond, donation and the next call need the same types.
+      next_state = jax.tree.map(
+        lambda new, old: (
+          new
+          if jnp.result_type(new) == jnp.result_type(old)
+          else jnp.asarray(new).astype(jnp.result_type(old))
+        ),
+        next_state,
+        opt_state,
+      )
+      return optax.apply_updates(params, updates), next_state
 
     if not skip_nonfinite or loss_scale is not None:
       # float16: accumulate() unscales, skips overflowing windows and adjusts
