@@ -89,7 +89,7 @@ def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) 
   options.parameter_is_tupled_arguments = tuple_args
   build = options.executable_build_options
   build.use_spmd_partitioning = True
-  build.use_shardy_partitioner = bool(jax.config.jax_use_shardy_partitioner)
+  build.use_shardy_partitioner = bool(jax.config.values["jax_use_shardy_partitioner"])
   build.allow_spmd_sharding_propagation_to_parameters = list(allow_in)
   build.allow_spmd_sharding_propagation_to_output = list(allow_out)
   client = devices[0].client

@@ -253,7 +253,7 @@ def _gpu_devices(spec: dict[str, Any], topology: str) -> tuple[jax.Device, ...]:
 def _tpu_devices(spec: dict[str, Any], topology: str) -> tuple[jax.Device, ...]:
   if importlib.util.find_spec("libtpu") is None:
     raise _missing("libtpu")
-  platforms = jax.config.jax_platforms or ""
+  platforms = jax.config.values.get("jax_platforms") or ""
   if platforms and "tpu" not in platforms.split(","):
     # libtpu only compiles here, it drives no TPU: let other processes load it
     # too (two planning scripts, pytest workers) instead of failing on
