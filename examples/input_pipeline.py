@@ -41,10 +41,15 @@ batches/s with no training. The measurements back these rules:
   batch. Outside ``absl.app.run``, Grain's absl flags must be marked parsed
   first (``absl.flags.FLAGS.mark_as_parsed()``).
 
-``--placement pinned_host`` puts the batches in pinned host memory instead of
-device memory, for jaxaccum to stream one micro-batch at a time to the
-device. That needs the host-batch streaming of the jaxaccum engine; where the
-installed jaxaccum cannot do that yet, the script says so and stops.
+``--placement pinned_host`` prefetches the batches into pinned host memory
+instead (``memory_kind="pinned_host"``; on a GPU that is page-locked RAM the
+device can copy from directly). jaxaccum then streams them: the scan copies
+one micro-batch at a time into device memory, the next one while the current
+one computes, so the device holds two micro-batches of the batch rather than
+all of it. The loss is the same; what it costs in steps/s is measured the
+same way (run the script once with each placement). On this CPU-only
+machine "device" and "pinned_host" memory are both the same RAM, so the
+difference shows the streaming's own overhead, not a PCIe transfer.
 
 It prints the test accuracy and a JSON summary line, and saves a plot of
 augmented examples, the loss curve and the measurements.
@@ -206,21 +211,6 @@ def check_placement(placement: str) -> jax.sharding.Sharding:
   return jax.sharding.SingleDeviceSharding(device, memory_kind=placement)
 
 
-def first_step(step: Callable[..., Any], *args: Any, placement: str) -> Any:
-  """Runs (and compiles) the first step; explains a missing streaming engine."""
-  try:
-    return step(*args)
-  except ValueError as error:
-    if placement == "pinned_host" and "memory_space" in str(error):
-      raise RuntimeError(
-        "--placement pinned_host needs jaxaccum's host-batch streaming (the "
-        "scan copying one micro-batch at a time from pinned host memory to "
-        "the device); this jaxaccum traces the step with the whole "
-        "batch in host memory, which XLA refuses. Use --placement device."
-      ) from error
-    raise
-
-
 def steps_per_second(
   step: Callable[..., Any],
   params: Params,
@@ -250,10 +240,19 @@ def steps_per_second(
   return steps / (time.perf_counter() - start)
 
 
-def batches_per_second(ds: grain.IterDataset, *, batches: int) -> float:
-  """The pipeline alone on the host, no training: batches/s after the first."""
+def batches_per_second(
+  ds: grain.IterDataset, *, batches: int, first: list[float] | None = None
+) -> float:
+  """The pipeline alone on the host, no training: batches/s after the first.
+
+  The seconds to the first batch (worker processes starting, buffers
+  filling) are appended to ``first``.
+  """
+  start = time.perf_counter()
   with contextlib.closing(iter(ds)) as it:
     next(it)
+    if first is not None:
+      first.append(time.perf_counter() - start)
     start = time.perf_counter()
     for _ in range(batches):
       next(it)
@@ -299,7 +298,6 @@ def train(
   augment: str,
   workers: int,
   loss_every: int,
-  placement: str,
   progress: bool,
 ) -> dict[str, Any]:
   """The training run: Grain -> ``device_put`` prefetching -> the step."""
@@ -309,10 +307,9 @@ def train(
   feed = iter(setup.on_device(setup.pipeline(augment, workers)))
   with contextlib.closing(feed), bar:
     batch = next(feed)
-    params, opt_state, loss = first_step(
-      setup.step, params, opt_state, as_inputs(batch), placement=placement
-    )
+    params, opt_state, loss = setup.step(params, opt_state, as_inputs(batch))
     shown = np.asarray(batch["image"])[:8], np.asarray(batch["index"])[:8]
+    memory_kind = batch["image"].sharding.memory_kind  # where the step read it
     float(loss)
     start = time.perf_counter()  # from the second step on: compiled, started
     for i in range(steps):
@@ -331,8 +328,18 @@ def train(
     "losses": np.asarray(jnp.stack(losses)),
     "indices": np.concatenate([np.asarray(i) for i in indices]),
     "shown": shown,
+    "memory_kind": memory_kind,
     "steps_per_s": (steps - 1) / seconds if steps > 1 else 0.0,
   }
+
+
+class Measured(NamedTuple):
+  """Medians over the repeats, by name."""
+
+  steps_per_s: dict[str, float]  # the step fed in each way
+  batches_per_s: dict[str, float]  # the pipelines alone, no training
+  first_batch_s: dict[str, float]  # the pipelines' seconds to a first batch
+  spread: dict[str, tuple[float, float]]  # (min, max); pipelines: pipeline_*
 
 
 def measure(
@@ -342,13 +349,8 @@ def measure(
   repeats: int,
   loss_every: int,
   workers: tuple[int, ...],
-) -> tuple[dict[str, float], dict[str, float], dict[str, tuple[float, float]]]:
-  """Steps/s of the step fed in each way, and the pipelines' own batches/s.
-
-  Returns:
-    ``(steps_per_s, batches_per_s, spread)``: medians by name, and each
-    measurement's ``(min, max)`` (the pipeline ones named ``pipeline_*``).
-  """
+) -> Measured:
+  """Steps/s of the step fed in each way, and the pipelines' own batches/s."""
   # One epoch of finished batches, placed before the loop and cycled.
   with contextlib.closing(iter(setup.on_device(setup.pipeline("batch", 0)))) as it:
     resident = list(itertools.islice(it, setup.batches_per_epoch))
@@ -374,8 +376,13 @@ def measure(
       if hasattr(it, "close"):
         it.close()  # stops Grain's threads and worker processes
 
+  first: dict[str, list[float]] = {}
+
   def alone(augment: str, w: int) -> Callable[[], float]:
-    return lambda: batches_per_second(setup.pipeline(augment, w), batches=steps)
+    seconds = first.setdefault(f"{augment}_{w}w", [])
+    return lambda: batches_per_second(
+      setup.pipeline(augment, w), batches=steps, first=seconds
+    )
 
   every = loss_every
   fed = {
@@ -406,7 +413,8 @@ def measure(
   )
   steps_per_s = {name: medians[name] for name in fed}
   batches_per_s = {name: medians[f"pipeline_{name}"] for name in pipelines}
-  return steps_per_s, batches_per_s, spread
+  first_batch_s = {name: statistics.median(s) for name, s in first.items()}
+  return Measured(steps_per_s, batches_per_s, first_batch_s, spread)
 
 
 def main(
@@ -452,10 +460,8 @@ def main(
     A dict with ``losses`` (float32, shape ``(steps,)``), ``indices`` (the
     training rows in the order the steps saw them, int32 of shape
     ``(steps * batch_size,)``), ``test_accuracy``, ``train_steps_per_s``,
-    ``steps_per_s`` and ``batches_per_s`` (dicts from a measurement's name
-    to its median; empty without measurements), ``spread`` (each
-    measurement's (min, max)), ``summary`` (what the JSON line holds) and
-    ``png``.
+    ``batch_memory_kind`` (where the step found its batches), ``measured`` (a :class:`Measured`; empty dicts without measurements),
+    ``summary`` (what the JSON line holds) and ``png``.
   """
   sharding = check_placement(placement)
   x_train, y_train, x_test, y_test = digits_split(images=True)
@@ -507,40 +513,30 @@ def main(
     augment=augment,
     workers=workers,
     loss_every=loss_every,
-    placement=placement,
     progress=progress,
   )
   losses = run["losses"]
   logits = nnx.merge(graphdef, run["params"])(jnp.asarray(x_test))
   test_accuracy = float(jnp.mean(jnp.argmax(logits, axis=-1) == y_test))
 
-  steps_per_s: dict[str, float] = {}
-  batches_per_s: dict[str, float] = {}
-  spread: dict[str, tuple[float, float]] = {}
+  measured = Measured({}, {}, {}, {})
   if measure_steps:
-    steps_per_s, batches_per_s, spread = measure(
+    measured = measure(
       setup,
       steps=measure_steps,
       repeats=repeats,
       loss_every=loss_every,
       workers=measure_workers,
     )
-
   png = pathlib.Path(out_dir) / "input_pipeline.png"
-  plot(
-    x_train,
-    shown=run["shown"],
-    losses=losses,
-    steps_per_s=steps_per_s,
-    spread=spread,
-    png=png,
-  )
+  plot(x_train, shown=run["shown"], losses=losses, measured=measured, png=png)
   summary = {
     "steps": steps,
     "batch_size": batch_size,
     "num_micro_batches": num_micro_batches,
     "augment": augment,
     "placement": placement,
+    "batch_memory_kind": run["memory_kind"],
     "workers": workers,
     "cpu_cores": os.cpu_count(),
     "backend": jax.default_backend(),
@@ -548,8 +544,9 @@ def main(
     "final_loss": float(np.mean(losses[-min(steps, 10) :])),
     "test_accuracy": test_accuracy,
     "train_steps_per_s": run["steps_per_s"],
-    "steps_per_s": steps_per_s,
-    "batches_per_s": batches_per_s,
+    "steps_per_s": measured.steps_per_s,
+    "batches_per_s": measured.batches_per_s,
+    "first_batch_s": measured.first_batch_s,
   }
   m = batch_size // num_micro_batches
   print(
@@ -562,14 +559,17 @@ def main(
   )
   if measure_steps:
     print(f"median of {repeats} x {measure_steps} steps (min .. max):")
-  for name, value in steps_per_s.items():
+  spread = measured.spread
+  for name, value in measured.steps_per_s.items():
     low, high = spread[name]
     print(f"  {name:30s} {value:7.1f} steps/s   ({low:.1f} .. {high:.1f})")
-  for name, value in batches_per_s.items():
+  for name, value in measured.batches_per_s.items():
     low, high = spread[f"pipeline_{name}"]
     print(
-      f"  pipeline alone, {name:13s} {value:7.1f} batches/s ({low:.1f} .. {high:.1f})"
+      f"  pipeline alone, {name:14s} {value:6.1f} batches/s ({low:.1f} .. {high:.1f})"
     )
+  for name, value in measured.first_batch_s.items():
+    print(f"  pipeline alone, {name:14s} {value:6.2f} s to the first batch")
   print(f"plot: {png}")
   print(json.dumps(summary))
   return {
@@ -577,9 +577,8 @@ def main(
     "indices": run["indices"],
     "test_accuracy": test_accuracy,
     "train_steps_per_s": run["steps_per_s"],
-    "steps_per_s": steps_per_s,
-    "batches_per_s": batches_per_s,
-    "spread": spread,
+    "batch_memory_kind": run["memory_kind"],
+    "measured": measured,
     "summary": summary,
     "png": str(png),
   }
@@ -588,39 +587,41 @@ def main(
 def plot(
   x_train: np.ndarray,
   *,
-  shown: tuple[np.ndarray, np.ndarray] | None,
+  shown: tuple[np.ndarray, np.ndarray],
   losses: np.ndarray,
-  steps_per_s: dict[str, float],
-  spread: dict[str, tuple[float, float]],
+  measured: Measured,
   png: pathlib.Path,
 ) -> None:
-  """Originals over their augmented copies; the loss; the measured steps/s."""
-  fig = Figure(figsize=(14, 4.2), layout="constrained")
+  """Originals and augmented copies; the loss; the measurements."""
+  fig = Figure(figsize=(16, 4.5), layout="constrained")
   FigureCanvasAgg(fig)
-  left, middle, right = fig.subfigures(1, 3, width_ratios=[1.1, 1, 1.3])
-  if shown is not None:
-    images, rows = shown
-    axes = left.subplots(2, len(rows))
-    for j, row in enumerate(rows):
-      axes[0, j].imshow(x_train[row, ..., 0], cmap="gray_r", vmin=0, vmax=1)
-      axes[1, j].imshow(images[j, ..., 0], cmap="gray_r", vmin=0, vmax=1)
-      axes[0, j].set_axis_off()
-      axes[1, j].set_axis_off()
-    left.suptitle("Training rows (top) as the first batch saw them")
-  ax = middle.subplots()
+  panels = fig.subfigures(1, 4, width_ratios=[0.8, 1, 1.3, 1.1])
+  images, rows = shown
+  axes = panels[0].subplots(4, 4)
+  for j, row in enumerate(rows[:8]):
+    top = 2 * (j // 4)  # an original, and below it the augmented copy
+    axes[top, j % 4].imshow(x_train[row, ..., 0], cmap="gray_r", vmin=0, vmax=1)
+    axes[top + 1, j % 4].imshow(images[j, ..., 0], cmap="gray_r", vmin=0, vmax=1)
+  for ax in axes.flat:
+    ax.set_axis_off()
+  panels[0].suptitle("Training rows over their augmented\ncopies in the first batch")
+  ax = panels[1].subplots()
   ax.plot(np.arange(1, len(losses) + 1), losses, lw=1)
   ax.set(xlabel="optimizer step", ylabel="training loss", yscale="log")
-  ax.set_title("Accumulated step fed by Grain")
-  ax = right.subplots()
-  if steps_per_s:
-    names = list(steps_per_s)[::-1]
-    values = [steps_per_s[n] for n in names]
-    errors = np.array(
-      [[v - spread[n][0], spread[n][1] - v] for n, v in zip(names, values, strict=True)]
-    )
-    ax.barh(names, values, xerr=errors.T, color="tab:blue", alpha=0.8)
-    ax.set(xlabel="steps/s (median; bars: min..max)")
-    ax.set_title(f"Feeding the step, {os.cpu_count()} CPU cores")
+  ax.set_title("The accumulated step, fed by Grain")
+  for panel, table, unit, prefix in (
+    (panels[2], measured.steps_per_s, "steps/s", ""),
+    (panels[3], measured.batches_per_s, "batches/s, pipeline alone", "pipeline_"),
+  ):
+    if not table:
+      continue
+    ax = panel.subplots()
+    names = list(table)[::-1]
+    values = np.array([table[n] for n in names])
+    low, high = np.array([measured.spread[prefix + n] for n in names]).T
+    ax.barh(names, values, xerr=[values - low, high - values], alpha=0.8)
+    ax.set(xlabel=f"{unit} (median; bars: min..max)")
+    ax.set_title(f"{os.cpu_count()} CPU cores")
   png.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(png, dpi=110)
 
