@@ -48,15 +48,40 @@ class GradientNoise(NamedTuple):
   b_small: jax.Array
   b_big: jax.Array
 
+  def has_estimate(self) -> jax.Array:
+    """Whether these measurements hold an estimate, ``0 < b_small < b_big``:
+    not with one micro-batch, nor in :func:`jaxaccum.accumulate`'s zeros
+    before its first window; shape=(), bool."""
+    return (self.b_small > 0) & (self.b_big > self.b_small)
+
   def sq_norm(self) -> jax.Array:
-    """The unbiased estimate of ``|G|²`` (it can be negative when noisy)."""
-    return (self.b_big * self.big_sq_norm - self.b_small * self.small_sq_norm) / (
-      self.b_big - self.b_small
-    )
+    """The unbiased estimate of ``|G|²`` (it can be negative when noisy);
+    0 without an estimate (see :meth:`has_estimate`)."""
+    ok = self.has_estimate()
+    span = jnp.where(ok, self.b_big - self.b_small, 1.0)
+    big, small = self.b_big * self.big_sq_norm, self.b_small * self.small_sq_norm
+    return jnp.where(ok, (big - small) / span, 0.0)
 
   def trace(self) -> jax.Array:
-    """The unbiased estimate of ``S = tr(Σ)``."""
-    return (self.small_sq_norm - self.big_sq_norm) / (1 / self.b_small - 1 / self.b_big)
+    """The unbiased estimate of ``S = tr(Σ)``; 0 without an estimate (see
+    :meth:`has_estimate`).
+
+    >>> import jax.numpy as jnp
+    >>> noise = GradientNoise(*map(jnp.asarray, (2.0, 1.25, 4.0, 16.0)))
+    >>> float(noise.trace()), float(noise.sq_norm())
+    (4.0, 1.0)
+    >>> one = noise._replace(b_small=noise.b_big)  # one micro-batch
+    >>> bool(one.has_estimate()), float(one.trace()), float(one.sq_norm())
+    (False, 0.0, 0.0)
+    """
+    ok = self.has_estimate()
+    # Safe stand-ins where there is no estimate: no 0/0 is ever computed,
+    # so jax_debug_nans stays quiet.
+    b_small = jnp.where(ok, self.b_small, 1.0)
+    b_big = jnp.where(ok, self.b_big, 2.0)
+    return jnp.where(
+      ok, (self.small_sq_norm - self.big_sq_norm) / (1 / b_small - 1 / b_big), 0.0
+    )
 
 
 def sq_norm(tree: PyTree) -> jax.Array:
@@ -90,8 +115,8 @@ def noise_scale_init() -> NoiseScaleState:
   """An empty tracker state (see :func:`noise_scale_update`).
 
   >>> state = noise_scale_init()
-  >>> int(state.num_updates), bool(jnp.isnan(critical_batch_size(state)))
-  (0, True)
+  >>> int(state.num_updates), float(critical_batch_size(state))
+  (0, inf)
   """
   zero = jnp.zeros((), jnp.float32)
   return NoiseScaleState(zero, zero, jnp.zeros((), jnp.int32))
@@ -102,8 +127,9 @@ def noise_scale_update(
 ) -> NoiseScaleState:
   """Folds one step's :class:`GradientNoise` into the moving averages.
 
-  Steps whose estimates are not finite (e.g. ``B_small == B_big``, one
-  micro-batch) are left out.
+  Steps without an estimate (one micro-batch, ``B_small == B_big``; or
+  :func:`jaxaccum.accumulate`'s zeros before its first window) and steps
+  whose estimates are not finite are left out.
 
   Args:
     state: the tracker, from :func:`noise_scale_init` or a previous update.
@@ -124,7 +150,7 @@ def noise_scale_update(
   1
   """
   trace, g2 = noise.trace(), noise.sq_norm()
-  ok = jnp.isfinite(trace) & jnp.isfinite(g2)
+  ok = noise.has_estimate() & jnp.isfinite(trace) & jnp.isfinite(g2)
   return NoiseScaleState(
     trace=jnp.where(ok, decay * state.trace + (1 - decay) * trace, state.trace),
     sq_norm=jnp.where(ok, decay * state.sq_norm + (1 - decay) * g2, state.sq_norm),
@@ -135,8 +161,11 @@ def noise_scale_update(
 def critical_batch_size(state: NoiseScaleState) -> jax.Array:
   """``B_simple = EMA(S) / EMA(|G|²)``, in the units of ``b_small``.
 
-  The bias corrections of the two averages cancel in the ratio. It is NaN
-  until the first update, and infinite while ``EMA(|G|²) <= 0``.
+  The bias corrections of the two averages cancel in the ratio. It is
+  infinite while ``EMA(|G|²) <= 0``, and so also before the first update
+  (``state.num_updates == 0``): nothing measured yet says that a bigger
+  batch would stop paying off. It is never NaN, so that it can be logged
+  under ``jax_debug_nans``.
 
   >>> import jax.numpy as jnp
   >>> noise = GradientNoise(jnp.array(2.0), jnp.array(1.25), jnp.array(4.0), jnp.array(16.0))
@@ -146,10 +175,9 @@ def critical_batch_size(state: NoiseScaleState) -> jax.Array:
   >>> round(float(critical_batch_size(state)), 4)
   4.0
   """
-  ratio = state.trace / state.sq_norm
-  return jnp.where(
-    state.num_updates > 0, jnp.where(state.sq_norm > 0, ratio, jnp.inf), jnp.nan
-  )
+  positive = state.sq_norm > 0
+  ratio = state.trace / jnp.where(positive, state.sq_norm, 1.0)
+  return jnp.where(positive, ratio, jnp.inf)
 
 
 class NoiseSums(NamedTuple):
@@ -168,11 +196,13 @@ class NoiseSums(NamedTuple):
   examples: jax.Array
 
   def finalize(self, big_sq_norm: jax.Array) -> GradientNoise:
-    """The :class:`GradientNoise` of a whole batch with this mean gradient."""
+    """The :class:`GradientNoise` of a whole batch with this mean gradient
+    (zeros but ``big_sq_norm`` when no micro-batch was summed)."""
+    count = jnp.where(self.num_micro_batches > 0, self.num_micro_batches, 1.0)
     return GradientNoise(
-      small_sq_norm=self.sq_norm / self.num_micro_batches,
+      small_sq_norm=self.sq_norm / count,
       big_sq_norm=big_sq_norm,
-      b_small=self.examples / self.num_micro_batches,
+      b_small=self.examples / count,
       b_big=self.examples,
     )
 

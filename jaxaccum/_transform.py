@@ -33,7 +33,8 @@ class WindowNoise(NamedTuple):
       shape=(), float32.
     last: the last completed window's :class:`GradientNoise`, in units of
       ``weight`` (micro-batches without ``weight=``: multiply ``B_simple``
-      by the micro-batch size for examples); NaN before the first window.
+      by the micro-batch size for examples); zeros before the first window
+      (``has_estimate()`` is False, and ``noise_scale_update`` leaves it out).
   """
 
   sq_norm_sum: jax.Array
@@ -131,7 +132,9 @@ def _inner_init(inner: optax.GradientTransformationExtraArgs, params: PyTree) ->
 
 
 def _no_noise() -> _stats.GradientNoise:
-  return _stats.GradientNoise(*(_scalar(jnp.nan) for _ in range(4)))
+  """Zeros: no estimate (``has_estimate()`` is False), and no NaN for
+  ``jax_debug_nans`` to report."""
+  return _stats.GradientNoise(*(_scalar(0.0) for _ in range(4)))
 
 
 def accumulate(
