@@ -6,7 +6,8 @@ The public surface:
   and ``jax.grad`` that split the batch into micro-batches and accumulate
   inside one ``lax.scan``. :mod:`jaxaccum.nnx` adapts them to Flax NNX.
 - :func:`accumulate`: an optax transformation that accumulates across calls
-  and runs the inner optimizer once per window.
+  and runs the inner optimizer once per window; :func:`has_updated` and
+  :func:`inner_step` read its state from inside any optimizer state.
 - :func:`make_train_step`: a jitted, donated step with one optimizer update.
 - :func:`verify_equivalence`: checks accumulation against the full batch.
 - :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory,
@@ -30,6 +31,8 @@ from jaxaccum._memory import MicroBatchPlan as MicroBatchPlan
 from jaxaccum._memory import compiled_memory as compiled_memory
 from jaxaccum._memory import memory_report as memory_report
 from jaxaccum._memory import plan_micro_batches as plan_micro_batches
+from jaxaccum._opt_state import has_updated as has_updated
+from jaxaccum._opt_state import inner_step as inner_step
 from jaxaccum._scaling import AdamHyperparams as AdamHyperparams
 from jaxaccum._scaling import kappa as kappa
 from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt

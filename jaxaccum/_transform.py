@@ -58,6 +58,9 @@ class AccumulateState(NamedTuple):
     loss_scale: the :class:`DynamicLossScale` (``None`` without one).
     window_finite: no micro-batch of the current window overflowed;
       shape=(), bool.
+    updated: the last ``update`` ran the inner optimizer; shape=(), bool.
+      Read it with :func:`jaxaccum.has_updated`, also from inside a chain,
+      a ``TrainState`` or an ``nnx.Optimizer``.
   """
 
   micro_step: jax.Array
@@ -69,6 +72,7 @@ class AccumulateState(NamedTuple):
   noise: WindowNoise
   loss_scale: DynamicLossScale | None
   window_finite: jax.Array
+  updated: jax.Array
 
 
 def _window_size(
@@ -126,7 +130,8 @@ def _inner_init(inner: optax.GradientTransformationExtraArgs, params: PyTree) ->
     _, after = jax.eval_shape(inner.update, grads, state, params)
   except Exception:  # an inner update that needs keyword arguments (value=)
     after = state
-  if jax.tree.structure(after) != jax.tree.structure(state):
+  after_struct: Any = jax.tree.structure(after)
+  if after_struct != jax.tree.structure(state):
     after = state
   return _cast_like(state, after)
 
@@ -219,6 +224,7 @@ def accumulate(
       noise=WindowNoise(_scalar(0.0), _scalar(0.0), _no_noise()),
       loss_scale=None if loss_scale is None else jax.tree.map(jnp.copy, loss_scale),
       window_finite=_scalar(True, jnp.bool_),
+      updated=_scalar(False, jnp.bool_),
     )
 
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
@@ -308,6 +314,7 @@ def accumulate(
       ),
       loss_scale=new_loss_scale,
       window_finite=window_done | window_finite,
+      updated=apply,
     )
     return updates, new_state
 
