@@ -188,13 +188,134 @@ def test_noise_stats_pass_through():
   np.testing.assert_allclose(noise.big_sq_norm, big, rtol=1e-4)
 
 
-def test_nnx_objects_outside_the_model_are_refused_clearly():
+class Student(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(F, 8, rngs=rngs)
+    self.out = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+class Teacher(nnx.Module):
+  """A frozen teacher with BatchNorm in evaluation mode."""
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(F, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, use_running_average=True, rngs=rngs)
+    self.out = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+
+def distill(student, teacher, x):
+  targets = jax.nn.softmax(teacher(x))
+  return jnp.mean(optax.softmax_cross_entropy(student(x), targets))
+
+
+def test_distillation_with_a_teacher_equals_the_full_batch():
+  student, teacher = Student(nnx.Rngs(0)), Teacher(nnx.Rngs(1))
+  x = batch_data()[0]
+  value, grads = nnx.jit(jaxaccum.nnx.value_and_grad(distill, K, batch_argnums=2))(
+    student, teacher, x
+  )
+  want_value, want_grads = nnx.value_and_grad(distill)(student, teacher, x)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+  # Only the student is differentiated: its Params, not the teacher's.
+  assert set(nnx.to_pure_dict(grads)) == {"hidden", "out"}
+  assert jax.tree.structure(grads) == jax.tree.structure(nnx.state(student, nnx.Param))
+
+
+def test_rngs_argument_is_threaded_and_written_back():
+  """An nnx.Rngs passed next to the model advances once per micro-batch,
+  as in K eager calls, and every micro-batch draws its own mask."""
   model = Net(nnx.Rngs(0))
+  model.drop.rate = 0.0
 
   def loss_with_rngs(model, batch, rngs):
-    del rngs
+    x, y = batch
+    keep = jax.random.bernoulli(rngs.noise(), 0.5, x.shape)
+    return loss(model, (jnp.where(keep, x, 0.0), y)), keep
+
+  rngs, reference_rngs = nnx.Rngs(noise=7), nnx.Rngs(noise=7)
+  reference = nnx.clone(model)
+  batch = batch_data()
+  (value, masks), grads = jaxaccum.nnx.value_and_grad(loss_with_rngs, K, has_aux=True)(
+    model, batch, rngs
+  )
+  want = [
+    nnx.value_and_grad(loss_with_rngs, has_aux=True)(
+      reference, micro(batch, i), reference_rngs
+    )
+    for i in range(K)
+  ]
+  np.testing.assert_array_equal(masks, np.stack([w[0][1] for w in want]))
+  np.testing.assert_allclose(value, np.mean([w[0][0] for w in want]), rtol=1e-5)
+  chex.assert_trees_all_close(
+    grads,
+    jax.tree.map(lambda *g: sum(g) / K, *[w[1] for w in want]),
+    rtol=1e-5,
+    atol=1e-6,
+  )
+  assert int(rngs.noise.count[...]) == K == int(reference_rngs.noise.count[...])
+  assert_models_equal(model, reference)
+
+
+def test_a_state_argument_is_threaded_not_differentiated():
+  model = Net(nnx.Rngs(0, dropout=1))
+  model.drop.rate = 0.0
+  stats = nnx.State({"seen": nnx.Variable(jnp.zeros(()))})
+
+  def counting_loss(model, batch, stats):
+    stats["seen"][...] = stats["seen"][...] + batch[0].shape[0]
     return loss(model, batch)
 
-  fun = jaxaccum.nnx.value_and_grad(loss_with_rngs, K)
-  with pytest.raises(ValueError, match=r"argument 2 of fun is an nnx object \(Rngs\)"):
-    fun(model, batch_data(), nnx.Rngs(1))
+  reference = nnx.clone(model)
+  value, grads = jaxaccum.nnx.value_and_grad(counting_loss, K)(
+    model, batch_data(), stats
+  )
+  want_value, want_grads = eager_reference(reference, batch_data())
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+  assert float(stats["seen"][...]) == K * M
+
+
+def test_argnums_tuple_differentiates_both_models():
+  student, other = Student(nnx.Rngs(0)), Student(nnx.Rngs(2))
+
+  def agreement(a, b, x):
+    return jnp.mean((a(x) - b(x)) ** 2)
+
+  x = batch_data()[0]
+  value, (ga, gb) = jaxaccum.nnx.value_and_grad(
+    agreement, K, argnums=(0, 1), batch_argnums=2
+  )(student, other, x)
+  want_value, (wa, wb) = nnx.value_and_grad(agreement, argnums=(0, 1))(
+    student, other, x
+  )
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  chex.assert_trees_all_close((ga, gb), (wa, wb), rtol=1e-5, atol=1e-6)
+
+
+def test_grad_returns_the_grads_only():
+  model, reference = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  model.drop.rate = reference.drop.rate = 0.0
+  batch = batch_data()
+  grads = jaxaccum.nnx.grad(loss, K)(model, batch)
+  chex.assert_trees_all_close(
+    grads, eager_reference(reference, batch)[1], rtol=1e-5, atol=1e-6
+  )
+  (grads, aux) = jaxaccum.nnx.grad(lambda m, b: (loss(m, b), b[1]), K, has_aux=True)(
+    model, batch
+  )
+  assert aux.shape == (K, M)
+
+
+def test_an_nnx_model_in_the_batch_is_refused():
+  model = Net(nnx.Rngs(0))
+  with pytest.raises(ValueError, match="batch argument 1 holds an nnx object"):
+    jaxaccum.nnx.value_and_grad(lambda m, b: loss(m, b[1]), K)(
+      model, (model, batch_data())
+    )
