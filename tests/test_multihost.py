@@ -2,7 +2,8 @@
 
 Runs tests/multihost_worker.py twice with ``jax.distributed.initialize``
 (coordinator on 127.0.0.1, gloo CPU collectives) and checks that the
-data-parallel result equals the single-process one.
+data-parallel result equals the single-process one, on an (8,) mesh and on a
+(4, 2) data x model mesh whose data axis spans the processes.
 """
 
 import json
@@ -56,4 +57,8 @@ def test_two_processes_equal_one(tmp_path):
     assert r["value_vs_single_process"] < 1e-6, r
     assert r["grads_vs_single_process"] < 1e-5, r
     assert r["aux_vs_single_process"] < 1e-6, r
+    # (4, 2) mesh, tensor-parallel weights, data axis across the processes.
+    assert r["tp_value_vs_full_batch"] < 1e-6, r
+    assert r["tp_grads_vs_full_batch"] < 1e-5, r
+    assert r["tp_grads_sharded_like_params"], r
   assert results[0]["value"] == results[1]["value"]
