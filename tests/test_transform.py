@@ -237,3 +237,81 @@ def test_bf16_grads_accumulate_in_float32():
     updates, state = update(g, state, params)
   assert updates.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(updates, np.float32), -(1.0 + 2.0**-6))
+
+
+def window_grads(params, x, y, w=0):
+  return [jax.grad(loss)(params, micro(x[w], y[w], i)) for i in range(K)]
+
+
+def mean_of(grads):
+  return jax.tree.map(lambda *gs: sum(gs) / len(gs), *grads)
+
+
+PARAM_READERS = {
+  "adamw": lambda: optax.adamw(0.1, weight_decay=0.5),
+  "add_decayed_weights": lambda: optax.chain(
+    optax.add_decayed_weights(0.5), optax.sgd(0.1)
+  ),
+  # Decay only the matrices, a mask built from the parameters.
+  "masked_decay": lambda: optax.chain(
+    optax.masked(
+      optax.add_decayed_weights(0.5),
+      lambda p: jax.tree.map(lambda x: jnp.ndim(x) > 0, p),
+    ),
+    optax.sgd(0.1),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", PARAM_READERS)
+def test_inner_optimizer_sees_the_params(name):
+  """accumulate() passes ``params`` to an inner optimizer that reads them
+  (weight decay): each window's update is that of the inner optimizer run on
+  the window mean with the same params."""
+  params, x, y = data(windows=2)
+  inner = PARAM_READERS[name]()
+  tx = jaxaccum.accumulate(inner, K)
+  state, ref_state = tx.init(params), inner.init(params)
+  ref_params = params
+  update = jax.jit(tx.update)
+  for w in range(2):
+    grads = window_grads(params, x, y, w)
+    for g in grads:
+      updates, state = update(g, state, params)
+    ref_updates, ref_state = inner.update(mean_of(grads), ref_state, ref_params)
+    chex.assert_trees_all_close(updates, ref_updates, rtol=1e-5, atol=1e-7)
+    params = optax.apply_updates(params, updates)
+    ref_params = optax.apply_updates(ref_params, ref_updates)
+  # The decay is a visible part of the update: without params it would differ.
+  decay_free = inner.update(
+    mean_of(grads), ref_state, jax.tree.map(jnp.zeros_like, params)
+  )
+  assert not np.allclose(decay_free[0]["a"], ref_updates["a"])
+
+
+def test_extra_arguments_reach_the_inner_optimizer():
+  """``value=`` reaches optax.contrib.reduce_on_plateau: with window losses
+  that stop improving, the scale drops after the patience runs out, on the
+  same windows as with reduce_on_plateau run directly on them."""
+  params, x, y = data(windows=5)
+  inner = optax.chain(
+    optax.sgd(0.1),
+    optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0),
+  )
+  tx = jaxaccum.accumulate(inner, K)
+  state, ref_state = tx.init(params), inner.init(params)
+  update = jax.jit(tx.update)
+  window_losses = [3.0, 2.0, 2.0, 2.0, 2.0]  # a plateau from window 2 on
+  scales, ref_scales = [], []
+  for w, value in enumerate(window_losses):
+    grads = window_grads(params, x, y, w)
+    for g in grads:
+      updates, state = update(g, state, params, value=jnp.asarray(value))
+    ref_updates, ref_state = inner.update(
+      mean_of(grads), ref_state, params, value=jnp.asarray(value)
+    )
+    chex.assert_trees_all_close(updates, ref_updates, rtol=1e-5, atol=1e-7)
+    scales.append(float(state.inner_state[1].scale))
+    ref_scales.append(float(ref_state[1].scale))
+  assert scales == ref_scales
+  assert scales[0] == 1.0 and scales[-1] < 1.0

@@ -1,0 +1,64 @@
+"""make_train_step skips a step whose gradient is not finite, even when the
+loss is (issue 13): "finite" must not be decided from the loss alone."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxaccum
+
+K, M, F = 2, 3, 4
+
+
+def batch():
+  keys = jax.random.split(jax.random.key(0), 2)
+  return jax.random.normal(keys[0], (K * M, F)), jax.random.normal(keys[1], (K * M,))
+
+
+def params():
+  return {"w": jnp.linspace(-0.5, 0.5, F), "s": jnp.array([0.0, 1.0])}
+
+
+def sqrt_loss(p, batch):
+  """Finite at s[0] = 0, but d/ds sqrt(s) there is +inf."""
+  x, y = batch
+  return jnp.mean((x @ p["w"] - y) ** 2) + jnp.sum(jnp.sqrt(p["s"]))
+
+
+def where_loss(p, batch):
+  """The jnp.where trap: the unselected branch's gradient is NaN (0 * inf)."""
+  x, y = batch
+  safe = jnp.where(p["s"] > 0, jnp.log(p["s"]), 0.0)
+  return jnp.mean((x @ p["w"] - y) ** 2) + jnp.sum(safe)
+
+
+@pytest.mark.parametrize("loss_fn", [sqrt_loss, where_loss])
+@pytest.mark.parametrize(
+  "tx",
+  [optax.adam(0.1), jaxaccum.accumulate(optax.adam(0.1), 2)],
+  ids=["adam", "accumulate"],
+)
+def test_finite_loss_with_a_nonfinite_gradient_skips_the_step(loss_fn, tx):
+  value, grads = jax.value_and_grad(loss_fn)(params(), batch())
+  assert np.isfinite(value) and not np.all(np.isfinite(grads["s"]))  # the premise
+
+  step = jaxaccum.make_train_step(loss_fn, tx, K, donate=False)
+  state = tx.init(params())
+  new_params, new_state, value = step(params(), state, batch())
+  assert np.isfinite(value)
+  chex.assert_trees_all_equal(new_params, params())
+  chex.assert_trees_all_equal(new_state, state)
+
+
+def test_a_finite_step_is_taken():
+  """The control: with s[0] > 0 everything is finite and the step moves."""
+  p = {**params(), "s": jnp.array([0.5, 1.0])}
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(sqrt_loss, tx, K, donate=False)
+  new_params, _, _ = step(p, tx.init(p), batch())
+  grads = jax.grad(sqrt_loss)(p, batch())
+  want = jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+  chex.assert_trees_all_close(new_params, want, rtol=1e-5, atol=1e-6)
