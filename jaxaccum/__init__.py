@@ -10,6 +10,8 @@ The public surface:
   :func:`inner_step` read its state from inside any optimizer state.
 - :func:`make_train_step`: a jitted, donated step with one optimizer update.
 - :func:`verify_equivalence`: checks accumulation against the full batch.
+- :func:`pad_batch`: pads a ragged batch and masks the padding;
+  :func:`merge_micro_batches`: per-example aux back in batch order.
 - :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory,
   also for an accelerator you do not have (:func:`compile_target`).
 - :func:`scale_lr_linear`, :func:`scale_adam_sqrt`, :func:`warmup`:
@@ -38,6 +40,8 @@ from jaxaccum._scaling import kappa as kappa
 from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt
 from jaxaccum._scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._scaling import warmup as warmup
+from jaxaccum._split import merge_micro_batches as merge_micro_batches
+from jaxaccum._split import pad_batch as pad_batch
 from jaxaccum._stats import GradientNoise as GradientNoise
 from jaxaccum._stats import NoiseScaleState as NoiseScaleState
 from jaxaccum._stats import critical_batch_size as critical_batch_size

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 
@@ -221,3 +222,85 @@ class MicroBatches:
     """The micro-batch to prefetch while ``index`` computes (the last one
     fetches itself again rather than reading past the batch)."""
     return jnp.minimum(index + 1, self.num_micro_batches - 1)
+
+
+def pad_batch(
+  batch: PyTree,
+  num_micro_batches: int | None = None,
+  *,
+  micro_batch_size: int | None = None,
+) -> tuple[PyTree, Any]:
+  """Pads a ragged batch so that it splits, and masks the padding.
+
+  Every leaf is padded along its leading axis to the next multiple of
+  ``num_micro_batches`` (or of ``micro_batch_size``), by repeating its last
+  row: the padded rows hold real values, so a loss stays finite on them. The
+  mask is ``1.0`` for real rows and ``0.0`` for padding. Use it as the weight
+  with ``normalize="weighted"``, and the result is the mean over the real
+  rows alone, as if the batch had not been padded. Under ``mesh=``, pad to a
+  multiple of ``num_micro_batches`` times the number of data-parallel
+  devices.
+
+  Args:
+    batch: a pytree of arrays (numpy or jax) sharing a leading batch axis.
+    num_micro_batches: pad to a multiple of this; or give ``micro_batch_size``.
+    micro_batch_size: pad to a multiple of this.
+
+  Returns:
+    ``(padded_batch, mask)``: leaves of the same kind (numpy stays numpy) and
+    a float32 mask of the padded length.
+
+  Raises:
+    ValueError: for an empty batch, or leaves of different leading sizes.
+
+  >>> import numpy as np, jaxaccum
+  >>> x = np.arange(5.0)
+  >>> padded, mask = jaxaccum.pad_batch(x, 4)
+  >>> padded.tolist(), mask.tolist()
+  ([0.0, 1.0, 2.0, 3.0, 4.0, 4.0, 4.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+  """
+  check_split_arguments(num_micro_batches, micro_batch_size)
+  multiple = int(
+    num_micro_batches if num_micro_batches is not None else micro_batch_size
+  )  # type: ignore[arg-type]
+  size = leading_batch_size({"batch": batch})
+  if size == 0:
+    raise ValueError("pad_batch got an empty batch (batch_size=0); nothing to repeat.")
+  padded = -(-size // multiple) * multiple
+
+  def pad(x):
+    width = [(0, padded - size)] + [(0, 0)] * (x.ndim - 1)
+    return (
+      np.pad(x, width, mode="edge")
+      if isinstance(x, np.ndarray)
+      else jnp.pad(x, width, mode="edge")
+    )
+
+  mask = np.zeros(padded, np.float32)
+  mask[:size] = 1.0
+  return jax.tree.map(pad, batch), mask
+
+
+def merge_micro_batches(tree: PyTree) -> PyTree:
+  """Merges the micro-batch axis back into the batch axis: ``(k, m, ...)``
+  becomes ``(k * m, ...)``.
+
+  The stacked aux of :func:`jaxaccum.value_and_grad` has a leading axis of
+  length ``k`` (one entry per micro-batch); per-example aux (logits, per-row
+  losses) merged this way is in the batch's own row order, also under
+  ``mesh=`` (there the leading axis is ``devices * k``).
+
+  >>> import jax.numpy as jnp, jaxaccum
+  >>> jaxaccum.merge_micro_batches(jnp.arange(6).reshape(3, 2)).tolist()
+  [0, 1, 2, 3, 4, 5]
+  """
+
+  def merge(x):
+    if jnp.ndim(x) < 2:
+      raise ValueError(
+        f"merge_micro_batches needs leaves of shape (k, m, ...), got shape={jnp.shape(x)}: "
+        "a per-micro-batch scalar has no rows to merge."
+      )
+    return x.reshape((x.shape[0] * x.shape[1], *x.shape[2:]))
+
+  return jax.tree.map(merge, tree)

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxaccum
@@ -154,3 +155,99 @@ def test_has_aux_without_a_pair():
 def test_integer_accum_dtype():
   with pytest.raises(ValueError, match="accum_dtype"):
     jaxaccum.value_and_grad(loss, 2, accum_dtype=jnp.int32)
+
+
+def test_a_pair_without_has_aux_asks_about_has_aux():
+  def loss_and_metrics(w, batch):
+    return loss(w, batch), {"mse": loss(w, batch)}
+
+  with pytest.raises(ValueError, match=r"Did you mean has_aux=True"):
+    trace(jaxaccum.value_and_grad(loss_and_metrics, 2), W, BATCH)
+
+
+def test_weighted_pair_with_aux_but_no_has_aux():
+  def weighted(w, batch):
+    return (jnp.sum(batch[1]), jnp.float32(12)), None
+
+  with pytest.raises(ValueError, match=r"Did you mean has_aux=True"):
+    trace(jaxaccum.value_and_grad(weighted, 2, normalize="weighted"), W, BATCH)
+
+
+def test_an_nnx_model_points_to_jaxaccum_nnx():
+  from flax import nnx  # noqa: PLC0415
+
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  with pytest.raises(
+    ValueError, match=r"args\[0\] is .*Linear.*jaxaccum\.nnx\.value_and_grad"
+  ):
+    jaxaccum.value_and_grad(lambda m, b: jnp.mean(m(b[0])), 2)(model, BATCH)
+
+
+def test_a_string_in_the_parameters_is_named():
+  params = {"w": W, "name": "encoder"}
+  with pytest.raises(TypeError, match=r"args\[0\]\['name'\] is a str"):
+    jaxaccum.value_and_grad(lambda p, b: loss(p["w"], b), 2)(params, BATCH)
+
+
+def test_mesh_batch_error_names_the_global_batch_and_the_devices():
+  mesh = jax.make_mesh((8,), ("data",))
+  batch = (jnp.ones((200, 3)), jnp.ones(200))
+  fun = jaxaccum.value_and_grad(loss, 4, mesh=mesh, data_axis="data")
+  with pytest.raises(
+    ValueError,
+    match=r"global batch_size=200 on the 8 devices of data axes \('data',\) is 25 rows "
+    r"per device.*batch_size=25 is not divisible by num_micro_batches=4",
+  ):
+    fun(W, batch)
+
+
+@pytest.mark.parametrize("remat", [None, 0, 1, "yes", 2.0])
+def test_remat_takes_a_bool_or_a_policy(remat):
+  with pytest.raises(
+    TypeError, match="remat must be a bool or a jax.checkpoint_policies"
+  ):
+    jaxaccum.value_and_grad(loss, 2, remat=remat)
+
+
+@pytest.mark.parametrize(
+  "remat", [True, False, jax.checkpoint_policies.nothing_saveable]
+)
+def test_remat_accepts_bools_and_policies(remat):
+  value, _ = jaxaccum.value_and_grad(loss, 2, remat=remat)(W, BATCH)
+  assert float(value) == 1.0
+
+
+@pytest.mark.parametrize("k", [np.int64(4), np.int32(4), 4])
+def test_any_integer_type_is_a_number_of_micro_batches(k):
+  value, grads = jaxaccum.value_and_grad(loss, k)(W, BATCH)
+  want = jax.value_and_grad(loss)(W, BATCH)
+  np.testing.assert_allclose(value, want[0])
+  np.testing.assert_allclose(grads, want[1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("k", [True, 4.0, np.float32(4)])
+def test_bools_and_floats_are_not_numbers_of_micro_batches(k):
+  with pytest.raises(TypeError, match="num_micro_batches must be an integer"):
+    jaxaccum.value_and_grad(loss, k)
+
+
+def negative_weight_loss(w, batch):
+  x, y = batch
+  err = (x @ w - y) ** 2
+  return jnp.sum(err), jnp.sum(y)  # y holds a negative weight below
+
+
+def test_negative_weights_are_reported_at_the_call_with_value_checks():
+  x = jnp.ones((4, 3))
+  y = jnp.array([1.0, 1.0, -5.0, 1.0])
+  fun = jaxaccum.value_and_grad(
+    negative_weight_loss, 2, normalize="weighted", value_checks=True
+  )
+  with pytest.raises(Exception, match=r"weights must be finite and >= 0"):
+    fun(W, (x, y))
+  # Without value_checks, the documented behaviour: the weights are summed as
+  # given; a total that is not positive gives zero grads, never NaN.
+  value, grads = jaxaccum.value_and_grad(negative_weight_loss, 2, normalize="weighted")(
+    W, (x, y)
+  )
+  assert float(value) == 0.0 and not np.any(grads)
