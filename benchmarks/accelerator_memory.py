@@ -1,0 +1,458 @@
+"""Accelerator memory of jaxaccum and its peers, measured without an accelerator.
+
+Usage::
+
+  python benchmarks/accelerator_memory.py [--quick] [--targets h100,tpu-v5e]
+
+XLA compiles for a GPU or a TPU without the hardware (the ``targets`` extra:
+the CUDA compiler plugin and libtpu). For every target, benchmark model
+(``_models.py``) and number of micro-batches ``k`` this script compiles, and
+never runs, one optimizer step (Adam, parameters and state donated) and reads
+XLA's memory analysis of one device:
+
+- ``full_peak``: the full-batch step (``jax.value_and_grad`` on all ``B`` rows);
+- ``bound``: the full-batch step compiled at the micro-batch size ``B / k``,
+  plus one float32 accumulator the size of the parameters, plus the other
+  ``B - B / k`` rows of the batch: what accumulation must hold at least;
+- ``jaxaccum_peak``: ``jaxaccum.make_train_step(loss, tx, k)``, batch in
+  device memory;
+- ``streamed_peak``: the same step with the batch in host memory
+  (``memory_kind="pinned_host"``), which jaxaccum streams to the device one
+  micro-batch at a time; ``streamed_peak_2x``: the same with twice the
+  batch at the same micro-batch size (``2k`` micro-batches);
+- ``microbatch_peak``: ``optax.microbatching.microbatch``, batch in device
+  memory;
+- ``batch_bytes``: the batch itself.
+
+Every peak is ``argument + output + temp - alias`` of device memory only
+(``jaxaccum.MemoryStats.peak_bytes``: host memory is counted apart, and on
+TPU temp is read from XLA's own peak, see the notes in the JSON). A step that
+XLA's TPU compiler refuses because it exceeds the chip's memory is reported
+as ``null`` with the compiler's message.
+
+The targets checked, per row (PASS / MISS / n/a; misses are reported, the
+script never fails on them):
+
+- jaxaccum's peak <= 1.05 x bound;
+- for k >= 2 the streamed step saves at least 0.9 x (batch bytes - one
+  micro-batch) against jaxaccum's in-device step;
+- for k >= 2 the streamed peak stays within 2% when the batch doubles (at
+  k = 1 the one micro-batch is the whole batch).
+
+The last lines of the output are one JSON object per row. The results go to
+``<out>/accelerator_memory[_quick].json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before JAX starts: without a GPU, the CUDA plugin must not try to start one
+# (it would fail and not register its compiler).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import _approaches
+import _models
+import jax
+import jax.numpy as jnp
+import jaxlib
+import optax
+
+import jaxaccum
+
+PyTree = Any
+
+DEFAULT_KS = (1, 2, 4, 8, 16)
+QUICK_KS = (1, 4)
+MODEL_NAMES = ("dispatch_mlp", "compute_mlp", "transformer")
+TARGETS = ("h100", "tpu-v5e")
+
+NOTES = {
+  "peaks": "bytes of one device: argument + output + temp - alias of XLA's "
+  "memory analysis, device memory only (jaxaccum.MemoryStats.peak_bytes); "
+  "host memory (a pinned_host batch) is not in it",
+  "tpu": "XLA's TPU memory analysis reports temp_size_in_bytes = 0 for many "
+  "programs that hold large intermediates, and its peak_memory_in_bytes "
+  "includes host arguments and outputs. jaxaccum takes the TPU peak as "
+  "peak_memory_in_bytes minus host memory. XLA's TPU compiler refuses (at "
+  "compile time) a program that exceeds the chip's HBM: such a step is null",
+  "h100": "the compile-only GPU devices have no memory kinds, so a GPU target "
+  "lowers on CPU devices standing in for the GPUs (lowering_platforms="
+  "('cuda',)) and compiles with the compile-only GPU client",
+  "bound": "full-batch step compiled at B/k rows + float32 accumulator "
+  "(params in f32) + the other B - B/k rows of the batch",
+  "streamed_peak_2x": "the streamed step with batch 2B and 2k micro-batches "
+  "(the same micro-batch size)",
+  "optimizer": "optax.adam(1e-3); params and optimizer state donated",
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """The command line."""
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument("--quick", action="store_true", help="small models, k in 1,4")
+  parser.add_argument(
+    "--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
+  )
+  parser.add_argument("--targets", default=",".join(TARGETS))
+  parser.add_argument("--models", default=",".join(MODEL_NAMES))
+  parser.add_argument("--ks", help="comma-separated k (default 1,2,4,8,16)")
+  parser.add_argument(
+    "--preset",
+    choices=sorted(_models.PRESETS),
+    help="model sizes (default gpu, quick: cpu-quick)",
+  )
+  parser.add_argument(
+    "--dtype",
+    choices=("float32", "bfloat16"),
+    default="bfloat16",
+    help="the transformer's parameter and compute dtype (the MLPs stay float32)",
+  )
+  parser.add_argument("--no-plots", action="store_true")
+  return parser.parse_args(argv)
+
+
+def abstract_model(name: str, preset: str, dtype: str, batch_scale: int = 1) -> Any:
+  """Model ``name`` of ``preset`` as shapes only (nothing is allocated).
+
+  ``batch_scale`` multiplies the batch size.
+  """
+  config = _models.PRESETS[preset][name]
+  config = dataclasses.replace(config, batch_size=config.batch_size * batch_scale)
+  if isinstance(config, _models.TransformerConfig):
+    config = dataclasses.replace(config, dtype=dtype)
+    make: Callable[..., Any] = _models.make_transformer
+  else:
+    make = _models.make_mlp
+  built = []
+
+  def build():
+    model = make(name, _models.TITLES[name], config)
+    built.append(model)
+    return model.params, model.batch
+
+  params, batch = jax.eval_shape(build)
+  return dataclasses.replace(built[0], params=params, batch=batch)
+
+
+def measure(
+  step: Any, args: Sequence[Any], target: jaxaccum.CompileTarget
+) -> dict[str, Any]:
+  """Compiles ``step(*args)`` for ``target``: its device peak, or why not."""
+  start = time.perf_counter()
+  try:
+    stats = jaxaccum.compiled_memory(step, *args, target=target)
+  except Exception as e:  # reported; the sweep goes on
+    message = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return {"peak": None, "error": message, "compile_s": time.perf_counter() - start}
+  return {
+    "peak": stats.peak_bytes,
+    "host_bytes": stats.host_bytes,
+    "compile_s": time.perf_counter() - start,
+  }
+
+
+def measure_row(
+  *,
+  target: jaxaccum.CompileTarget,
+  model: Any,
+  doubled: Any,
+  tx: optax.GradientTransformation,
+  k: int,
+  full: dict[str, Any],
+) -> dict[str, Any]:
+  """Every column of one (target, model, k) row; ``full``: the full-batch step's
+  ``measure`` (the same for every ``k``)."""
+  params, batch = model.params, model.batch
+  state = jax.eval_shape(tx.init, params)
+  size = model.batch_size
+  micro = size // k
+  batch_bytes = _approaches.tree_bytes(batch)
+  micro_batch = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((micro, *x.shape[1:]), x.dtype), batch
+  )
+  full_step = _approaches.full_batch_step(model.loss, tx)
+  accum_step = _approaches.JaxAccum(model, tx, k).fn
+  on_host = target.place(batch, memory_kind="pinned_host")
+  doubled_on_host = target.place(doubled.batch, memory_kind="pinned_host")
+  results = {
+    "full": full,
+    "micro_step": measure(full_step, (params, state, micro_batch), target),
+    "jaxaccum": measure(accum_step, (params, state, batch), target),
+    "streamed": measure(accum_step, (params, state, on_host), target),
+    "streamed_2x": measure(
+      _approaches.JaxAccum(doubled, tx, 2 * k).fn,
+      (params, state, doubled_on_host),
+      target,
+    ),
+    "microbatch": measure(
+      _approaches.OptaxMicrobatch(model, tx, k).fn, (params, state, batch), target
+    ),
+  }
+  accumulator = _approaches.tree_bytes(params, jnp.float32)
+  rest = batch_bytes * (size - micro) // size
+  micro_peak = results["micro_step"]["peak"]
+  row = {
+    "target": target.name,
+    "model": model.name,
+    "k": k,
+    "batch_size": size,
+    "micro_batch_size": micro,
+    "batch_bytes": batch_bytes,
+    "micro_batch_bytes": batch_bytes // k,
+    "param_bytes": _approaches.tree_bytes(params),
+    "full_peak": results["full"]["peak"],
+    "bound": None if micro_peak is None else micro_peak + accumulator + rest,
+    "jaxaccum_peak": results["jaxaccum"]["peak"],
+    "streamed_peak": results["streamed"]["peak"],
+    "streamed_peak_2x": results["streamed_2x"]["peak"],
+    "streamed_host_bytes": results["streamed"].get("host_bytes"),
+    "microbatch_peak": results["microbatch"]["peak"],
+    "compile_s": round(
+      sum(r["compile_s"] for name, r in results.items() if name != "full"), 2
+    ),
+    "errors": {name: r["error"] for name, r in results.items() if "error" in r},
+  }
+  row["checks"] = checks(row)
+  return row
+
+
+def checks(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """The three targets of one row: value, threshold, pass (None: n/a)."""
+  out: dict[str, dict[str, Any]] = {}
+  peak, bound = row["jaxaccum_peak"], row["bound"]
+  if peak is None or bound is None:
+    out["peak <= 1.05 x bound"] = {"value": None, "pass": None}
+  else:
+    out["peak <= 1.05 x bound"] = {"value": peak / bound, "pass": peak <= 1.05 * bound}
+  streamed, doubled = row["streamed_peak"], row["streamed_peak_2x"]
+  need = 0.9 * (row["batch_bytes"] - row["micro_batch_bytes"])
+  if row["k"] < 2:
+    out["streamed saves 0.9 x (batch - micro)"] = {"value": None, "pass": None}
+  elif streamed is None or peak is None:
+    out["streamed saves 0.9 x (batch - micro)"] = {"value": None, "pass": False}
+  else:
+    saved = peak - streamed
+    out["streamed saves 0.9 x (batch - micro)"] = {
+      "value": saved / need if need else None,
+      "pass": saved >= need,
+    }
+  if row["k"] < 2:  # k=1 holds the whole batch; 2k=2 streams: not comparable
+    out["streamed within 2% at 2x batch"] = {"value": None, "pass": None}
+  elif streamed is None or doubled is None:
+    out["streamed within 2% at 2x batch"] = {"value": None, "pass": False}
+  else:
+    growth = doubled / streamed - 1
+    out["streamed within 2% at 2x batch"] = {
+      "value": growth,
+      "pass": abs(growth) <= 0.02,
+    }
+  return out
+
+
+def mib(n: int | None) -> str:
+  return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+  """The rows as a text table, in MiB, with the checks."""
+  head = (
+    f"{'target':<8} {'model':<13} {'k':>3} {'batch':>9} {'full':>9} {'bound':>9} "
+    f"{'jaxaccum':>9} {'streamed':>9} {'stream2x':>9} {'microbatch':>10}  checks"
+  )
+  lines = [head]
+  for r in rows:
+    marks = " ".join(
+      "n/a" if c["pass"] is None else ("PASS" if c["pass"] else "MISS")
+      for c in r["checks"].values()
+    )
+    lines.append(
+      f"{r['target']:<8} {r['model']:<13} {r['k']:>3} {mib(r['batch_bytes']):>9} "
+      f"{mib(r['full_peak']):>9} {mib(r['bound']):>9} {mib(r['jaxaccum_peak']):>9} "
+      f"{mib(r['streamed_peak']):>9} {mib(r['streamed_peak_2x']):>9} "
+      f"{mib(r['microbatch_peak']):>10}  {marks}"
+    )
+  return "\n".join(lines)
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+  """PASS / MISS / n/a per check, and every miss and error."""
+  lines = ["", "checks (pass / miss / n/a):"]
+  names = list(rows[0]["checks"]) if rows else []
+  for name in names:
+    results = [r["checks"][name]["pass"] for r in rows]
+    lines.append(
+      f"  {name:<40} {results.count(True):>3} / {results.count(False):>3} / "
+      f"{results.count(None):>3}"
+    )
+  for r in rows:
+    where = f"{r['target']} {r['model']} k={r['k']}"
+    for name, c in r["checks"].items():
+      if c["pass"] is False:
+        value = "-" if c["value"] is None else f"{c['value']:.3f}"
+        lines.append(f"  MISS {where}: {name} (value {value})")
+    for column, error in r["errors"].items():
+      lines.append(f"  {where}: {column} did not compile: {error}")
+  return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
+  """One panel per (target, model): device peak against k, a line per column."""
+  import matplotlib  # noqa: PLC0415
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  targets = list(dict.fromkeys(r["target"] for r in rows))
+  models = list(dict.fromkeys(r["model"] for r in rows))
+  fig, axes = plt.subplots(
+    len(targets),
+    len(models),
+    figsize=(4.6 * len(models), 3.8 * len(targets)),
+    squeeze=False,
+  )
+  columns = (
+    ("full_peak", "full batch", "C0-o"),
+    ("bound", "bound", "k--"),
+    ("jaxaccum_peak", "jaxaccum", "C1-o"),
+    ("streamed_peak", "jaxaccum, host batch", "C2-o"),
+    ("microbatch_peak", "optax.microbatch", "C3-o"),
+    ("batch_bytes", "the batch", "C7:"),
+  )
+  for i, target in enumerate(targets):
+    for j, model in enumerate(models):
+      ax = axes[i][j]
+      mine = [r for r in rows if r["target"] == target and r["model"] == model]
+      ks = [r["k"] for r in mine]
+      for key, label, style in columns:
+        points = [(r["k"], r[key] / 2**20) for r in mine if r[key] is not None]
+        if points:
+          ax.plot(*zip(*points, strict=True), style, label=label, markersize=4)
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xticks(ks, [str(k) for k in ks])
+      ax.set_title(f"{target}: {model}", fontsize=10)
+      ax.set_xlabel("micro-batches k")
+      ax.set_ylabel("device peak, MiB")
+      ax.grid(True, which="both", alpha=0.3)
+  axes[0][0].legend(fontsize=7)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _git(*args: str) -> str:
+  try:
+    out = subprocess.run(
+      ["git", *args], capture_output=True, text=True, check=True, timeout=10
+    )
+  except (OSError, subprocess.SubprocessError):
+    return ""
+  return out.stdout.strip()
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  """Runs the sweep; prints and writes the rows."""
+  args = parse_args(argv)
+  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+  preset = args.preset or ("cpu-quick" if args.quick else "gpu")
+  ks = [int(k) for k in args.ks.split(",")] if args.ks else None
+  ks = ks or list(QUICK_KS if args.quick else DEFAULT_KS)
+  names = [n for n in args.models.split(",") if n]
+  tx = optax.adam(1e-3)
+
+  start = time.perf_counter()
+  targets = []
+  for name in args.targets.split(","):
+    t0 = time.perf_counter()
+    targets.append(jaxaccum.compile_target(name))
+    print(f"{targets[-1]!r}: ready in {time.perf_counter() - t0:.2f} s", flush=True)
+  rows = []
+  for target in targets:
+    for name in names:
+      model = abstract_model(name, preset, args.dtype)
+      doubled = abstract_model(name, preset, args.dtype, batch_scale=2)
+      full_step = _approaches.full_batch_step(model.loss, tx)
+      state = jax.eval_shape(tx.init, model.params)
+      full = measure(full_step, (model.params, state, model.batch), target)
+      for k in ks:
+        if model.batch_size % k:
+          continue
+        row = measure_row(
+          target=target, model=model, doubled=doubled, tx=tx, k=k, full=full
+        )
+        rows.append(row)
+        print(
+          f"{target.name} {name} k={k}: jaxaccum {mib(row['jaxaccum_peak'])} MiB, "
+          f"streamed {mib(row['streamed_peak'])} MiB ({row['compile_s']} s)",
+          file=sys.stderr,
+          flush=True,
+        )
+  wall = time.perf_counter() - start
+
+  print()
+  print(table(rows))
+  print(summary(rows))
+  results = {
+    "machine": {
+      "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__,
+      "optax": optax.__version__,
+      "jaxaccum": jaxaccum.__version__,
+      "git_commit": _git("rev-parse", "HEAD"),
+      "jaxaccum_uncommitted_changes": _git("status", "--porcelain", "jaxaccum"),
+      "python": platform.python_version(),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+      "argv": sys.argv[1:],
+      "wall_s": round(wall, 1),
+    },
+    "settings": {"preset": preset, "dtype": args.dtype, "ks": ks},
+    "targets": {
+      t.name: {
+        "title": t.title,
+        "device_kind": t.device_kind,
+        "topology": t.topology,
+        "memory_bytes": t.memory_bytes,
+      }
+      for t in targets
+    },
+    "models": {
+      name: abstract_model(name, preset, args.dtype).config.describe() for name in names
+    },
+    "notes": NOTES,
+    "rows": rows,
+  }
+  args.out.mkdir(parents=True, exist_ok=True)
+  suffix = "_quick" if args.quick else ""
+  path = args.out / f"accelerator_memory{suffix}.json"
+  path.write_text(json.dumps(results, indent=1))
+  print(f"\nwrote {path} ({wall:.0f} s)")
+  if not args.no_plots:
+    png = args.out / f"accelerator_memory{suffix}.png"
+    plot(rows, png, f"device memory per step, compile-only; jax {jax.__version__}")
+    print(f"wrote {png}")
+  print()
+  for row in rows:
+    print(json.dumps(row))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
