@@ -260,9 +260,9 @@ def pad_batch(
   ([0.0, 1.0, 2.0, 3.0, 4.0, 4.0, 4.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
   """
   check_split_arguments(num_micro_batches, micro_batch_size)
-  multiple = int(
-    num_micro_batches if num_micro_batches is not None else micro_batch_size
-  )  # type: ignore[arg-type]
+  multiple = num_micro_batches if num_micro_batches is not None else micro_batch_size
+  assert multiple is not None
+  multiple = int(multiple)
   size = leading_batch_size({"batch": batch})
   if size == 0:
     raise ValueError("pad_batch got an empty batch (batch_size=0); nothing to repeat.")

@@ -204,7 +204,7 @@ def test_mesh_batch_error_names_the_global_batch_and_the_devices():
 @pytest.mark.parametrize("remat", [None, 0, 1, "yes", 2.0])
 def test_remat_takes_a_bool_or_a_policy(remat):
   with pytest.raises(
-    TypeError, match="remat must be a bool or a jax.checkpoint_policies"
+    TypeError, match=r"remat must be a bool or a jax\.checkpoint_policies"
   ):
     jaxaccum.value_and_grad(loss, 2, remat=remat)
 
