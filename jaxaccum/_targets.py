@@ -12,7 +12,11 @@ The device descriptions ship with jaxaccum as package data
 (``jaxaccum/_target_data``): a GPU's ``GpuTargetConfigProto`` text proto, a
 TPU's name and per-chip memory. On a machine without a GPU or TPU set
 ``JAX_PLATFORMS=cpu`` before JAX starts: otherwise the CUDA plugin tries to
-initialize a GPU, fails, and does not register its compiler.
+initialize a GPU, fails, and does not register its compiler. libtpu prints
+warnings about the TPU it cannot find when it loads; they are harmless here.
+When JAX_PLATFORMS leaves TPUs out, libtpu only compiles, and jaxaccum lets
+several processes load it at once (``ALLOW_MULTIPLE_LIBTPU_LOAD=1``) instead
+of the second failing on ``/tmp/libtpu_lockfile``.
 """
 
 from __future__ import annotations
