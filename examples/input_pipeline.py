@@ -79,6 +79,7 @@ from _cli import command_line  # examples/_cli.py
 from _digits import digits_split  # examples/_digits.py
 from _pipeline import (  # examples/_pipeline.py: importable by Grain's workers
   DigitsSource,
+  ShuffledBatches,
   augment_batch,
   augment_example,
 )
@@ -117,6 +118,7 @@ def digits_pipeline(
   batch_size: int,
   seed: int,
   augment: str = "batch",
+  source: str = "rows",
   workers: int = 0,
   read_threads: int | None = 0,
 ) -> grain.IterDataset:
@@ -129,6 +131,12 @@ def digits_pipeline(
     seed: the shuffle and augmentation seed; every epoch is shuffled anew.
     augment: ``"batch"`` (one vectorized ``augment_batch`` per batch),
       ``"example"`` (``augment_example`` on each image, then batching) or
+      ``"none"``.
+    source: ``"rows"``: Grain shuffles and batches rows
+      (``MapDataset.source(DigitsSource(x, y)).shuffle(seed).repeat()
+      .batch(batch_size)``), one Python call per row; ``"batches"``: the
+      elements are whole batches (``ShuffledBatches``: a numpy permutation
+      per epoch, one gather per batch), which needs ``augment="batch"`` or
       ``"none"``.
     workers: Grain worker processes (``mp_prefetch``); 0 builds the batches
       in this process.
@@ -148,10 +156,17 @@ def digits_pipeline(
     raise ValueError(f"{batch_size=} does not divide the {len(x)} rows")
   if augment not in ("batch", "example", "none"):
     raise ValueError(f"{augment=} is not one of 'batch', 'example', 'none'")
-  ds = grain.MapDataset.source(DigitsSource(x, y)).shuffle(seed=seed).repeat()
-  if augment == "example":
-    ds = ds.random_map(augment_example, seed=seed + 1)
-  ds = ds.batch(batch_size, drop_remainder=True)
+  if source == "batches":
+    if augment == "example":
+      raise ValueError(f"{source=} makes batches: augment='example' is out")
+    ds = grain.MapDataset.source(ShuffledBatches(x, y, batch_size, seed))
+  elif source == "rows":
+    ds = grain.MapDataset.source(DigitsSource(x, y)).shuffle(seed=seed).repeat()
+    if augment == "example":
+      ds = ds.random_map(augment_example, seed=seed + 1)
+    ds = ds.batch(batch_size, drop_remainder=True)
+  else:
+    raise ValueError(f"{source=} is not 'rows' or 'batches'")
   if augment == "batch":
     ds = ds.random_map(augment_batch, seed=seed + 1)
   if read_threads is None:  # Grain's default
@@ -285,7 +300,7 @@ class Setup(NamedTuple):
 
   step: Callable[..., Any]  # the accumulated, jitted, donating step
   fresh: Callable[[], tuple[Params, Any]]  # initial params, new Adam state
-  pipeline: Callable[..., grain.IterDataset]  # (augment, workers, read_threads)
+  pipeline: Callable[..., grain.IterDataset]  # digits_pipeline(**options)
   on_device: Callable[[grain.IterDataset], grain.IterDataset]  # prefetching
   python_loop: Callable[[], Iterator[Batch]]  # the synchronous baseline
   batches_per_epoch: int
@@ -295,16 +310,18 @@ def train(
   setup: Setup,
   *,
   steps: int,
-  augment: str,
-  workers: int,
   loss_every: int,
   progress: bool,
+  **how: Any,
 ) -> dict[str, Any]:
-  """The training run: Grain -> ``device_put`` prefetching -> the step."""
+  """The training run: Grain -> ``device_put`` prefetching -> the step.
+
+  ``how``: the options of ``digits_pipeline`` (augment, source, workers).
+  """
   params, opt_state = setup.fresh()
   losses, indices = [], []
   bar = tqdm(total=steps, desc="input_pipeline", disable=not progress)
-  feed = iter(setup.on_device(setup.pipeline(augment, workers)))
+  feed = iter(setup.on_device(setup.pipeline(**how)))
   with contextlib.closing(feed), bar:
     batch = next(feed)
     params, opt_state, loss = setup.step(params, opt_state, as_inputs(batch))
@@ -352,14 +369,14 @@ def measure(
 ) -> Measured:
   """Steps/s of the step fed in each way, and the pipelines' own batches/s."""
   # One epoch of finished batches, placed before the loop and cycled.
-  with contextlib.closing(iter(setup.on_device(setup.pipeline("batch", 0)))) as it:
+  with contextlib.closing(iter(setup.on_device(setup.pipeline()))) as it:
     resident = list(itertools.islice(it, setup.batches_per_epoch))
 
   def resident_fed() -> Iterator[Batch]:
     return itertools.cycle(resident)
 
-  def grain_fed(augment: str, w: int, read_threads: int | None = 0):
-    return lambda: iter(setup.on_device(setup.pipeline(augment, w, read_threads)))
+  def grain_fed(**how: Any) -> Callable[[], Iterator[Batch]]:
+    return lambda: iter(setup.on_device(setup.pipeline(**how)))
 
   def timed(batches: Callable[[], Iterator[Batch]], every: int) -> float:
     it = batches()
@@ -378,31 +395,39 @@ def measure(
 
   first: dict[str, list[float]] = {}
 
-  def alone(augment: str, w: int) -> Callable[[], float]:
-    seconds = first.setdefault(f"{augment}_{w}w", [])
+  def alone(name: str, **how: Any) -> Callable[[], float]:
+    seconds = first.setdefault(name, [])
     return lambda: batches_per_second(
-      setup.pipeline(augment, w), batches=steps, first=seconds
+      setup.pipeline(**how), batches=steps, first=seconds
     )
 
   every = loss_every
   fed = {
     "resident": (resident_fed, every),
-    "grain": (grain_fed("batch", 0), every),
+    "grain": (grain_fed(), every),
+    "grain_batches_source": (grain_fed(source="batches"), every),
     "python_loop": (setup.python_loop, every),
     # Grain's default ReadOptions: 16 threads computing 500 elements ahead.
-    "grain_default_read_threads": (grain_fed("batch", 0, None), every),
+    "grain_default_read_threads": (grain_fed(read_threads=None), every),
     # (a) reading the loss after every step
     "resident_loss_every_step": (resident_fed, 1),
     "python_loop_loss_every_step": (setup.python_loop, 1),
     # (b) per-example augmentation, and (c) in worker processes
     **{
-      f"grain_per_example_{w}w": (grain_fed("example", w), every) for w in (0, *workers)
+      f"grain_per_example_{w}w": (grain_fed(augment="example", workers=w), every)
+      for w in (0, *workers)
     },
   }
   pipelines = {
-    "no_augment_0w": alone("none", 0),
-    "per_batch_0w": alone("batch", 0),
-    **{f"per_example_{w}w": alone("example", w) for w in (0, *workers)},
+    "rows_no_augment": alone("rows_no_augment", augment="none"),
+    "rows_per_batch": alone("rows_per_batch"),
+    "batches_per_batch": alone("batches_per_batch", source="batches"),
+    **{
+      f"rows_per_example_{w}w": alone(
+        f"rows_per_example_{w}w", augment="example", workers=w
+      )
+      for w in (0, *workers)
+    },
   }
   medians, spread = median_of(
     {
@@ -424,6 +449,7 @@ def main(
   num_micro_batches: int = 8,
   learning_rate: float = 3e-3,
   augment: str = "batch",
+  source: str = "rows",
   placement: str = "device",
   workers: int = 0,
   loss_every: int = 25,
@@ -443,6 +469,8 @@ def main(
     learning_rate: Adam's learning rate.
     augment: the training run's augmentation: ``batch``, ``example`` or
       ``none``.
+    source: ``rows`` (Grain shuffles and batches rows) or ``batches``
+      (whole batches from ``ShuffledBatches``); see ``digits_pipeline``.
     placement: ``device`` (batches prefetched into device memory) or
       ``pinned_host`` (into pinned host memory, streamed by jaxaccum).
     workers: Grain worker processes for the training run.
@@ -476,16 +504,9 @@ def main(
     params = jax.tree.map(jnp.copy, init_params)  # the step donates its params
     return params, tx.init(params)
 
-  def pipeline(augment: str, workers: int, read_threads: int | None = 0):
-    return digits_pipeline(
-      x_train,
-      y_train,
-      batch_size=batch_size,
-      seed=seed,
-      augment=augment,
-      workers=workers,
-      read_threads=read_threads,
-    )
+  def pipeline(**how: Any) -> grain.IterDataset:
+    """``digits_pipeline`` over the training set; ``how``: its options."""
+    return digits_pipeline(x_train, y_train, batch_size=batch_size, seed=seed, **how)
 
   setup = Setup(
     step=make_step(graphdef, tx, num_micro_batches),
@@ -510,10 +531,11 @@ def main(
   run = train(
     setup,
     steps=steps,
-    augment=augment,
-    workers=workers,
     loss_every=loss_every,
     progress=progress,
+    augment=augment,
+    source=source,
+    workers=workers,
   )
   losses = run["losses"]
   logits = nnx.merge(graphdef, run["params"])(jnp.asarray(x_test))
@@ -535,6 +557,7 @@ def main(
     "batch_size": batch_size,
     "num_micro_batches": num_micro_batches,
     "augment": augment,
+    "source": source,
     "placement": placement,
     "batch_memory_kind": run["memory_kind"],
     "workers": workers,
@@ -551,7 +574,7 @@ def main(
   m = batch_size // num_micro_batches
   print(
     f"{steps} steps of {batch_size} rows ({num_micro_batches} x {m}), "
-    f"augment={augment}, placement={placement}, workers={workers}"
+    f"augment={augment}, source={source}, placement={placement}, workers={workers}"
   )
   print(
     f"training run: {run['steps_per_s']:.1f} steps/s; loss {losses[0]:.3f} -> "
@@ -566,10 +589,10 @@ def main(
   for name, value in measured.batches_per_s.items():
     low, high = spread[f"pipeline_{name}"]
     print(
-      f"  pipeline alone, {name:14s} {value:6.1f} batches/s ({low:.1f} .. {high:.1f})"
+      f"  pipeline alone, {name:20s} {value:6.1f} batches/s ({low:.1f} .. {high:.1f})"
     )
   for name, value in measured.first_batch_s.items():
-    print(f"  pipeline alone, {name:14s} {value:6.2f} s to the first batch")
+    print(f"  pipeline alone, {name:20s} {value:6.2f} s to the first batch")
   print(f"plot: {png}")
   print(json.dumps(summary))
   return {

@@ -38,9 +38,10 @@ def assert_each_row_once_per_epoch_in_new_orders(indices):
   assert not np.array_equal(epochs[0], epochs[1])  # reshuffled every epoch
 
 
-def test_pipeline_without_augmentation_delivers_each_row_once_per_epoch():
+@pytest.mark.parametrize("source", ["rows", "batches"])
+def test_pipeline_without_augmentation_delivers_each_row_once_per_epoch(source):
   ds = example.digits_pipeline(
-    x_train, y_train, batch_size=BATCH, seed=3, augment="none"
+    x_train, y_train, batch_size=BATCH, seed=3, augment="none", source=source
   )
   batches = take(ds, 2 * PER_EPOCH)
   index = np.concatenate([b["index"] for b in batches])
@@ -51,10 +52,12 @@ def test_pipeline_without_augmentation_delivers_each_row_once_per_epoch():
     np.testing.assert_array_equal(b["label"], y_train[b["index"]])
 
 
-@pytest.mark.parametrize("augment", ["batch", "example"])
-def test_augmentation_moves_pixels_but_keeps_labels(augment):
+@pytest.mark.parametrize(
+  ("augment", "source"), [("batch", "rows"), ("example", "rows"), ("batch", "batches")]
+)
+def test_augmentation_moves_pixels_but_keeps_labels(augment, source):
   ds = example.digits_pipeline(
-    x_train, y_train, batch_size=BATCH, seed=0, augment=augment
+    x_train, y_train, batch_size=BATCH, seed=0, augment=augment, source=source
   )
   (batch,) = take(ds, 1)
   original = x_train[batch["index"]]
@@ -141,6 +144,7 @@ def test_main_trains_from_the_pipeline_and_reports(device_run):
   expected = {
     "resident",
     "grain",
+    "grain_batches_source",
     "python_loop",
     "grain_default_read_threads",
     "resident_loss_every_step",
@@ -148,14 +152,16 @@ def test_main_trains_from_the_pipeline_and_reports(device_run):
     "grain_per_example_0w",
   }
   assert set(summary["steps_per_s"]) == expected
-  assert set(summary["batches_per_s"]) == {
-    "no_augment_0w",
-    "per_batch_0w",
-    "per_example_0w",
+  pipelines = {
+    "rows_no_augment",
+    "rows_per_batch",
+    "batches_per_batch",
+    "rows_per_example_0w",
   }
+  assert set(summary["batches_per_s"]) == pipelines
   assert all(v > 0 for v in summary["steps_per_s"].values())
   assert all(v > 0 for v in summary["batches_per_s"].values())
-  assert set(summary["first_batch_s"]) == {"none_0w", "batch_0w", "example_0w"}
+  assert set(summary["first_batch_s"]) == pipelines
   assert all(v > 0 for v in summary["first_batch_s"].values())
   assert pathlib.Path(result["png"]).is_file()
 
