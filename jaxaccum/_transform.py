@@ -268,8 +268,10 @@ def accumulate(
 
     def inner_update(acc_grads, acc_weight, inner_state, noise):
       mean = _normalize.safe_divide(acc_grads, acc_weight)
+      # In the gradients' dtype, or float32 once unscaled from a loss scale
+      # (a float16 mean would underflow where the scale had saved it).
       updates, new_inner_state = inner.update(
-        jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads),
+        jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand),
         inner_state,
         params,
         **extra_args,

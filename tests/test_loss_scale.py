@@ -107,6 +107,27 @@ def test_small_gradients_survive_thanks_to_the_scale():
   np.testing.assert_allclose(grads, jax.grad(loss)(w, (x, y)), rtol=2e-2)
 
 
+def test_small_gradients_reach_the_inner_optimizer_unscaled_in_float32():
+  """accumulate() unscales in float32, and the inner optimizer must get that
+  float32 mean: cast back to the gradients' float16 it would underflow again,
+  as if there were no scale."""
+  w = jnp.ones(F)  # float32 master weights
+  x = jnp.full((M, F), 3e-5)
+  y = jnp.zeros(M)
+  exact = jax.grad(loss)(w, (x, y))  # about 5e-9: zero in float16
+  assert not np.any(exact.astype(jnp.float16))
+  tx = jaxaccum.accumulate(
+    optax.sgd(1.0), 2, loss_scale=jaxaccum.dynamic_loss_scale(2.0**15)
+  )
+  state = tx.init(w)
+  for _ in range(2):
+    grads = scaled_fp16_grad(w, (x, y), state.loss_scale)
+    assert grads.dtype == jnp.float16 and np.all(grads)
+    updates, state = tx.update(grads, state, w)
+  assert updates.dtype == jnp.float32  # sgd on float32 gradients
+  np.testing.assert_allclose(updates, -exact, rtol=2e-2)
+
+
 @pytest.mark.parametrize("chained", [False, True])
 def test_make_train_step_with_loss_scale_skips_overflow(chained):
   x, y = data()

@@ -59,7 +59,10 @@ def test_adam_state_that_changes_dtype_breaks_neither_lax_cond_nor_donation(
       old = state
       updates, state = update(grads, state, params)
       params = optax.apply_updates(params, updates)
-      assert all(x.is_deleted() for x in jax.tree.leaves(old))
+      # Every buffer was reused, but that of `updated`: update() never reads
+      # it, and jit does not pass (or donate) an unused argument.
+      kept = old._replace(updated=None)
+      assert all(x.is_deleted() for x in jax.tree.leaves(kept))
   assert int(state.step) == 1
 
 
