@@ -182,9 +182,21 @@ def accumulate(
     loss_scale: float16 training with dynamic loss scaling: the initial
       :class:`DynamicLossScale`. Multiply your loss by
       ``state.loss_scale.scale`` before differentiating; ``update`` divides
-      the gradients by it in float32. A window in which any micro-batch
+      the gradients by it in float32, and ``inner`` gets the float32 mean.
+      A window in which any micro-batch
       overflowed is skipped as a whole, and the scale is adjusted once per
       window, never within one.
+
+  Dtypes: ``inner`` gets the window's mean in the dtype of the gradients
+  passed (float32 with ``loss_scale``) and its updates come back as it makes
+  them, zeros of those dtypes on the other calls. Its state keeps the dtypes
+  of ``inner.init(params)`` (more exactly: those after one inner update on
+  gradients in the parameters' dtype; the same for optax's optimizers), so
+  that ``lax.cond``, a ``lax.scan`` carry and donation see one type: where
+  gradients of another dtype would promote it (float32 gradients on bfloat16
+  parameters make adam's ``mu`` float32), each window casts it back, as
+  ``optax.MultiSteps`` does. Ask for a wider state with the optimizer's own
+  option, e.g. ``optax.adam(..., mu_dtype=jnp.float32)``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its ``update`` also takes
