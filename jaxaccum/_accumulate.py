@@ -196,7 +196,7 @@ class Step:
     parameters' shardings on the data-parallel path."""
     return None if self.parallel is None else self.parallel.layout(args)
 
-  def traced(self, layout: Any, *args: Any, **kwargs: Any) -> Any:
+  def traced(self, layout: Any, /, *args: Any, **kwargs: Any) -> Any:
     if self.parallel is not None:
       return self.parallel(layout, *args, **kwargs)
     return self.engine.local(args, kwargs)

@@ -144,7 +144,7 @@ class Compiled:
 
     return checked_program
 
-  def __call__(self, config: Any, *args: Any, **kwargs: Any) -> Any:
+  def __call__(self, config: Any, /, *args: Any, **kwargs: Any) -> Any:
     jitted, inputs = self._prepare(config, args, kwargs)
     out = jitted(*inputs)
     if self._checked:
@@ -152,7 +152,34 @@ class Compiled:
       error.throw()
     return out
 
-  def lower(self, config: Any, *args: Any, **kwargs: Any) -> Any:
+  def lower(self, config: Any, /, *args: Any, **kwargs: Any) -> Any:
     """``jax.jit(...).lower`` of the program these arguments call."""
     jitted, inputs = self._prepare(config, args, kwargs)
     return jitted.lower(*inputs)
+
+
+class JitWithStaticKwargs:
+  """``jax.jit(fun, donate_argnums=...)``, except that Python values passed
+  by keyword are static (compiled once per value) and arrays passed by
+  keyword are traced. Positional arguments follow ``jax.jit``.
+
+  >>> import jax.numpy as jnp
+  >>> step = JitWithStaticKwargs(lambda x, *, train: x * 2 if train else x)
+  >>> step(jnp.ones(2), train=True).tolist(), step(jnp.ones(2), train=False).tolist()
+  ([2.0, 2.0], [1.0, 1.0])
+  """
+
+  def __init__(self, fun: Callable[..., Any], *, donate_argnums: Sequence[int] = ()):
+    self.__wrapped__ = fun
+
+    def without_config(_: Any, /, *args: Any, **kwargs: Any) -> Any:
+      return fun(*args, **kwargs)
+
+    self._compiled = Compiled(without_config, donate_argnums=donate_argnums)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._compiled(None, *args, **kwargs)
+
+  def lower(self, *args: Any, **kwargs: Any) -> Any:
+    """``jax.jit(...).lower`` of the program these arguments call."""
+    return self._compiled.lower(None, *args, **kwargs)

@@ -187,7 +187,7 @@ class DataParallel:
 
   # -- the traced step --------------------------------------------------------
 
-  def __call__(self, layout: Layout, *args: Any, **kwargs: Any) -> Any:
+  def __call__(self, layout: Layout, /, *args: Any, **kwargs: Any) -> Any:
     """The step, traced: ``((value, aux), grads_tuple, noise)``."""
     engine, axes = self.engine, self.axes
     engine.check_args(args)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _accumulate
+from jaxaccum import _accumulate, _calls
 from jaxaccum._loss_scale import DynamicLossScale
 from jaxaccum._transform import AccumulateState
 
@@ -124,7 +124,10 @@ def make_train_step(
       ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``, ...).
 
   Returns:
-    The jitted step (a ``jax.jit`` function: ``.lower(...)`` works on it).
+    The jitted step. It is ``jax.jit``-like (``.lower(...)`` works on it),
+    except that Python values passed by keyword (``train=False``) are static:
+    ``loss_fn`` sees them as Python values and each value compiles once.
+    Arrays passed by keyword are traced.
     ``value`` is what ``value_and_grad`` returns first: the loss, or
     ``(loss, aux)`` with ``has_aux``; with ``noise_stats=True`` it is
     ``(that, noise)``, the step's :class:`jaxaccum.GradientNoise`.
@@ -162,7 +165,7 @@ def make_train_step(
     scaled_loss_fn, num_micro_batches, **value_and_grad_kwargs
   )
 
-  def step(params, opt_state, *args, **kwargs):
+  def step(params, opt_state, /, *args, **kwargs):
     loss_scale = find_loss_scale(opt_state)
     if loss_scale is None:
       out = grad_fn(params, *args, **kwargs)
@@ -215,4 +218,4 @@ def make_train_step(
       )
     return params, opt_state, ((value, noise) if noise_stats else value)
 
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  return _calls.JitWithStaticKwargs(step, donate_argnums=(0, 1) if donate else ())
