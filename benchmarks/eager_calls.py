@@ -1,0 +1,129 @@
+"""What one eager (un-jitted) call costs: jaxaccum vs ``jax.value_and_grad``.
+
+Run: ``python benchmarks/eager_calls.py [--calls 30] [--out benchmarks/results]``.
+
+``jax.value_and_grad(loss)(params, batch)`` called outside ``jit`` runs op by
+op. ``jaxaccum.value_and_grad(loss, 4)`` called the same way used to trace
+its ``lax.scan`` again on every call; it now compiles its step once per
+configuration and keeps it (``jaxaccum/_calls.py``). Side by side, in one run
+and interleaved call by call, on each benchmark model (``_models.py``):
+
+- ``jax``: eager ``jax.value_and_grad(loss)``, the reference a drop-in is
+  compared with;
+- ``jaxaccum``: eager ``jaxaccum.value_and_grad(loss, k)``;
+- ``retraced``: the same step without the kept program, i.e. what every
+  eager call cost before (the engine's traced step called eagerly, so its
+  scan is traced again each time);
+- ``jit``: ``jax.jit(jax.value_and_grad(loss))``, for scale.
+
+The first call of each (compilation) is left out; the medians of the rest
+are reported, with each approach's ratio to ``jax``. Outputs
+``eager_calls.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _models
+import jax
+
+import jaxaccum
+from jaxaccum import _accumulate, _engine
+
+
+def _timed(fun: Callable[[], Any]) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(fun())
+  return time.perf_counter() - start
+
+
+def retraced(loss: Callable[..., Any], k: int) -> Callable[..., Any]:
+  """The accumulated step called eagerly without a kept program."""
+  engine = _engine.make(
+    loss,
+    num_micro_batches=k,
+    micro_batch_size=None,
+    argnums=0,
+    batch_argnums=1,
+    has_aux=False,
+    normalize="mean",
+    accum_dtype="float32",
+    rng_argnum=None,
+    state_argnum=None,
+    remat=False,
+    noise_stats=False,
+    value_checks=False,
+  )
+  step = _accumulate.Step(engine, None, None, None)
+  return lambda params, batch: step.traced(None, params, batch)
+
+
+def measure(model: _models.Model, k: int, calls: int) -> dict[str, Any]:
+  approaches = {
+    "jax": jax.value_and_grad(model.loss),
+    "jaxaccum": jaxaccum.value_and_grad(model.loss, k),
+    "retraced": retraced(model.loss, k),
+    "jit": jax.jit(jax.value_and_grad(model.loss)),
+  }
+  samples: dict[str, list[float]] = {name: [] for name in approaches}
+  for name, fun in approaches.items():  # compile / warm up
+    _timed(lambda fun=fun: fun(model.params, model.batch))
+  for _ in range(calls):  # interleaved, so drift hits every approach alike
+    for name, fun in approaches.items():
+      samples[name].append(_timed(lambda fun=fun: fun(model.params, model.batch)))
+  medians = {name: statistics.median(s) for name, s in samples.items()}
+  return {
+    "model": model.name,
+    "k": k,
+    "median_ms": {n: 1e3 * m for n, m in medians.items()},
+    "ratio_to_jax": {n: m / medians["jax"] for n, m in medians.items()},
+    "samples_ms": {n: [1e3 * t for t in s] for n, s in samples.items()},
+  }
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--calls", type=int, default=30)
+  parser.add_argument("--k", type=int, default=4)
+  parser.add_argument("--preset", default="cpu", choices=sorted(_models.PRESETS))
+  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  args = parser.parse_args()
+  rows = [
+    measure(_models.build(name, args.preset), args.k, args.calls)
+    for name in ("dispatch_mlp", "transformer")
+  ]
+  print(f"{'model':>14} {'approach':>10} {'median ms':>10} {'x jax':>7}")
+  for row in rows:
+    for name, ms in row["median_ms"].items():
+      print(
+        f"{row['model']:>14} {name:>10} {ms:>10.3g} {row['ratio_to_jax'][name]:>7.2f}"
+      )
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  result = {
+    "jax": jax.__version__,
+    "date": datetime.date.today().isoformat(),
+    "machine": platform.processor() or platform.machine(),
+    "calls": args.calls,
+    "rows": rows,
+  }
+  (out / "eager_calls.json").write_text(json.dumps(result, indent=1))
+  for row in rows:
+    print(json.dumps({k: v for k, v in row.items() if k != "samples_ms"}))
+
+
+if __name__ == "__main__":
+  main()
