@@ -251,6 +251,17 @@ def accumulate(
         "grads do not have the structure of the parameters accumulate() was "
         f"initialized with: {grads_struct} vs {params_struct}."
       )
+    for (path, g), a in zip(
+      jax.tree_util.tree_leaves_with_path(grads),
+      jax.tree.leaves(state.acc_grads),
+      strict=True,
+    ):
+      if jnp.shape(g) != jnp.shape(a):
+        raise ValueError(
+          f"The gradient leaf grads{jax.tree_util.keystr(path)} has "
+          f"shape={jnp.shape(g)}, but accumulate() was initialized with "
+          f"parameters whose leaf there has shape={jnp.shape(a)}."
+        )
     summand = grads if state.loss_scale is None else state.loss_scale.unscale(grads)
     finite = _all_finite(summand) & jnp.isfinite(weight) & (weight >= 0)
     valid = (

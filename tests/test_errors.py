@@ -251,3 +251,16 @@ def test_negative_weights_are_reported_at_the_call_with_value_checks():
     W, (x, y)
   )
   assert float(value) == 0.0 and not np.any(grads)
+
+
+def test_accumulate_names_a_gradient_leaf_of_the_wrong_shape():
+  import optax  # noqa: PLC0415
+
+  params = {"layer": {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}}
+  tx = jaxaccum.accumulate(optax.sgd(0.1), 2)
+  state = tx.init(params)
+  grads = {"layer": {"w": jnp.zeros((2, 3)), "b": jnp.zeros(2)}}
+  with pytest.raises(
+    ValueError, match=r"grads\['layer'\]\['w'\] has shape=\(2, 3\).*shape=\(3, 2\)"
+  ):
+    tx.update(grads, state, params)
