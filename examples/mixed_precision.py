@@ -289,8 +289,8 @@ def main(
     optax.adam(learning_rate), every_k=1, loss_scale=loss_scale
   )
   opt_state = tx_b.init(params)
-  # donate=False: accumulate()'s initial state shares one zero buffer between
-  # several fields, which buffer donation rejects ("donate the same buffer twice").
+  # donate=False: the loop keeps the old parameters, to check that a skipped
+  # step leaves them untouched (a donated buffer could not be read again).
   step_b = jaxaccum.make_train_step(loss_fp16, tx_b, num_micro_batches, donate=False)
   losses_fp16, scales, skipped_steps = [], [], []
   bar = tqdm(range(steps_fp16), desc="(b) fp16", disable=not progress)
