@@ -127,14 +127,14 @@ def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def hand_scan(k: int) -> LossAndGrads:
+def hand_scan(k: int, loss_fn: Callable[..., jax.Array] = loss) -> LossAndGrads:
   """Accumulation written by hand: ``lax.scan`` over ``batch.reshape(k, ...)``."""
 
   def value_and_grad(params, batch):
     micro = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
 
     def body(carry, micro_batch):
-      value, grads = jax.value_and_grad(loss)(params, micro_batch)
+      value, grads = jax.value_and_grad(loss_fn)(params, micro_batch)
       return jax.tree.map(jnp.add, carry, (value, grads)), None
 
     zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
@@ -144,19 +144,34 @@ def hand_scan(k: int) -> LossAndGrads:
   return value_and_grad
 
 
-def make_approach(name: str, k: int, mesh: jax.sharding.Mesh) -> LossAndGrads:
-  """``(params, batch) -> (loss, grads)`` for approach ``name`` with ``k``."""
+def make_approach(
+  name: str,
+  k: int,
+  mesh: jax.sharding.Mesh,
+  *,
+  loss_fn: Callable[..., jax.Array] = loss,
+  batch_size: int = BATCH_SIZE,
+  data_axis: str | tuple[str, ...] = "data",
+  param_specs: PyTree = None,
+) -> LossAndGrads:
+  """``(params, batch) -> (loss, grads)`` for approach ``name`` with ``k``.
+
+  ``param_specs`` goes to jaxaccum, which cannot see the parameters'
+  shardings under an outer ``jit`` on an ``Auto`` mesh.
+  """
   if name == "jaxaccum":
-    return jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis="data")
+    return jaxaccum.value_and_grad(
+      loss_fn, k, mesh=mesh, data_axis=data_axis, param_specs=param_specs
+    )
   if name == "optax_microbatch":
     return optax.microbatching.microbatch(
-      jax.value_and_grad(loss),
+      jax.value_and_grad(loss_fn),
       argnums=1,
-      microbatch_size=BATCH_SIZE // k,
+      microbatch_size=batch_size // k,
       accumulator=optax.microbatching.AccumulationType.MEAN,
     )
   if name == "hand_scan":
-    return hand_scan(k)
+    return hand_scan(k, loss_fn)
   raise ValueError(f"unknown approach {name!r}")
 
 
@@ -182,6 +197,44 @@ def xla_flops(compiled: Any) -> float:
   return float(analysis["flops"])
 
 
+def compile_step(fun: LossAndGrads, params: PyTree, batch: PyTree) -> tuple[Any, float]:
+  """``jit(fun)`` (or ``fun``, if jitted) compiled for ``(params, batch)``, and
+  the seconds it took."""
+  start = time.perf_counter()
+  jitted = fun if hasattr(fun, "lower") else jax.jit(fun)
+  compiled = jitted.lower(params, batch).compile()
+  return compiled, time.perf_counter() - start
+
+
+def collective_summary(colls: Sequence[_hlo.Collective]) -> dict[str, Any]:
+  """Bytes per step of ``colls``, by opcode, and how many run in the loop."""
+  by_op: dict[str, int] = {}
+  for c in colls:
+    by_op[c.op] = by_op.get(c.op, 0) + c.bytes * c.executions
+  in_loop = [c for c in colls if c.in_loop]
+  return {
+    "bytes_per_step": sum(c.bytes * c.executions for c in colls),
+    "bytes_by_op": by_op,
+    "num_collectives": len(colls),
+    "collective_executions_per_step": sum(c.executions for c in colls),
+    "in_loop_collectives": len(in_loop),
+    "in_loop_executions_per_step": sum(c.executions for c in in_loop),
+    "in_loop_ops": sorted({c.op for c in in_loop}),
+  }
+
+
+def accuracy(
+  outputs: tuple[jax.Array, PyTree], reference: tuple[jax.Array, PyTree]
+) -> dict[str, float]:
+  """Relative errors of a step's ``(loss, grads)`` against ``reference``."""
+  value, grads = outputs
+  want_value, want_grads = reference
+  return {
+    "value_rel_error": max_rel_error(value, want_value),
+    "grads_rel_error": max_rel_error(grads, want_grads),
+  }
+
+
 def measure(
   fun: LossAndGrads,
   k: int,
@@ -193,34 +246,32 @@ def measure(
   grad_bytes: int,
 ) -> dict[str, Any]:
   """Compiles ``jit(fun)`` once; its collectives, compute estimate and accuracy."""
-  start = time.perf_counter()
-  compiled = jax.jit(fun).lower(params, batch).compile()
-  compile_seconds = time.perf_counter() - start
+  compiled, compile_seconds = compile_step(fun, params, batch)
   colls = _hlo.collectives(compiled.as_text() or "")
-  bytes_per_step = sum(c.bytes * c.executions for c in colls)
-  by_op: dict[str, int] = {}
-  for c in colls:
-    by_op[c.op] = by_op.get(c.op, 0) + c.bytes * c.executions
-  in_loop = [c for c in colls if c.in_loop]
+  summary = collective_summary(colls)
   flops = xla_flops(compiled)
-
-  value, grads = compiled(params, batch)
-  want_value, want_grads = reference
   return {
-    "bytes_per_step": bytes_per_step,
-    "bytes_over_grad_bytes": bytes_per_step / grad_bytes,
-    "bytes_by_op": by_op,
+    **summary,
+    "bytes_over_grad_bytes": summary["bytes_per_step"] / grad_bytes,
     "collectives": [c._asdict() for c in colls],
-    "num_collectives": len(colls),
-    "collective_executions_per_step": sum(c.executions for c in colls),
-    "in_loop_collectives": len(in_loop),
-    "in_loop_executions_per_step": sum(c.executions for c in in_loop),
-    "in_loop_ops": sorted({c.op for c in in_loop}),
     "xla_flops_per_device": flops,
     "compute_vs_data_parallel_est": flops * k / ideal_flops,
-    "value_rel_error": max_rel_error(value, want_value),
-    "grads_rel_error": max_rel_error(grads, want_grads),
+    **accuracy(compiled(params, batch), reference),
     "compile_seconds": compile_seconds,
+  }
+
+
+def environment(doc: str) -> dict[str, Any]:
+  """What a benchmark's JSON starts with: the first paragraph of its ``doc``,
+  the date, the versions, the backend and the number of devices."""
+  return {
+    "description": doc.split("\n\n", maxsplit=1)[0],
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "jax_version": jax.__version__,
+    "optax_version": optax.__version__,
+    "python_version": platform.python_version(),
+    "backend": jax.default_backend(),
+    "num_devices": NUM_DEVICES,
   }
 
 
@@ -272,13 +323,7 @@ def run() -> dict[str, Any]:
       )
 
   return {
-    "description": __doc__.split("\n\n")[0],
-    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "jax_version": jax.__version__,
-    "optax_version": optax.__version__,
-    "python_version": platform.python_version(),
-    "backend": jax.default_backend(),
-    "num_devices": NUM_DEVICES,
+    **environment(__doc__),
     "model": {
       "kind": "mlp",
       "widths": list(WIDTHS),
@@ -363,9 +408,16 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  """Runs the benchmark, writes the JSON and the PNG, returns the results."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_and_write(
+  name: str,
+  run_fn: Callable[[], dict[str, Any]],
+  plot_fn: Callable[[dict[str, Any], pathlib.Path], None],
+  argv: Sequence[str] | None,
+  description: str,
+) -> tuple[dict[str, Any], pathlib.Path]:
+  """Parses ``--out``, runs ``run_fn`` and writes ``name.json`` (with the
+  seconds it took) and ``name.png`` (by ``plot_fn``) there."""
+  parser = argparse.ArgumentParser(description=description)
   parser.add_argument(
     "--out",
     default=str(pathlib.Path(__file__).resolve().parent / "results"),
@@ -373,12 +425,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   )
   args = parser.parse_args(argv)
   start = time.perf_counter()
-  results = run()
+  results = run_fn()
   results["seconds"] = time.perf_counter() - start
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "communication.json").write_text(json.dumps(results, indent=2) + "\n")
-  plot(results, out / "communication.png")
+  (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+  plot_fn(results, out / f"{name}.png")
+  return results, out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark, writes the JSON and the PNG, returns the results."""
+  results, out = run_and_write(
+    "communication", run, plot, argv, __doc__.splitlines()[0]
+  )
   print(
     f"gradient: {results['grad_bytes']:,} bytes; total {results['seconds']:.1f} s; "
     f"wrote {out / 'communication.json'} and {out / 'communication.png'}"

@@ -1,0 +1,567 @@
+"""Bytes and memory per step of gradient accumulation on 2-D and 3-D meshes.
+
+Run: ``python benchmarks/meshes.py [--out benchmarks/results]`` (about two
+minutes on two CPU cores).
+
+Eight fake CPU devices form the meshes large models train on:
+
+- ``tp``: (4, 2) ``("data", "model")``, tensor parallel (Megatron: ``w1``
+  column-parallel ``P(None, "model")``, ``w2`` row-parallel);
+- ``fsdp_tp``: the same mesh, weights also sharded along ``"data"`` (FSDP);
+- ``hsdp_tp``: (2, 2, 2) ``("replica", "fsdp", "model")``, weights sharded
+  along ``"fsdp"`` and ``"model"``, the batch along ``("replica", "fsdp")``.
+
+Each mesh is built twice, with ``Auto`` and with ``Explicit`` axes (what
+``jax.make_mesh`` makes by default on jax 0.10). The model is a residual tanh
+MLP, 2 blocks of 128 -> 4096 -> 128 (2,105,600 float32 parameters, 8 MiB),
+with a mean squared error; the batch has 4096 rows, so that the full-batch
+step's activations are about six times the parameters a device holds. For
+``k`` in {1, 2, 4, 8, 16} micro-batches, ``(loss, grads)`` is compiled four
+ways, each under ``jit`` with the grads' ``out_shardings`` pinned to the
+parameters' shardings (as a training step that updates them in place):
+
+(a) ``jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis=...)``;
+(b) ``optax.microbatching.microbatch(jax.value_and_grad(loss), argnums=1,
+    microbatch_size=B // k, accumulator=MEAN)``;
+(c) a hand-written ``lax.scan`` over a C-order ``batch.reshape(k, B // k,
+    ...)`` (``communication.hand_scan``);
+(d) the full batch, ``jax.value_and_grad(loss)``.
+
+What is measured, per device, from the compiled step: the bytes of every
+collective (its result size times the trip counts of the loops around it,
+``jaxaccum._hlo``), split by the mesh axes its replica groups span (data
+axes only, model axis only, both); the peak memory of XLA's compiled memory
+analysis, ``argument + output + temp - alias``
+(``jaxaccum.compiled_memory``); XLA's flops times ``k`` over the full batch's
+(an estimate of redundant compute). Every step that compiles then runs once,
+and its loss and grads are compared with the full batch on one device. An
+approach that fails to trace or compile on a mesh is recorded with the
+error's class and first line.
+
+What happened with jax 0.10.2 and optax 0.2.8 on CPU (numbers in the JSON):
+
+- (a) jaxaccum works on all six meshes. Its bytes over the data axes do not
+  grow with ``k`` and no data-axis collective runs inside the loop: 4.02 MiB
+  on ``tp`` (one all-reduce of the tensor-parallel grads, the full batch's
+  too), 5.02 MiB on ``fsdp_tp`` (the weights all-gathered once before the
+  loop, the grads reduce-scattered once after; the full batch moves 8.02
+  MiB on Explicit, 11.02 on Auto, because this CPU compiler all-reduces its
+  grads and slices them, and on Auto gathers the weights again for the
+  backward pass), and 8.02 MiB on ``hsdp_tp`` (the full batch: 8.02
+  Explicit, 13.02 Auto). Over the model axis it moves exactly what the full
+  batch does, 1.50 MiB, for every ``k``: the tensor-parallel all-reduces of
+  the activations run once per micro-batch on 1/k of the rows. Its peak per
+  device against the full batch: 0.70, 0.50, 0.40, 0.39 at k = 2, 4, 8, 16
+  on ``tp``; 0.74-0.76, 0.55-0.57, 0.46-0.48, 0.42-0.43 on ``fsdp_tp``;
+  0.79-0.81, 0.61-0.63, 0.52-0.53, 0.43-0.44 on ``hsdp_tp``. At k = 1 the
+  FSDP layouts cost up to 1.03 x (the whole weight is gathered once and a
+  float32 accumulator kept). Grads equal the full batch (relative error
+  4.4e-7) and come back sharded like the parameters.
+- (b) optax.microbatch fails on every Explicit mesh, for every ``k``
+  including 1: ``ShardingTypeError: This reshape is not supported``. On Auto
+  meshes GSPMD all-reduces the gradients over the data axes inside the loop,
+  once per micro-batch: ``k`` x the full batch's bytes on ``tp``; 1.36, 2.09,
+  3.55, 6.47 x on ``fsdp_tp`` and 1.46, 2.39, 4.24, 7.93 x on ``hsdp_tp`` at
+  k = 2, 4, 8, 16. Its peak stops falling at about 0.55-0.66 x from k = 8.
+- (c) the hand-written scan fails on Explicit meshes for every ``k >= 2``
+  (the C-order reshape of a sharded batch is a ``ShardingTypeError``, or
+  ``lax.scan`` refuses ``xs`` sharded along their leading axis,
+  ``ValueError``). On Auto meshes GSPMD shards the micro-batch axis, and the
+  scan then gathers or reshuffles the batch: on ``tp`` every data-parallel
+  rank computes every micro-batch from k = 4 (4 x the compute, 4 x the
+  model-axis bytes); on ``fsdp_tp`` it moves 6.6-11.7 x the full batch's
+  bytes over the data axes, on ``hsdp_tp`` 10.1 x from k = 4 (at k = 2,
+  7.5 MiB over data and model axes together, 1.64 x the compute). Its peak
+  is above the full batch's at k = 2 and 4 (1.16-1.32 x).
+
+Caveats. Bytes are per-device result sizes, not wire traffic: a
+reduce-scatter counts its 1/N result, an all-reduce its whole result. The
+schedules are the CPU compiler's. A compile-only check for 8 H100s
+(``jaxaccum.compile_target``; ``tp``, Auto, k = 4) kept (b)'s gradient
+all-reduce inside the loop as here, while XLA's TPU pipeline, for a v5e 2x4
+slice, moved it out of the loop; that check is not part of this script.
+
+Outputs: ``meshes.json`` (every number, the jax version, the date) and
+``meshes.png`` (bytes over the data axes, over the model axis and peak per
+device against ``k``, a row per layout), in ``--out``.
+"""
+
+from __future__ import annotations
+
+import communication  # first: it gives jax 8 fake CPU devices before jax starts
+
+# isort: split
+import dataclasses
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import matplotlib.ticker
+import numpy as np
+from _report import format_bytes
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+from jaxaccum import _hlo
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+PyTree = Any
+
+FEATURES = 128
+HIDDEN = 4096
+NUM_BLOCKS = 2
+BATCH_SIZE = 4096
+KS = (1, 2, 4, 8, 16)
+MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+APPROACHES = {
+  "jaxaccum": "(a) jaxaccum, mesh=, data_axis=",
+  "optax_microbatch": "(b) optax.microbatch under jit",
+  "hand_scan": "(c) hand-written lax.scan under jit",
+}
+FULL_BATCH = "full_batch"
+FULL_BATCH_LABEL = "(d) full batch, jit(jax.value_and_grad(loss))"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A mesh and where the parameters live on it.
+
+  Attributes:
+    name: the identifier used in the JSON.
+    title: what it is, for people.
+    shape: the mesh shape.
+    axis_names: the mesh axes.
+    data_axis: the axis (or axes) the batch is split over.
+    fsdp_axis: the data axis the weights are sharded over (FSDP), or None.
+    model_axis: the tensor-parallel axis.
+  """
+
+  name: str
+  title: str
+  shape: tuple[int, ...]
+  axis_names: tuple[str, ...]
+  data_axis: str | tuple[str, ...]
+  fsdp_axis: str | None
+  model_axis: str = "model"
+
+  def mesh(self, axis_type: AxisType) -> jax.sharding.Mesh:
+    return jax.make_mesh(
+      self.shape, self.axis_names, axis_types=(axis_type,) * len(self.shape)
+    )
+
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    return (self.data_axis,) if isinstance(self.data_axis, str) else self.data_axis
+
+  def dims(self, axes: Sequence[str]) -> list[int]:
+    """The mesh dimensions of ``axes``."""
+    return [self.axis_names.index(a) for a in axes]
+
+  def param_specs(self) -> list[dict[str, P]]:
+    """Megatron-style tensor parallelism, FSDP along ``fsdp_axis`` if any:
+    ``w1`` column-parallel, ``w2`` row-parallel."""
+    block = {
+      "w1": P(self.fsdp_axis, self.model_axis),
+      "b1": P(self.model_axis),
+      "w2": P(self.model_axis, self.fsdp_axis),
+      "b2": P(),
+    }
+    return [block] * NUM_BLOCKS
+
+
+LAYOUTS = (
+  Layout("tp", "(4, 2) data x model: tensor parallel", (4, 2), ("data", "model"), "data", None),
+  Layout("fsdp_tp", "(4, 2) data x model: FSDP + TP", (4, 2), ("data", "model"), "data", "data"),
+  Layout(
+    "hsdp_tp",
+    "(2, 2, 2) replica x fsdp x model: HSDP + TP",
+    (2, 2, 2),
+    ("replica", "fsdp", "model"),
+    ("replica", "fsdp"),
+    "fsdp",
+  ),
+)  # fmt: skip
+
+
+def init_params(rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
+  """``NUM_BLOCKS`` residual MLP blocks ``FEATURES -> HIDDEN -> FEATURES``."""
+
+  def normal(fan_in: int, fan_out: int) -> np.ndarray:
+    return (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32)
+
+  return [
+    {
+      "w1": normal(FEATURES, HIDDEN),
+      "b1": np.zeros(HIDDEN, np.float32),
+      "w2": normal(HIDDEN, FEATURES),
+      "b2": np.zeros(FEATURES, np.float32),
+    }
+    for _ in range(NUM_BLOCKS)
+  ]
+
+
+def make_loss(model_axis: str, explicit: bool) -> Callable[..., jax.Array]:
+  """The residual MLP's mean squared error, written as a user writes it.
+
+  On an Auto mesh it needs no annotations. On an Explicit mesh the FSDP
+  weights are gathered in global view (``reshard``; a no-op without FSDP)
+  and the row-parallel contraction names its output sharding with the batch
+  axis read from the input's type, the idiom that runs under plain ``jit``
+  (where it is the data axis) and inside jaxaccum (where it is None).
+  """
+
+  def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    h, target = batch
+    for block in params:
+      w1, w2 = block["w1"], block["w2"]
+      if explicit:
+        w1 = jax.sharding.reshard(w1, P(None, model_axis))
+        w2 = jax.sharding.reshard(w2, P(model_axis, None))
+      a = jnp.tanh(h @ w1 + block["b1"])
+      if explicit:
+        out = jnp.einsum(
+          "bh,hf->bf", a, w2, out_sharding=P(jax.typeof(a).sharding.spec[0], None)
+        )
+      else:
+        out = a @ w2
+      h = h + out + block["b2"]
+    return jnp.mean((h - target) ** 2)
+
+  return loss
+
+
+def axes_spanned(c: _hlo.Collective, layout: Layout) -> str:
+  """``data``, ``model``, ``data+model`` or ``none``: the mesh axes that a
+  collective's replica groups communicate over."""
+  data = c.spans(layout.shape, layout.dims(layout.data_axes))
+  model = c.spans(layout.shape, layout.dims((layout.model_axis,)))
+  return {
+    (True, True): "data+model",
+    (True, False): "data",
+    (False, True): "model",
+  }.get((data, model), "none")
+
+
+def sharded_like(grads: PyTree, params: PyTree) -> bool:
+  """Whether every gradient has exactly its parameter's sharding."""
+  return all(
+    g.sharding.is_equivalent_to(p.sharding, g.ndim)
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True)
+  )
+
+
+def measure(
+  fun: communication.LossAndGrads,
+  k: int,
+  *,
+  layout: Layout,
+  mesh: jax.sharding.Mesh,
+  params: PyTree,
+  batch: PyTree,
+  reference: tuple[jax.Array, PyTree],
+) -> dict[str, Any]:
+  """Compiles ``jit(fun)`` on ``mesh``: bytes by mesh axes, peak memory,
+  flops; runs it once against ``reference``. A failure to trace or compile
+  is recorded (error class and first line), not raised.
+
+  The grads' ``out_shardings`` are the parameters' shardings, as in a
+  training step that updates the parameters in place: on an Auto mesh
+  GSPMD would otherwise return some plain-jit grads replicated along the
+  FSDP axis, a different (and larger) output than jaxaccum's.
+  """
+  out_shardings = (NamedSharding(mesh, P()), jax.tree.map(lambda p: p.sharding, params))
+  jitted = jax.jit(fun, out_shardings=out_shardings)
+  with jax.set_mesh(mesh):  # plain jit on an Explicit mesh needs it
+    try:
+      compiled, compile_seconds = communication.compile_step(jitted, params, batch)
+    except Exception as error:  # what the approach does on this mesh
+      message = str(error).strip().splitlines()
+      return {
+        "ok": False,
+        "error": type(error).__name__,
+        "error_message": message[0] if message else "",
+      }
+    memory = jaxaccum.compiled_memory(jitted, params, batch)  # cached compile
+    start = time.perf_counter()
+    outputs = jax.block_until_ready(compiled(params, batch))
+    run_seconds = time.perf_counter() - start
+  colls = _hlo.collectives(compiled.as_text() or "")
+  spanned = [axes_spanned(c, layout) for c in colls]
+  by_axes = {name: 0 for name in ("data", "model", "data+model", "none")}
+  for c, axes in zip(colls, spanned, strict=True):
+    by_axes[axes] += c.bytes * c.executions
+  return {
+    "ok": True,
+    "bytes_over_data_axes": by_axes["data"],
+    "bytes_over_model_axis": by_axes["model"],
+    "bytes_over_data_and_model": by_axes["data+model"],
+    "bytes_within_device": by_axes["none"],
+    "in_loop_data_axis_executions": sum(
+      c.executions
+      for c, a in zip(colls, spanned, strict=True)
+      if c.in_loop and "data" in a
+    ),
+    **communication.collective_summary(colls),
+    "collectives": [
+      {
+        "op": c.op,
+        "bytes": c.bytes,
+        "executions": c.executions,
+        "in_loop": c.in_loop,
+        "axes": a,
+      }
+      for c, a in zip(colls, spanned, strict=True)
+    ],
+    "peak_bytes": memory.peak_bytes,
+    "memory": {
+      "argument_bytes": memory.argument_bytes,
+      "output_bytes": memory.output_bytes,
+      "temp_bytes": memory.temp_bytes,
+      "alias_bytes": memory.alias_bytes,
+    },
+    "xla_flops_per_device": communication.xla_flops(compiled),
+    "k": k,
+    **communication.accuracy(outputs, reference),
+    "grads_sharded_like_params": sharded_like(outputs[1], params),
+    "compile_seconds": compile_seconds,
+    "run_seconds": run_seconds,
+  }
+
+
+def relative(results: dict[str, Any]) -> None:
+  """Adds each approach's numbers relative to the full batch on its mesh, in
+  place: ``*_vs_full`` ratios and the compute estimate ``flops x k / full``
+  (XLA counts a loop body once)."""
+  full = results[FULL_BATCH]
+  for name in APPROACHES:
+    for r in results[name].values():
+      if not r["ok"]:
+        continue
+      for key in ("bytes_over_data_axes", "bytes_over_model_axis", "peak_bytes"):
+        r[f"{key}_vs_full"] = r[key] / full[key] if full[key] else None
+      r["compute_vs_full_est"] = (
+        r["xla_flops_per_device"] * r["k"] / full["xla_flops_per_device"]
+      )
+
+
+def run() -> dict[str, Any]:
+  """Measures every layout, axis type, approach and ``k``; JSON-ready results."""
+  if jax.device_count() < communication.NUM_DEVICES:
+    raise RuntimeError(
+      f"Needs {communication.NUM_DEVICES} devices, found {jax.device_count()}."
+    )
+  rng = np.random.default_rng(0)
+  params = init_params(rng)
+  x = rng.standard_normal((BATCH_SIZE, FEATURES), dtype=np.float32)
+  batch = (x, np.sin(x))
+  # One device, unsharded: the reference for every approach on every mesh.
+  reference = jax.jit(jax.value_and_grad(make_loss("model", explicit=False)))(
+    params, batch
+  )
+  param_bytes = communication.tree_bytes(params)
+  results: dict[str, Any] = {}
+  for layout in LAYOUTS:
+    specs = layout.param_specs()
+    results[layout.name] = {}
+    for mode_name, mode in MODES.items():
+      mesh = layout.mesh(mode)
+      loss_fn = make_loss(layout.model_axis, explicit=mode == AxisType.Explicit)
+      sharded = [
+        {n: jax.device_put(v, NamedSharding(mesh, spec[n])) for n, v in block.items()}
+        for block, spec in zip(params, specs, strict=True)
+      ]
+      sharded_batch = jax.device_put(batch, NamedSharding(mesh, P(layout.data_axis)))
+      on_mesh = {
+        "layout": layout,
+        "mesh": mesh,
+        "params": sharded,
+        "batch": sharded_batch,
+        "reference": reference,
+      }
+      entry: dict[str, Any] = {
+        FULL_BATCH: measure(jax.value_and_grad(loss_fn), 1, **on_mesh)
+      }
+      for name in APPROACHES:
+        entry[name] = {}
+        for k in KS:
+          fun = communication.make_approach(
+            name,
+            k,
+            mesh,
+            loss_fn=loss_fn,
+            batch_size=BATCH_SIZE,
+            data_axis=layout.data_axis,
+            param_specs=specs,
+          )
+          entry[name][str(k)] = measure(fun, k, **on_mesh)
+      relative(entry)
+      results[layout.name][mode_name] = entry
+      print(table(layout, mode_name, entry), flush=True)
+
+  return {
+    **communication.environment(__doc__),
+    "model": {
+      "kind": "residual tanh MLP, mean squared error",
+      "features": FEATURES,
+      "hidden": HIDDEN,
+      "num_blocks": NUM_BLOCKS,
+      "num_params": sum(int(p.size) for p in jax.tree.leaves(params)),
+      "param_bytes": param_bytes,
+    },
+    "batch_size": BATCH_SIZE,
+    "batch_bytes": communication.tree_bytes(batch),
+    "ks": list(KS),
+    "byte_convention": (
+      "per device: result bytes of each collective times the trip counts of "
+      "the while loops around it, summed over the compiled step, split by the "
+      "mesh axes its replica groups span (data axes only, model axis only, both)"
+    ),
+    "memory_convention": (
+      "per device: XLA compiled memory analysis, argument + output + temp - "
+      "alias (jaxaccum.compiled_memory(...).peak_bytes)"
+    ),
+    "approaches": {**APPROACHES, FULL_BATCH: FULL_BATCH_LABEL},
+    "layouts": {
+      layout.name: {
+        "title": layout.title,
+        "mesh_shape": list(layout.shape),
+        "axis_names": list(layout.axis_names),
+        "data_axis": layout.data_axis,
+        "model_axis": layout.model_axis,
+        "param_specs": {n: str(s) for n, s in layout.param_specs()[0].items()},
+        "batch_spec": str(P(layout.data_axis)),
+      }
+      for layout in LAYOUTS
+    },
+    "results": results,
+  }
+
+
+def _mib(n: float) -> str:
+  return f"{n / 2**20:8.2f}"
+
+
+def _row(label: str, k: str, r: dict[str, Any], full: dict[str, Any]) -> str:
+  if not r["ok"]:
+    return f"{label:<17} {k:>3}  FAILS: {r['error']}: {r['error_message'][:90]}"
+
+  def ratio(key: str) -> str:
+    return f"{r[key] / full[key]:5.2f}x" if full[key] else "   n/a"
+
+  return (
+    f"{label:<17} {k:>3} {_mib(r['bytes_over_data_axes'])} {ratio('bytes_over_data_axes')} "
+    f"{_mib(r['bytes_over_model_axis'])} {ratio('bytes_over_model_axis')} "
+    f"{_mib(r['bytes_over_data_and_model'])} {_mib(r['peak_bytes'])} "
+    f"{ratio('peak_bytes')} {r['in_loop_data_axis_executions']:>5} "
+    f"{r.get('compute_vs_full_est', 1.0):>6.2f}x {r['grads_rel_error']:>8.1e} "
+    f"{'yes' if r['grads_sharded_like_params'] else 'no':>4}"
+  )
+
+
+def table(layout: Layout, mode: str, entry: dict[str, Any]) -> str:
+  """One mesh's rows: MiB per device over the data axes, the model axis and
+  both, peak MiB, each also relative to the full batch."""
+  full = entry[FULL_BATCH]
+  lines = [
+    "",
+    f"{layout.title}, {mode} axes, data_axis={layout.data_axis!r}",
+    f"{'approach':<17} {'k':>3} {'data MiB':>8} {'/full':>6} {'model':>8} "
+    f"{'/full':>6} {'both':>8} {'peak MiB':>8} {'/full':>6} {'loop':>5} "
+    f"{'compute':>7} {'grad err':>8} {'shrd':>4}",
+    _row("full batch", "-", full, full),
+  ]
+  for name in APPROACHES:
+    for k, r in entry[name].items():
+      lines.append(_row(name, k, r, full))
+  return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], png: pathlib.Path) -> None:
+  """Per layout (rows): MiB over the data axes (log scale), over the model
+  axis, and the peak per device, against ``k``; solid Auto, dashed Explicit
+  axes, gray lines the full batch. Failed approaches are named in the legend."""
+  ks = results["ks"]
+  columns = (
+    ("bytes_over_data_axes", "MiB over the data axes / step"),
+    ("bytes_over_model_axis", "MiB over the model axis / step"),
+    ("peak_bytes", "peak MiB per device"),
+  )
+  fig, axes = plt.subplots(
+    len(results["layouts"]), len(columns), figsize=(15, 12), layout="constrained"
+  )
+  colors = {"jaxaccum": "C0", "optax_microbatch": "C1", "hand_scan": "C2"}
+  markers = {"jaxaccum": "o", "optax_microbatch": "s", "hand_scan": "^"}
+  styles = {"auto": "-", "explicit": "--"}
+  for row, (lname, layout) in zip(axes, results["layouts"].items(), strict=True):
+    for ax, (key, ylabel) in zip(row, columns, strict=True):
+      for mode, style in styles.items():
+        entry = results["results"][lname][mode]
+        ax.axhline(
+          entry[FULL_BATCH][key] / 2**20,
+          color="gray",
+          ls=style,
+          lw=1.5,
+          label=f"{FULL_BATCH_LABEL} ({mode})",
+        )
+        for name, label in APPROACHES.items():
+          rows = [entry[name][str(k)] for k in ks]
+          points = [
+            (k, r[key] / 2**20) for k, r in zip(ks, rows, strict=True) if r["ok"]
+          ]
+          errors = sorted({r["error"] for r in rows if not r["ok"]})
+          failed = f", fails: {', '.join(errors)}" if errors else ""
+          ax.plot(
+            *(zip(*points, strict=True) if points else ([], [])),
+            ls=style,
+            marker=markers[name],
+            color=colors[name],
+            mfc="none" if mode == "explicit" else colors[name],
+            label=f"{label} ({mode}{failed})",
+          )
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(ks, [str(k) for k in ks])
+      if key == "bytes_over_data_axes":
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+      else:
+        ax.set_ylim(0, None)
+      ax.set(xlabel="micro-batches per step, k", ylabel=ylabel)
+      ax.set_title(layout["title"], fontsize=9)
+      ax.grid(True, which="major", alpha=0.3)
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
+  fig.suptitle(
+    f"{results['model']['num_params']:,}-parameter residual MLP, batch "
+    f"{results['batch_size']}, {results['num_devices']} CPU devices, per device; "
+    f"jax {results['jax_version']}, {results['date'][:10]}",
+    fontsize=10,
+  )
+  png.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(png, dpi=110)
+  plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark, writes the JSON and the PNG, returns the results."""
+  results, out = communication.run_and_write(
+    "meshes", run, plot, argv, __doc__.splitlines()[0]
+  )
+  print(
+    f"\nparameters {format_bytes(results['model']['param_bytes'])}, batch "
+    f"{format_bytes(results['batch_bytes'])}; total {results['seconds']:.1f} s; "
+    f"wrote {out / 'meshes.json'} and {out / 'meshes.png'}"
+  )
+  return results
+
+
+if __name__ == "__main__":
+  main()
