@@ -109,10 +109,24 @@ class Compiled:
     self._cache: dict[Any, Any] = {}
 
   def _prepare(self, config: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    """The jitted program for this configuration, and its inputs.
+
+    The program takes the traced positional arguments as ``jax.jit`` would
+    (a static position holds None), keyword arguments whose leaves are all
+    arrays by name, and the arrays of mixed keyword arguments in one list,
+    so that a program lowered from a call (``.lower(...).compile()``) is
+    called like the function, minus its static values.
+    """
     positions = tuple(self._static_positions(len(args)))
-    statics, arrays = split_statics(({n: args[n] for n in positions}, kwargs))
+    dynamic = {
+      name: value
+      for name, value in kwargs.items()
+      if jax.tree.leaves(value) and all(map(is_array, jax.tree.leaves(value)))
+    }
+    rest = {name: value for name, value in kwargs.items() if name not in dynamic}
+    statics, arrays = split_statics(({n: args[n] for n in positions}, rest))
     traced = tuple(None if n in positions else a for n, a in enumerate(args))
-    key: Any = (config, len(args), positions, statics)
+    key: Any = (config, len(args), positions, tuple(sorted(dynamic)), statics)
     try:
       jitted = self._cache.get(key)
     except TypeError:  # an unhashable static value: compile for this call
@@ -123,30 +137,31 @@ class Compiled:
       )
       if key is not None:
         self._cache[key] = jitted
-    return jitted, (*traced, arrays)
+    if arrays:
+      dynamic = {**dynamic, _MIXED: arrays}
+    return jitted, traced, dynamic
 
   def _program(self, config: Any, positions: tuple[int, ...], statics: Statics):
     fun = self._fun
 
-    def program(*inputs):
-      *traced, arrays = inputs
-      static_args, kwargs = statics.merge(arrays)
+    def program(*traced, **dynamic):
+      static_args, kwargs = statics.merge(dynamic.pop(_MIXED, []))
       args = tuple(
         static_args[n] if n in positions else a for n, a in enumerate(traced)
       )
-      return fun(config, *args, **kwargs)
+      return fun(config, *args, **kwargs, **dynamic)
 
     if not self._checked:
       return program
 
-    def checked_program(*inputs):
-      return checkify.checkify(program, errors=checkify.user_checks)(*inputs)
+    def checked_program(*traced, **dynamic):
+      return checkify.checkify(program, errors=checkify.user_checks)(*traced, **dynamic)
 
     return checked_program
 
   def __call__(self, config: Any, /, *args: Any, **kwargs: Any) -> Any:
-    jitted, inputs = self._prepare(config, args, kwargs)
-    out = jitted(*inputs)
+    jitted, traced, dynamic = self._prepare(config, args, kwargs)
+    out = jitted(*traced, **dynamic)
     if self._checked:
       error, out = out
       error.throw()
@@ -154,8 +169,16 @@ class Compiled:
 
   def lower(self, config: Any, /, *args: Any, **kwargs: Any) -> Any:
     """``jax.jit(...).lower`` of the program these arguments call."""
-    jitted, inputs = self._prepare(config, args, kwargs)
-    return jitted.lower(*inputs)
+    jitted, traced, dynamic = self._prepare(config, args, kwargs)
+    return jitted.lower(*traced, **dynamic)
+
+  def trace(self, config: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """``jax.jit(...).trace`` of the program these arguments call."""
+    jitted, traced, dynamic = self._prepare(config, args, kwargs)
+    return jitted.trace(*traced, **dynamic)
+
+
+_MIXED = "_jaxaccum_keyword_arrays"
 
 
 class JitWithStaticKwargs:
@@ -181,5 +204,10 @@ class JitWithStaticKwargs:
     return self._compiled(None, *args, **kwargs)
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
-    """``jax.jit(...).lower`` of the program these arguments call."""
+    """``jax.jit(...).lower`` of the program these arguments call; its
+    compiled form takes the same arguments, minus the static ones."""
     return self._compiled.lower(None, *args, **kwargs)
+
+  def trace(self, *args: Any, **kwargs: Any) -> Any:
+    """``jax.jit(...).trace`` of the program these arguments call."""
+    return self._compiled.trace(None, *args, **kwargs)

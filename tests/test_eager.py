@@ -73,7 +73,12 @@ def test_make_train_step_takes_python_keyword_flags():
     chex.assert_trees_all_close(value, want_value, rtol=1e-5)
     chex.assert_trees_all_close(new_w, w - 0.1 * want_grads, rtol=1e-5, atol=1e-6)
   assert [t for _, t in traces] == [False, True]
-  assert step.lower(w, tx.init(w), batch, train=False).compile() is not None
+  # As with jax.jit(static_argnames=...): the compiled program takes the same
+  # arguments minus the static ones.
+  scale = jnp.float32(2.0)
+  compiled = step.lower(w, tx.init(w), batch, train=False, scale=scale).compile()
+  _, _, value = compiled(w, tx.init(w), batch, scale=scale)
+  chex.assert_trees_all_close(value, 2 * want_value, rtol=1e-5)
 
 
 def test_verify_equivalence_passes_fun_kwargs():
