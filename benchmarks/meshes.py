@@ -76,10 +76,15 @@ What happened with jax 0.10.2 and optax 0.2.8 on CPU (numbers in the JSON):
 
 Caveats. Bytes are per-device result sizes, not wire traffic: a
 reduce-scatter counts its 1/N result, an all-reduce its whole result. The
-schedules are the CPU compiler's. A compile-only check for 8 H100s
-(``jaxaccum.compile_target``; ``tp``, Auto, k = 4) kept (b)'s gradient
-all-reduce inside the loop as here, while XLA's TPU pipeline, for a v5e 2x4
-slice, moved it out of the loop; that check is not part of this script.
+schedules are the CPU compiler's, and other compilers differ. A compile-only
+check for 8 H100s (``jaxaccum.compile_target``, Auto axes, k = 4 and 8; not
+part of this script) found XLA's GPU pipeline moving (b)'s gradient
+all-reduce out of the loop on ``tp``, where (b) then moves what (a) and the
+full batch move (4.02 MiB), and XLA for a TPU v5e 2x4 slice did the same. On
+``fsdp_tp`` and ``hsdp_tp``, though, (b) still ran data-axis collectives
+inside the loop on the H100s, once per micro-batch: 28 and 56 MiB at k = 4
+and 8 on ``fsdp_tp`` (30 and 58 on ``hsdp_tp``), against 4.02 (6.02) MiB
+for (a) and 7.02 (9.02) MiB for the full batch.
 
 Outputs: ``meshes.json`` (every number, the jax version, the date) and
 ``meshes.png`` (bytes over the data axes, over the model axis and peak per
