@@ -178,6 +178,27 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
   return None
 
 
+def _condition_bound(lines: list[str]) -> int | None:
+  """``N`` of a loop condition ``compare(counter, constant(N)), direction=LT``.
+
+  >>> _condition_bound([
+  ...   "%c = s32[] constant(4)",
+  ...   "ROOT %lt = pred[] compare(%i, %c), direction=LT",
+  ... ])
+  4
+  """
+  constants = {}
+  for line in lines:
+    match = re.match(r"\s*%?([\w.\-]+)\s*=\s*s32\[\][^=]*constant\((\d+)\)", line)
+    if match:
+      constants[match.group(1)] = int(match.group(2))
+  for line in lines:
+    match = re.search(r"compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\), direction=LT", line)
+    if match and match.group(1) in constants:
+      return constants[match.group(1)]
+  return None
+
+
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective in compiled HLO text, with its execution count.
 
@@ -233,7 +254,10 @@ def collectives(hlo_text: str) -> list[Collective]:
         trips = _TRIP_COUNT.search(line)
         body = re.search(r"\bbody=%?([\w.\-]+)", line)
         cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
-        n = int(trips.group(1)) if trips else 1
+        if trips:
+          n = int(trips.group(1))
+        else:  # e.g. TPU: read `counter < N` off the condition
+          n = _condition_bound(bodies.get(cond.group(1), []) if cond else []) or 1
         for called in (body, cond):
           if called:
             visit(called.group(1), executions * n, True, (*seen, name))
