@@ -47,8 +47,39 @@ def problem(seed=0):
   return params, (x, y)
 
 
+# float32 throughout (unit roundoff u = 2**-24 = 6e-8). The data-parallel
+# result and the reference sum the same B = 64 per-example terms, only in
+# another order (per micro-batch, per device, then across devices); a sum's
+# order moves it by at most about n*u relative to the sum of the terms'
+# magnitudes (64u = 3.8e-6), and in practice by a few u. RTOL = 1e-5 leaves
+# room above that bound; ATOL = 1e-6 catches entries that cancel to near zero.
+# The bugs these tests exist for are far larger: a normalization off by a
+# factor D or k, a dropped micro-batch or device shard (>= 1/(D*k) = 6%).
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
 def assert_close(got, want):
-  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(got, want, **TOLERANCE)
+
+
+def python_loop(fun, num_micro_batches, params, batch, *args, key=None, **kwargs):
+  """The obvious reference: eager ``jax.value_and_grad`` on each contiguous
+  micro-batch in turn (micro-batch ``i`` gets ``fold_in(key, i)`` when a key
+  is given), then the mean of the values and of the gradients, and the aux
+  stacked."""
+  rows = jax.tree.leaves(batch)[0].shape[0] // num_micro_batches
+  values, grads, auxes = [], [], []
+  for i in range(num_micro_batches):
+    micro = jax.tree.map(lambda a, i=i: a[i * rows : (i + 1) * rows], batch)
+    extra = args if key is None else (*args, jax.random.fold_in(key, i))
+    (value, aux), g = jax.value_and_grad(fun, has_aux=True)(
+      params, micro, *extra, **kwargs
+    )
+    values.append(value)
+    grads.append(g)
+    auxes.append(aux)
+  mean = lambda *xs: jnp.mean(jnp.stack(xs), axis=0)  # noqa: E731
+  return (mean(*values), jnp.stack(auxes)), jax.tree.map(mean, *grads)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -117,6 +148,13 @@ def test_rng_equals_single_device_with_global_micro_batch_numbering(mesh):
   )(params, batch, key)
   assert_close((value, grads), (want_value, want_grads))
   np.testing.assert_array_equal(masks, want_masks)
+  # No full batch draws these masks; the obvious reference is a Python loop
+  # over the D*k global micro-batches with fold_in(key, global index).
+  (loop_value, loop_masks), loop_grads = python_loop(
+    dropout_loss, D * k, params, batch, key=key
+  )
+  assert_close((value, grads), (loop_value, loop_grads))
+  np.testing.assert_array_equal(masks, loop_masks)
   assert masks.shape == (D * k, B // (D * k), H)
   assert not np.array_equal(masks[0], masks[k])  # devices 0 and 1 differ
 
@@ -155,6 +193,18 @@ def test_state_is_threaded_per_device_and_averaged(mesh):
   )(params, permuted, stats)
   assert_close((value, grads, final["mean"]), (want_value, want_grads, want["mean"]))
   assert int(final["count"]) == k  # every device ran k micro-batches
+  # The loss does not read the statistics: value and grads are the full batch's.
+  assert_close((value, grads), jax.value_and_grad(mlp_loss)(params, batch))
+  # The statistics: each device's chain over its own k slices, averaged.
+  shards = jax.tree.map(lambda a: a.reshape(D, k, B // (D * k), *a.shape[1:]), batch)
+  chains = []
+  for d in range(D):
+    chain = stats
+    for i in range(k):
+      micro = jax.tree.map(lambda a, d=d, i=i: a[d, i], shards)
+      _, (_, chain) = loss_with_stats(params, micro, chain)
+    chains.append(chain["mean"])
+  assert_close(final["mean"], jnp.mean(jnp.stack(chains), axis=0))
 
 
 def test_fsdp_params_get_reduce_scattered_grads():
@@ -170,10 +220,19 @@ def test_fsdp_params_get_reduce_scattered_grads():
   assert grads["w1"].sharding.spec == P(None, "data")
   assert grads["w2"].sharding.spec == P("data")
   assert_close((value, grads), jax.value_and_grad(mlp_loss)(params, batch))
-  ops = {
-    c.op for c in _hlo.collectives(_hlo.compiled_text(fun, sharded, shard(mesh, batch)))
-  }
-  assert "reduce-scatter" in ops and "all-gather" in ops
+  colls = _hlo.collectives(_hlo.compiled_text(fun, sharded, shard(mesh, batch)))
+  # Each collective runs once per step, before or after the loop, and spans
+  # the data axis (there is no other).
+  assert all(c.executions == 1 and not c.in_loop for c in colls), colls
+  assert all(c.spans((D,), [0]) for c in colls), colls
+  by_op = {}
+  for c in colls:
+    by_op[c.op] = by_op.get(c.op, 0) + c.bytes
+  full = sum(x.size * 4 for x in jax.tree.leaves(params))  # float32
+  # Every parameter is all-gathered once (its full size arrives), every
+  # gradient reduce-scattered once (each device keeps its 1/D shard), and
+  # the only all-reduce is the loss and weight sums: two float32 scalars.
+  assert by_op == {"all-gather": full, "reduce-scatter": full // D, "all-reduce": 8}
 
 
 def test_fsdp_under_auto_jit_needs_param_specs():
@@ -357,8 +416,8 @@ class _Unhashable:
 def test_keyword_arguments_of_any_kind(mesh):
   """Python values in keyword arguments (in dicts and lists, unhashable
   objects, None) stay Python values in ``fun``; arrays, even sharded along
-  the data axis, reach every device whole. The reference is one device with
-  ``D * k`` micro-batches, the same global micro-batches."""
+  the data axis, reach every device whole. The reference is a Python loop
+  over the ``D * k`` global micro-batches."""
   params, batch = problem()
   k = 2
 
@@ -376,9 +435,16 @@ def test_keyword_arguments_of_any_kind(mesh):
     "unused": None,
   }
   fun = jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis="data")
-  want = jaxaccum.value_and_grad(loss, D * k)(
-    params, batch, **{**kwargs, "offset": offset}
+  # The loss squares a micro-batch mean, so no full batch gives it: the
+  # reference is a Python loop over the D*k global micro-batches.
+  (value, _), grads = python_loop(
+    lambda *a, **kw: (loss(*a, **kw), jnp.zeros(())),
+    D * k,
+    params,
+    batch,
+    **{**kwargs, "offset": offset},
   )
+  want = (value, grads)
   assert_close(fun(params, shard(mesh, batch), **kwargs), want)
   assert_close(
     jax.jit(lambda p, b: fun(p, b, **kwargs))(params, shard(mesh, batch)), want

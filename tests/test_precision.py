@@ -56,9 +56,47 @@ def test_bf16_value_dtype_matches_jax():
   assert value.dtype == jax.value_and_grad(loss)(w, x)[0].dtype
 
 
+def running_sum(grads, dtype):
+  """The micro-batch gradients added one at a time in ``dtype``, in order."""
+  total = jnp.zeros(grads.shape[1:], dtype)
+  for g in grads:
+    total = total + jnp.asarray(g, dtype)
+  return np.asarray(total, np.float64)
+
+
 @pytest.mark.parametrize("accum_dtype", [jnp.float32, jnp.bfloat16])
 def test_accum_dtype_is_never_narrower_than_the_gradient(accum_dtype):
-  w = jnp.ones(3, jnp.float32)
-  x = jnp.ones((8, 3), jnp.float32)
-  grads = jaxaccum.grad(loss, 4, accum_dtype=accum_dtype)(w, x)
+  """float32 gradients are summed in float32 even if accum_dtype is bf16.
+
+  The K micro-batch gradients are 1.0 to 1.1 each, so a bf16 sum loses the
+  fractions past 128 (see bf16_problem); a float32 sum of K positive terms
+  is within K * 2**-24 relative of the exact one (the worst-case bound for
+  summation), far below that.
+  """
+  w, x = bf16_problem()
+  w, x = w.astype(jnp.float32), x.astype(jnp.float32)
+  grads = jax.jit(jaxaccum.grad(loss, K, accum_dtype=accum_dtype))(w, x)
   assert grads.dtype == jnp.float32
+  micro = micro_batch_grads(w, x)
+  exact = micro.mean(axis=0)
+  np.testing.assert_allclose(np.asarray(grads, np.float64), exact, rtol=K * 2.0**-24)
+  # A bf16 accumulator would miss by more than that: this test can fail.
+  bf16_mean = running_sum(micro, jnp.bfloat16) / K
+  assert np.all(np.abs(bf16_mean - exact) > 100 * K * 2.0**-24 * exact)
+
+
+def test_accum_dtype_is_used_where_it_is_wider_or_equal():
+  """accum_dtype=bf16 on bf16 gradients is a bf16 sum, as asked: the result
+  follows a bf16 running sum, not the float32 one (the default)."""
+  w, x = bf16_problem()
+  grads = jax.jit(jaxaccum.grad(loss, K, accum_dtype=jnp.bfloat16))(w, x)
+  assert grads.dtype == jnp.bfloat16
+  micro = micro_batch_grads(w, x)
+  exact = micro.mean(axis=0)
+  bf16_mean = running_sum(micro, jnp.bfloat16) / K
+  got = np.asarray(grads, np.float64)
+  assert np.all(np.abs(got - bf16_mean) <= one_bf16_rounding(bf16_mean)), (
+    got,
+    bf16_mean,
+  )
+  assert np.all(np.abs(got - exact) > 2 * one_bf16_rounding(exact)), (got, exact)
