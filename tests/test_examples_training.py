@@ -1,4 +1,5 @@
-"""The noise-scale and mixed-precision examples train and show what they claim.
+"""The noise-scale and mixed-precision examples train and show what they claim;
+the convnet example's step equals a Python loop over its micro-batches.
 
 Each example is imported by path and its ``main`` run with tiny settings, no
 progress bar and ``out_dir=tmp_path``.
@@ -6,7 +7,11 @@ progress bar and ``out_dir=tmp_path``.
 
 import pathlib
 
+import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from examples_util import load_example
 
@@ -109,3 +114,74 @@ def test_command_line_flags_come_from_main_signature(monkeypatch):
   with pytest.raises(SystemExit):
     monkeypatch.setattr("sys.argv", ["x.py", "--stpes", "7"])
     cli.command_line(main, "doc")
+
+
+def capture_gradients():
+  """An "optimizer" whose state is the last gradient it got and whose updates
+  are zeros: the example's own jitted step then hands its gradients back."""
+  return optax.GradientTransformation(
+    lambda params: jax.tree.map(jnp.zeros_like, params),
+    lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads),
+  )
+
+
+def test_convnet_batchnorm_step_equals_a_python_loop_over_micro_batches():
+  """examples/convnet_batchnorm.py's ``train_step`` (its model, its loss, its
+  ``rng_argnum`` and ``state_argnum``) against an eager Python loop of
+  ``jax.value_and_grad``: micro-batch ``i`` holds rows ``i*m .. (i+1)*m - 1``,
+  gets the key ``fold_in(fold_in(key, step), i)`` and the running statistics
+  micro-batch ``i - 1`` wrote."""
+  module = load_example("convnet_batchnorm")
+  model = module.ConvNet()
+  k, m, step = 4, 4, 3
+  keys = jax.random.split(jax.random.key(0), 4)
+  images = jax.random.uniform(keys[0], (k * m, 8, 8, 1))
+  labels = jax.random.randint(keys[1], (k * m,), 0, 10)
+  variables = model.init(keys[2], images[:1], train=False)
+  params = variables["params"]
+  # Running statistics away from their initial values, so that the momentum
+  # update shows in every entry.
+  batch_stats = jax.tree.map(lambda s: s + 0.5, variables["batch_stats"])
+  tx = capture_gradients()
+  state = module.TrainState(
+    jnp.asarray(step, jnp.int32), params, batch_stats, tx.init(params)
+  )
+  new_state, loss, accuracy = module.make_train_step(model, tx, k)(
+    state, (images, labels), keys[3]
+  )
+
+  def loss_fn(params, images, labels, dropout_key, batch_stats):
+    logits, updates = model.apply(
+      {"params": params, "batch_stats": batch_stats},
+      images,
+      train=True,
+      rngs={"dropout": dropout_key},
+      mutable=["batch_stats"],
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == labels)
+    return loss, (accuracy, updates["batch_stats"])
+
+  # Compiled once and called k times, in a Python loop.
+  micro_value_and_grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+  step_key = jax.random.fold_in(keys[3], step)
+  stats, losses, accuracies, grads = batch_stats, [], [], []
+  for i in range(k):
+    rows = slice(i * m, (i + 1) * m)
+    (value, (acc, stats)), g = micro_value_and_grad(
+      params, images[rows], labels[rows], jax.random.fold_in(step_key, i), stats
+    )
+    losses.append(value)
+    accuracies.append(acc)
+    grads.append(g)
+  want_grads = jax.tree.map(lambda *g: jnp.mean(jnp.stack(g), axis=0), *grads)
+
+  chex.assert_trees_all_close(
+    (loss, new_state.opt_state, new_state.batch_stats),
+    (jnp.mean(jnp.stack(losses)), want_grads, stats),
+    rtol=1e-5,
+    atol=1e-6,
+  )
+  assert float(accuracy) == pytest.approx(float(jnp.mean(jnp.stack(accuracies))))
+  chex.assert_trees_all_equal(new_state.params, params)  # zero updates
+  assert int(new_state.step) == step + 1
