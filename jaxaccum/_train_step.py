@@ -2,9 +2,11 @@
 
 The step donates the parameters and the optimizer state (``donate_argnums``),
 so XLA writes the new values into the old buffers instead of holding two
-copies. A step whose loss or gradient is not finite is skipped under
-``lax.cond``: parameters and optimizer state come back unchanged, so a NaN
-never reaches the parameters.
+copies. A step whose loss or gradient is not finite is skipped: its update
+is computed on zeros and dropped by a select (``jnp.where``), so parameters
+and optimizer state come back unchanged and a NaN never reaches them. (A
+``lax.cond`` would keep a second copy of both: its branches cannot update the
+donated buffers in place.)
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ def make_train_step(
     tx: the optimizer, run once per step.
     num_micro_batches: ``k``; or give ``micro_batch_size``.
     skip_nonfinite: if the value or a gradient is NaN or Inf, return the
-      parameters and optimizer state unchanged (``lax.cond``, the optimizer
-      does not run), and with ``state_argnum`` the state as it came in.
+      parameters and optimizer state unchanged (the update is computed on
+      zero gradients and dropped by ``jnp.where``), and with ``state_argnum``
+      the state as it came in.
       For float16, pass ``tx = jaxaccum.accumulate(inner, 1,
       loss_scale=jaxaccum.dynamic_loss_scale())``: the step then multiplies
       the loss by the current scale, and ``accumulate`` unscales the
@@ -193,10 +196,11 @@ def make_train_step(
       )
       value = (loss, (aux, new_state))
 
-    def apply(params, opt_state):
+    def apply(params, opt_state, grads):
       updates, next_state = tx.update(grads, opt_state, params)
       # The state keeps its dtypes (adam's mu would come back promoted with the
-      # gradients'): lax.cond, donation and the next call need the same types.
+      # gradients'): the select below, donation and the next call need the
+      # same types.
       next_state = jax.tree.map(
         lambda new, old: (
           new
@@ -211,11 +215,18 @@ def make_train_step(
     if not skip_nonfinite or loss_scale is not None:
       # float16: accumulate() unscales, skips overflowing windows and adjusts
       # the scale itself.
-      params, opt_state = apply(params, opt_state)
+      params, opt_state = apply(params, opt_state, grads)
     else:
-      params, opt_state = jax.lax.cond(
-        finite, apply, lambda p, s: (p, s), params, opt_state
-      )
+      # Select, do not branch: a lax.cond returning either the inputs or the
+      # new values cannot update the donated buffers in place, and held a
+      # second copy of the parameters and the optimizer state (+640 MiB for
+      # a 109M-parameter Adam step on an H100 target). The update runs on
+      # zeros instead of a non-finite gradient, and its result is dropped.
+      safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+      new_params, new_state = apply(params, opt_state, safe)
+      keep = lambda new, old: _select(finite, new, old)  # noqa: E731
+      params = jax.tree.map(keep, new_params, params)
+      opt_state = jax.tree.map(keep, new_state, opt_state)
     return params, opt_state, ((value, noise) if noise_stats else value)
 
   return _calls.JitWithStaticKwargs(step, donate_argnums=(0, 1) if donate else ())

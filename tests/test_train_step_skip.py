@@ -1,6 +1,8 @@
 """make_train_step skips a step whose gradient is not finite, even when the
 loss is (issue 13): "finite" must not be decided from the loss alone."""
 
+import importlib.util
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -62,3 +64,37 @@ def test_a_finite_step_is_taken():
   grads = jax.grad(sqrt_loss)(p, batch())
   want = jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
   chex.assert_trees_all_close(new_params, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_skip_holds_no_second_copy_of_the_parameters_and_state():
+  """The skip is a select, not a lax.cond: on an H100 target a cond kept a
+  second copy of the parameters and the Adam state (3,040 vs 2,400 MiB for
+  a 109M-parameter step). Compile-only; measured with a smaller MLP."""
+  if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+    pytest.skip(
+      "the CUDA compiler plugin is not installed: pip install 'jaxaccum[targets]'"
+    )
+  h100 = jaxaccum.compile_target("h100")
+
+  def loss(p, x):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+
+  params = {
+    "w1": jax.ShapeDtypeStruct((2048, 4096), jnp.float32),
+    "w2": jax.ShapeDtypeStruct((4096, 2048), jnp.float32),
+  }
+  x = jax.ShapeDtypeStruct((1024, 2048), jnp.float32)
+  tx = optax.adam(1e-3)
+  state = jax.eval_shape(tx.init, params)
+  peak = {
+    skip: jaxaccum.compiled_memory(
+      jaxaccum.make_train_step(loss, tx, 4, skip_nonfinite=skip),
+      params,
+      state,
+      x,
+      target=h100,
+    ).peak_bytes
+    for skip in (True, False)
+  }
+  param_bytes = 2 * 2048 * 4096 * 4
+  assert peak[True] - peak[False] < 0.25 * param_bytes, peak
