@@ -412,11 +412,12 @@ def measure(
     # (a) reading the loss after every step
     "resident_loss_every_step": (resident_fed, 1),
     "python_loop_loss_every_step": (setup.python_loop, 1),
-    # (b) per-example augmentation, and (c) in worker processes
+    # (b) per-example augmentation; (c) worker processes, for either
     **{
       f"grain_per_example_{w}w": (grain_fed(augment="example", workers=w), every)
       for w in (0, *workers)
     },
+    **{f"grain_{w}w": (grain_fed(workers=w), every) for w in workers},
   }
   pipelines = {
     "rows_no_augment": alone("rows_no_augment", augment="none"),
@@ -632,9 +633,10 @@ def plot(
   ax.plot(np.arange(1, len(losses) + 1), losses, lw=1)
   ax.set(xlabel="optimizer step", ylabel="training loss", yscale="log")
   ax.set_title("The accumulated step, fed by Grain")
-  for panel, table, unit, prefix in (
-    (panels[2], measured.steps_per_s, "steps/s", ""),
-    (panels[3], measured.batches_per_s, "batches/s, pipeline alone", "pipeline_"),
+  cores = os.cpu_count()
+  for panel, table, title, prefix in (
+    (panels[2], measured.steps_per_s, f"The step fed, steps/s ({cores} cores)", ""),
+    (panels[3], measured.batches_per_s, "Pipelines alone, batches/s", "pipeline_"),
   ):
     if not table:
       continue
@@ -643,8 +645,10 @@ def plot(
     values = np.array([table[n] for n in names])
     low, high = np.array([measured.spread[prefix + n] for n in names]).T
     ax.barh(names, values, xerr=[values - low, high - values], alpha=0.8)
-    ax.set(xlabel=f"{unit} (median; bars: min..max)")
-    ax.set_title(f"{os.cpu_count()} CPU cores")
+    ax.set(xlabel="median; bars: min..max")
+    ax.set_title(title)
+    if prefix:
+      ax.set_xscale("log")
   png.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(png, dpi=110)
 
