@@ -56,6 +56,12 @@ class Normalization(NamedTuple):
 def safe_divide(total: PyTree, weight: jax.Array) -> PyTree:
   """``total / weight`` leaf by leaf, and zeros where ``weight`` is zero.
 
+  Where the weight is zero the quotient is multiplied by 0, not selected
+  away: the result is zero for a finite total, and a NaN or Inf that the loss
+  itself produced is not hidden. (An elementwise select here also cost a
+  whole extra copy of the gradients on an H100 target: XLA did not fuse it
+  into the optimizer update that reads the result, a multiplication it did.)
+
   >>> import jax.numpy as jnp
   >>> safe_divide({"a": jnp.array([2.0, 4.0])}, jnp.array(2.0))["a"].tolist()
   [1.0, 2.0]
@@ -65,7 +71,7 @@ def safe_divide(total: PyTree, weight: jax.Array) -> PyTree:
   positive = weight > 0
   denominator = jnp.where(positive, weight, 1)
   return jax.tree.map(
-    lambda t: jnp.where(positive, t / denominator.astype(t.dtype), 0), total
+    lambda t: (t / denominator.astype(t.dtype)) * positive.astype(t.dtype), total
   )
 
 
