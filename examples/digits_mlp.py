@@ -2,17 +2,23 @@
 
 The same MLP, from the same initialization, is trained twice on scikit-learn's
 bundled digits (8x8 images, offline) with the same effective batch, the
-whole training set of 1344 rows, and the same optimizer:
+whole training set of 1350 rows, and the same optimizer:
 
   (a) full batch, with plain ``nnx.value_and_grad``;
   (b) ``jaxaccum.nnx.value_and_grad(loss, 8)``: the batch is split into 8
-      micro-batches of 168 rows, and one ``lax.scan`` adds their gradients
-      into a float32 accumulator inside the jitted step, so only one
-      micro-batch's activations are alive at a time.
+      micro-batches, and one ``lax.scan`` adds their gradients into a float32
+      accumulator inside the jitted step, so only one micro-batch's
+      activations are alive at a time.
 
-Because the loss is a per-example mean and the micro-batches are equal in
-size, (b) computes the full-batch gradient, up to the order in which float32
-additions happen. The two loss curves overlap; the script prints their largest
+1350 rows do not split into 8 equal micro-batches. ``jaxaccum.pad_batch``
+pads them to 1352 (repeating the last row) and returns a row mask; the loss
+returns ``(sum of masked losses, number of real rows)`` and
+``normalize="weighted"`` divides the sums over all micro-batches by the real
+row count, so (b) computes the full-batch gradient of the 1350 real rows, up
+to the order in which float32 additions happen. The step also returns each
+row's prediction as aux; ``jaxaccum.merge_micro_batches`` puts the
+``(k, m)`` predictions back into the batch's row order for the training
+accuracy. The two loss curves overlap; the script prints their largest
 difference, which is float32 rounding, and plots both curves and the
 difference.
 
@@ -37,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from _cli import command_line  # examples/_cli.py
-from _digits import TRAIN_ROWS, digits_split  # examples/_digits.py
+from _digits import digits_split  # examples/_digits.py
 from flax import nnx
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -66,14 +72,23 @@ def loss_fn(model: MLP, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
+def masked_loss_fn(model: MLP, batch) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+  """For a padded batch: ``((sum of the real rows' losses, real rows),
+  predictions)``, with ``normalize="weighted"`` the mean over real rows."""
+  x, y, mask = batch
+  logits = model(x)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  return (jnp.sum(losses * mask), jnp.sum(mask)), jnp.argmax(logits, axis=-1)
+
+
 def make_train_step(value_and_grad_fn):
   """A jitted step: ``value_and_grad_fn(model, batch)``, then one update."""
 
   @nnx.jit
   def train_step(model, optimizer, batch):
-    loss, grads = value_and_grad_fn(model, batch)
+    value, grads = value_and_grad_fn(model, batch)
     optimizer.update(model, grads)
-    return loss
+    return value
 
   return train_step
 
@@ -87,6 +102,7 @@ def main(
   *,
   steps: int = 150,
   num_micro_batches: int = 8,
+  train_rows: int = 1350,
   hidden: int = 128,
   learning_rate: float = 3e-3,
   out_dir: str = "outputs",
@@ -97,8 +113,11 @@ def main(
 
   Args:
     steps: optimizer steps for each run; every step uses the whole training
-      set (1344 rows).
-    num_micro_batches: ``k`` for the accumulated run; it must divide 1344.
+      set.
+    num_micro_batches: ``k`` for the accumulated run; the training set is
+      padded to a multiple of it.
+    train_rows: the training set's size (the rest of the 1797 images is the
+      test set); it need not divide by ``k``.
     hidden: the width of the two hidden layers.
     learning_rate: Adam's learning rate, the same for both runs.
     out_dir: where the plot ``digits_mlp.png`` goes.
@@ -111,10 +130,15 @@ def main(
     (their largest absolute difference), ``max_rel_curve_diff`` (the largest
     relative one), ``max_param_diff`` (the largest
     absolute difference of the final parameters), ``accuracy_full`` and
-    ``accuracy_accum`` (test accuracy), ``seconds`` and ``png``.
+    ``accuracy_accum`` (test accuracy), ``train_accuracy_accum`` (the last
+    step's training accuracy, from the merged aux), ``padded_rows``,
+    ``seconds`` and ``png``.
   """
-  x_train, y_train, x_test, y_test = digits_split()
+  x_train, y_train, x_test, y_test = digits_split(train_rows)
   batch = (jnp.asarray(x_train), jnp.asarray(y_train))
+  # (b) needs k equal micro-batches: pad, and weigh the real rows only.
+  (x_pad, y_pad), mask = jaxaccum.pad_batch((x_train, y_train), num_micro_batches)
+  padded = (jnp.asarray(x_pad), jnp.asarray(y_pad), jnp.asarray(mask))
 
   # Two copies of one initialization, each with its own Adam state.
   model_full = MLP(hidden, rngs=nnx.Rngs(seed))
@@ -124,14 +148,20 @@ def main(
 
   # (a) the whole batch at once; (b) the same batch as k micro-batches.
   step_full = make_train_step(nnx.value_and_grad(loss_fn))
-  step_accum = make_train_step(jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches))
+  step_accum = make_train_step(
+    jaxaccum.nnx.value_and_grad(
+      masked_loss_fn, num_micro_batches, normalize="weighted", has_aux=True
+    )
+  )
 
   losses_full, losses_accum = [], []
+  predictions = None
   start = time.perf_counter()
   bar = tqdm(range(steps), desc="digits_mlp", disable=not progress)
   for step in bar:
     losses_full.append(step_full(model_full, opt_full, batch))
-    losses_accum.append(step_accum(model_accum, opt_accum, batch))
+    loss_accum, predictions = step_accum(model_accum, opt_accum, padded)
+    losses_accum.append(loss_accum)
     if step % 20 == 0 or step == steps - 1:
       bar.set_postfix(full=f"{losses_full[-1]:.4f}", accum=f"{losses_accum[-1]:.4f}")
   curve_full = np.asarray(jnp.stack(losses_full))
@@ -148,12 +178,19 @@ def main(
   max_param_diff = float(max(jax.tree.leaves(param_diffs)))
   acc_full = float(accuracy(model_full, x_test, y_test))
   acc_accum = float(accuracy(model_accum, x_test, y_test))
+  # aux: (k, m) predictions of the last step, before its update; merged back
+  # into row order, the padding dropped.
+  merged = np.asarray(jaxaccum.merge_micro_batches(predictions))[:train_rows]
+  train_acc_accum = float(np.mean(merged == y_train))
 
   png = pathlib.Path(out_dir) / "digits_mlp.png"
   plot(curve_full, curve_accum, num_micro_batches, png)
 
-  m = TRAIN_ROWS // num_micro_batches
-  print(f"effective batch: {TRAIN_ROWS} rows; accumulated as {num_micro_batches} x {m}")
+  m = len(mask) // num_micro_batches
+  print(
+    f"effective batch: {train_rows} rows; accumulated as {num_micro_batches} x {m} "
+    f"({len(mask) - train_rows} padding rows, weight 0)"
+  )
   print(
     f"final loss: full batch {curve_full[-1]:.6f}, accumulated {curve_accum[-1]:.6f}"
   )
@@ -163,6 +200,7 @@ def main(
   )
   print(f"max |parameter difference| after training: {max_param_diff:.3g}")
   print(f"test accuracy: full batch {acc_full:.4f}, accumulated {acc_accum:.4f}")
+  print(f"training accuracy of the last step (merged aux): {train_acc_accum:.4f}")
   print(f"training time, both runs: {seconds:.1f} s; plot: {png}")
   return {
     "losses_full": curve_full,
@@ -172,6 +210,8 @@ def main(
     "max_param_diff": max_param_diff,
     "accuracy_full": acc_full,
     "accuracy_accum": acc_accum,
+    "train_accuracy_accum": train_acc_accum,
+    "padded_rows": len(mask) - train_rows,
     "seconds": seconds,
     "png": str(png),
   }
