@@ -378,3 +378,21 @@ def test_nnx_tensor_parallel_training_stays_sharded_and_equals_the_full_batch(mo
     strict=True,
   ):
     assert got.is_equivalent_to(want, 2), (got, want)
+
+
+def test_a_raw_uint32_key_in_the_state_draws_alike_on_every_device():
+  """Documented behaviour: only typed keys get the device folded in; a raw
+  uint32 key in the state is an integer array, the same on every device."""
+  mesh = jax.make_mesh((8,), ("data",))
+  params, (x, y) = make_problem()
+
+  def loss_with_key(p, batch, key):
+    x, _ = batch
+    draw = jax.random.normal(key, ())
+    return jnp.mean((x @ p["w1"]) ** 2) * 0.0 + draw * 0.0, (draw, key)
+
+  for key, distinct in ((jax.random.PRNGKey(0), 1), (jax.random.key(0), 8)):
+    (_, (draws, _)), _ = jaxaccum.value_and_grad(
+      loss_with_key, 1, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+    )(params, jax.device_put((x, y), NamedSharding(mesh, P("data"))), key)
+    assert len(set(np.asarray(draws).tolist())) == distinct
