@@ -131,7 +131,7 @@ def split_spec(
   """
   data: list[tuple[str, ...]] = []
   other: list[tuple[str, ...]] = []
-  entries = tuple(spec.partitions) if spec is not None else ()
+  entries = tuple(spec) if spec is not None else ()
   for dim in range(ndim):
     entry = entries[dim] if dim < len(entries) else None
     names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
