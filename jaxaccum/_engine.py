@@ -311,9 +311,15 @@ def _match_state(new_state: PyTree, state: PyTree) -> PyTree:
 
 
 def _cast_like(new: Any, old: Any) -> Any:
-  """``new`` in ``old``'s dtype (a weak-typed Python number, say, in int32)."""
+  """``new`` typed as ``old`` (a Python number, say, as a strong int32).
+
+  A weak type counts too: a state fed back into a jitted step with another
+  weak type would compile the step again.
+  """
   new, old = jnp.asarray(new), jnp.asarray(old)
-  return new if new.dtype == old.dtype else new.astype(old.dtype)
+  if jax.typeof(old).weak_type:
+    return new.astype(old.dtype)
+  return jax.lax.convert_element_type(new, old.dtype)
 
 
 def _check_no_nnx_objects(args: tuple[Any, ...]) -> None:

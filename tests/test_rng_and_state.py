@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxaccum
 
@@ -122,3 +123,20 @@ def test_rng_and_state_together():
   )
   np.testing.assert_allclose(value, want, rtol=1e-6)
   assert int(final["count"]) == K
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_state_comes_back_typed_like_the_state_passed_in(k):
+  """A Python number returned as new state comes back a strong int32 / float32
+  like the state passed in: a weak-typed state fed back into a jitted step
+  would compile it again."""
+
+  def fun(w, x, state):
+    return jnp.sum(x @ w), (None, {"count": 0, "scale": 1.0})
+
+  state = {"count": jnp.int32(5), "scale": jnp.float32(2.0)}
+  (_, (_, new_state)), _ = jaxaccum.value_and_grad(
+    fun, k, state_argnum=2, has_aux=True
+  )(jnp.ones(3), jnp.ones((4, 3)), state)
+  for name, leaf in new_state.items():
+    assert jax.typeof(leaf) == jax.typeof(state[name]), name
