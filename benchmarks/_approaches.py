@@ -1,4 +1,4 @@
-"""The five ways to take one optimizer step on an effective batch of ``B`` rows.
+"""The ways to take one optimizer step on an effective batch of ``B`` rows.
 
 Each approach wraps the same ``loss(params, batch)`` and the same optax
 optimizer ``tx``, and offers the same interface (:class:`Approach`):
@@ -13,7 +13,10 @@ optimizer ``tx``, and offers the same interface (:class:`Approach`):
 The approaches:
 
 1. :class:`FullBatch`: ``jax.value_and_grad`` on all ``B`` rows, one jit.
-2. :class:`JaxAccum`: ``jaxaccum.make_train_step(loss, tx, k)``.
+2. :class:`JaxAccum`: ``jaxaccum.make_train_step(loss, tx, k)``, which also
+   checks that the loss and gradients are finite and skips the update if not;
+   :class:`JaxAccumNoSkip` is the same with ``skip_nonfinite=False``, what the
+   peers compute (none of them checks).
 3. :class:`OptaxMicrobatch`: ``optax.microbatching.microbatch`` around
    ``jax.value_and_grad``, one jit.
 4. :class:`OptaxMultiSteps`: ``optax.MultiSteps(tx, k)``; a step is ``k``
@@ -27,8 +30,8 @@ training loop would.
 What ``memory()`` measures (``peak = argument + output + temp - alias``, the
 formula of ``jaxaccum.MemoryStats``):
 
-- single-call approaches (1-3): the peak of the compiled step, with the whole
-  batch as an argument;
+- single-call approaches (1-3, and jaxaccum without the skip): the peak of
+  the compiled step, with the whole batch as an argument;
 - MultiSteps: the peak of its per-micro-batch call. Its arguments hold one
   micro-batch, the parameters and the MultiSteps state (inner state and the
   float32 accumulator). The rest of the batch lives outside the call;
@@ -218,6 +221,16 @@ class JaxAccum(OneCallStep):
     self.fn = jaxaccum.make_train_step(model.loss, tx, k)
 
 
+class JaxAccumNoSkip(OneCallStep):
+  """``jaxaccum.make_train_step(..., skip_nonfinite=False)``: no finite check."""
+
+  name, label = "jaxaccum_no_skip", "jaxaccum, no skip"
+
+  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
+    super().__init__(model, tx, k)
+    self.fn = jaxaccum.make_train_step(model.loss, tx, k, skip_nonfinite=False)
+
+
 class OptaxMicrobatch(OneCallStep):
   """``optax.microbatching.microbatch(jax.value_and_grad(loss), ...)``, MEAN."""
 
@@ -328,6 +341,7 @@ class NaiveLoop(Approach):
 APPROACHES: tuple[type[Approach], ...] = (
   FullBatch,
   JaxAccum,
+  JaxAccumNoSkip,
   OptaxMicrobatch,
   OptaxMultiSteps,
   NaiveLoop,

@@ -4,10 +4,11 @@ Usage::
 
   python benchmarks/step_time.py [--quick] [--out benchmarks/results]
 
-For every model and every number of micro-batches ``k`` the script builds five
+For every model and every number of micro-batches ``k`` the script builds six
 approaches that all compute the same optimizer update for the same effective
-batch of ``B`` rows (see ``_approaches.py``): full batch, jaxaccum,
-optax.microbatch, optax.MultiSteps and a naive Python loop. It reports:
+batch of ``B`` rows (see ``_approaches.py``): full batch, jaxaccum (with and
+without its finite check, ``skip_nonfinite``), optax.microbatch,
+optax.MultiSteps and a naive Python loop. It reports:
 
 - the median wall time of one optimizer step (the whole effective batch plus
   one update), after compilation and warmup, each timing ended by
