@@ -420,7 +420,9 @@ def make(
       "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
     )
   if not jnp.issubdtype(accum_dtype, jnp.floating):
-    raise ValueError(f"accum_dtype must be a floating dtype, got {accum_dtype}.")
+    raise ValueError(
+      f"accum_dtype must be a floating dtype, got {jnp.dtype(accum_dtype).name}."
+    )
   return Engine(
     fun=fun,
     num_micro_batches=None if num_micro_batches is None else int(num_micro_batches),

@@ -220,7 +220,9 @@ def accumulate(
   inner = optax.with_extra_args_support(inner)
   window_size = _window_size(every_k)
   if not jnp.issubdtype(accum_dtype, jnp.floating):
-    raise ValueError(f"accum_dtype must be a floating dtype, got {accum_dtype}.")
+    raise ValueError(
+      f"accum_dtype must be a floating dtype, got {jnp.dtype(accum_dtype).name}."
+    )
 
   def init_fn(params):
     return AccumulateState(
