@@ -677,3 +677,29 @@ def test_noise_counts_only_kept_micro_batches_of_positive_weight():
   assert float(state.noise.num_micro_batches) == 2.0
   want = jnp.sum((g1 / 2.0) ** 2) + jnp.sum((g2 / 0.5) ** 2)
   chex.assert_trees_all_close(state.noise.sq_norm_sum, want, rtol=1e-6)
+
+
+def test_each_window_measures_the_noise_of_its_own_micro_batches():
+  """Kills _transform.accumulate mutants 261 (|G_big|² of nothing) and 376,
+  377 (the window sums not reset when a window ends): the second window's
+  measurement must come from its own two gradients only."""
+  w, batch = data()
+  tx = jaxaccum.accumulate(optax.sgd(0.0), K, noise_stats=True)
+  state = tx.init(w)
+  grads = [jax.grad(mse)(w, micro(batch, i)) for i in range(K)]
+  weights = (2.0, 3.0)
+  for g in grads:  # the first window: plain gradients, weight 1
+    _, state = tx.update(g, state, w)
+  for g, weight in zip(grads[::-1], weights, strict=True):  # the second
+    _, state = tx.update(g * weight, state, w, weight=weight)
+  last = state.noise.last
+  mean = (grads[1] * 2.0 + grads[0] * 3.0) / 5.0
+  want = jaxaccum.GradientNoise(
+    small_sq_norm=(jnp.sum(grads[1] ** 2) + jnp.sum(grads[0] ** 2)) / 2,
+    big_sq_norm=jnp.sum(mean**2),
+    b_small=jnp.float32(2.5),
+    b_big=jnp.float32(5.0),
+  )
+  chex.assert_trees_all_close(last, want, rtol=1e-5)
+  assert float(state.noise.num_micro_batches) == 0.0
+  assert float(state.noise.sq_norm_sum) == 0.0
