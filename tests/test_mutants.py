@@ -8,6 +8,7 @@ import re
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -703,3 +704,22 @@ def test_each_window_measures_the_noise_of_its_own_micro_batches():
   chex.assert_trees_all_close(last, want, rtol=1e-5)
   assert float(state.noise.num_micro_batches) == 0.0
   assert float(state.noise.sq_norm_sum) == 0.0
+
+
+def test_a_remat_policy_reaches_jax_checkpoint():
+  """Kills _engine Engine.sums mutants that drop the policy (remat=policy
+  treated as remat=True): the traced checkpoint carries the given policy."""
+  w, batch = data()
+  policy = jax.checkpoint_policies.everything_saveable
+  step = jaxaccum.value_and_grad(mse, K, remat=policy)
+  eqns = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      eqns.append(eqn)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(step)(w, batch).jaxpr)
+  policies = [e.params["policy"] for e in eqns if e.primitive.name == "remat2"]
+  assert policies == [policy]
