@@ -419,10 +419,7 @@ def make(
     raise ValueError(
       "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
     )
-  if not jnp.issubdtype(accum_dtype, jnp.floating):
-    raise ValueError(
-      f"accum_dtype must be a floating dtype, got {jnp.dtype(accum_dtype).name}."
-    )
+  _normalize.check_accum_dtype(accum_dtype)
   return Engine(
     fun=fun,
     num_micro_batches=None if num_micro_batches is None else int(num_micro_batches),

@@ -86,6 +86,19 @@ def result_dtype(x: Any) -> Any:
   return jax.dtypes.canonicalize_dtype(jnp.result_type(x))
 
 
+def check_accum_dtype(accum_dtype: Any) -> None:
+  """Raises a ``ValueError`` unless ``accum_dtype`` is a floating dtype.
+
+  >>> check_accum_dtype(jnp.int32)
+  Traceback (most recent call last):
+  ValueError: accum_dtype must be a floating dtype, got int32.
+  """
+  if not jnp.issubdtype(accum_dtype, jnp.floating):
+    raise ValueError(
+      f"accum_dtype must be a floating dtype, got {jnp.dtype(accum_dtype).name}."
+    )
+
+
 def accumulator_dtype(accum_dtype: Any, x: Any) -> Any:
   """The dtype of a sum of ``x``-like values: ``accum_dtype``, or ``x``'s own
   dtype where that is wider (float64 with 64-bit mode on).

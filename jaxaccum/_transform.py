@@ -219,10 +219,7 @@ def accumulate(
   """
   inner = optax.with_extra_args_support(inner)
   window_size = _window_size(every_k)
-  if not jnp.issubdtype(accum_dtype, jnp.floating):
-    raise ValueError(
-      f"accum_dtype must be a floating dtype, got {jnp.dtype(accum_dtype).name}."
-    )
+  _normalize.check_accum_dtype(accum_dtype)
 
   def init_fn(params):
     return AccumulateState(

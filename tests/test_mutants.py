@@ -36,6 +36,20 @@ def micro(batch, i, m=M):
   return jax.tree.map(lambda b: b[i * m : (i + 1) * m], batch)
 
 
+def threaded_loop(fun, w, batch, state):
+  """The reference for ``state_argnum``: ``jax.value_and_grad`` on each
+  micro-batch in turn, the state threaded; the mean value, the mean gradient
+  and the final state."""
+  values, all_grads = [], []
+  for i in range(K):
+    (v, (_, state)), g = jax.value_and_grad(fun, has_aux=True)(
+      w, micro(batch, i), state
+    )
+    values.append(v)
+    all_grads.append(g)
+  return jnp.mean(jnp.stack(values)), jnp.mean(jnp.stack(all_grads), 0), state
+
+
 # _engine: state_argnum
 
 
@@ -132,16 +146,9 @@ def test_state_with_vector_leaves_is_threaded():
     feature_means, K, state_argnum=2, has_aux=True
   )(w, batch, state)
 
-  ref, values, all_grads = state, [], []
-  for i in range(K):
-    (v, (_, ref)), g = jax.value_and_grad(feature_means, has_aux=True)(
-      w, micro(batch, i), ref
-    )
-    values.append(v)
-    all_grads.append(g)
   chex.assert_trees_all_close(
     (value, grads, final),
-    (jnp.mean(jnp.stack(values)), jnp.mean(jnp.stack(all_grads), 0), ref),
+    threaded_loop(feature_means, w, batch, state),
     rtol=1e-6,
     atol=1e-6,
   )
@@ -176,16 +183,9 @@ def test_a_skipped_step_keeps_the_state_and_its_prng_key(finite):
   )
   new_w, _, (value, (_, new_state)) = step(w, tx.init(w), batch, state)
 
-  ref, values, all_grads = state, [], []
-  for i in range(K):
-    (v, (_, ref)), g = jax.value_and_grad(keyed_loss, has_aux=True)(
-      w, micro(batch, i), ref
-    )
-    values.append(v)
-    all_grads.append(g)
-  grads = jnp.mean(jnp.stack(all_grads), 0)
+  want_value, grads, ref = threaded_loop(keyed_loss, w, batch, state)
   assert bool(jnp.all(jnp.isfinite(grads))) == finite  # the premise
-  chex.assert_trees_all_close(value, jnp.mean(jnp.stack(values)), rtol=1e-6)
+  chex.assert_trees_all_close(value, want_value, rtol=1e-6)
   if finite:
     want_w, want_key = w - 0.1 * grads, ref["key"]
   else:  # skipped: parameters and state as they came in
