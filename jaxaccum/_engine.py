@@ -237,7 +237,7 @@ class Engine:
       lambda g, p: g.astype(_normalize.result_dtype(p)), normalized, diff_args
     )
     if self.value_checks:
-      _normalize.check_total_weight(sums.weight, grads)
+      _normalize.check_total_weight(sums.weight, sums.grads)
     aux = sums.aux
     if self.state_argnum is not None:
       aux = (aux, sums.state)

@@ -178,13 +178,21 @@ def check_weights(weights: jax.Array) -> None:
   )
 
 
-def check_total_weight(total: jax.Array, grads: PyTree) -> None:
-  """The total weight is positive, or it is zero and handled: zero grads."""
+def check_total_weight(total: jax.Array, grad_sums: PyTree) -> None:
+  """The total weight is positive, or the summed gradients are zero (under
+  checkify).
+
+  ``grad_sums`` are the gradients before normalization. A zero total weight
+  under a loss sum that still depends on the parameters means the weights and
+  the loss disagree (a mask applied to one and not the other); the zero
+  result would hide that.
+  """
   zero = jnp.all(
-    jnp.asarray([jnp.all(g == 0) for g in jax.tree.leaves(grads)] or [True])
+    jnp.asarray([jnp.all(g == 0) for g in jax.tree.leaves(grad_sums)] or [True])
   )
   checkify.debug_check(
     (total > 0) | zero,
-    "jaxaccum: total weight {total} is not positive, yet the grads are not zero.",
+    "jaxaccum: total weight {total} is not positive, yet the summed gradient is "
+    "not zero: the weights count no rows that the loss sums over.",
     total=total,
   )

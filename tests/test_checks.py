@@ -56,3 +56,23 @@ def test_chexify_catches_a_nan_weight():
 def test_zero_total_weight_passes_the_check_with_zero_grads():
   value, grads = checked(2)(W, (X, jnp.zeros(8)))
   assert float(value) == 0.0 and not jnp.any(grads)
+
+
+def test_chexify_catches_a_zero_total_weight_under_a_loss_that_counts_rows():
+  """The weights count no row, yet the loss sum depends on the parameters: the
+  weights and the loss disagree (a mask applied to one and not the other), and
+  the zero result would hide it."""
+
+  def unmasked_loss(w, batch):
+    x, mask = batch
+    return jnp.sum((x @ w) ** 2), jnp.sum(mask)
+
+  fun = jaxaccum.value_and_grad(
+    unmasked_loss, 2, normalize="weighted", value_checks=True
+  )
+  step = chex.chexify(jax.jit(fun), async_check=False)
+  step(W, (X, jnp.ones(8)))  # the weights count rows: fine
+  with pytest.raises(
+    checkify.JaxRuntimeError, match=r"total weight 0\.0 is not positive"
+  ):
+    step(W, (X, jnp.zeros(8)))
