@@ -276,9 +276,13 @@ def _unpack_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
   if not has_aux:
     return out, None
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    got = (
+      f"one array of shape={jnp.shape(out)}"
+      if isinstance(out, (jax.Array, np.ndarray, numbers.Number))
+      else f"a {type(out).__name__}"
+    )
     raise ValueError(
-      "has_aux=True needs fun to return a pair (value, aux), got a "
-      f"{type(out).__name__}."
+      f"has_aux=True needs fun to return a pair (value, aux), got {got}."
     )
   return out[0], out[1]
 

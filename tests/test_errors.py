@@ -1,5 +1,7 @@
 """Bad input raises a ValueError at trace time that names the sizes."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,7 +125,12 @@ def test_overlapping_argnums():
 
 
 def test_argnums_out_of_range():
-  with pytest.raises(ValueError, match="2 positional arguments"):
+  with pytest.raises(
+    ValueError,
+    match=r"^The function was called with 2 positional arguments, but "
+    r"argnums=\(0,\), batch_argnums=\(2,\), rng_argnum=None and "
+    r"state_argnum=None refer to more\.",
+  ):
     trace(jaxaccum.value_and_grad(loss, 2, batch_argnums=2), W, BATCH)
 
 
@@ -148,8 +155,18 @@ def test_state_that_changes_shape():
 
 
 def test_has_aux_without_a_pair():
-  with pytest.raises(ValueError, match=r"\(value, aux\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"^has_aux=True needs fun to return a pair \(value, aux\), got one "
+    r"array of shape=\(\)\.",
+  ):
     trace(jaxaccum.value_and_grad(loss, 2, has_aux=True), W, BATCH)
+  with pytest.raises(ValueError, match=r"pair \(value, aux\), got a tuple\."):
+    trace(
+      jaxaccum.value_and_grad(lambda w, b: (loss(w, b),) * 3, 2, has_aux=True),
+      W,
+      BATCH,
+    )
 
 
 def test_integer_accum_dtype():
@@ -178,14 +195,25 @@ def test_an_nnx_model_points_to_jaxaccum_nnx():
 
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   with pytest.raises(
-    ValueError, match=r"args\[0\] is .*Linear.*jaxaccum\.nnx\.value_and_grad"
+    ValueError,
+    match=r"^args\[0\] is \(or holds\) an nnx object, Linear\. "
+    r"jaxaccum\.value_and_grad works on pytrees of arrays; for Flax NNX models "
+    r"use jaxaccum\.nnx\.value_and_grad\(fun, k\)\(model, batch\), which "
+    r"splits the model, differentiates its nnx\.Param variables and writes its "
+    r"other state back\.",
   ):
     jaxaccum.value_and_grad(lambda m, b: jnp.mean(m(b[0])), 2)(model, BATCH)
 
 
-def test_a_string_in_the_parameters_is_named():
-  params = {"w": W, "name": "encoder"}
-  with pytest.raises(TypeError, match=r"args\[0\]\['name'\] is a str"):
+@pytest.mark.parametrize("name", ["a_name", "z_name"])  # before and after "w"
+def test_a_string_in_the_parameters_is_named(name):
+  params = {"w": W, name: "encoder"}
+  with pytest.raises(
+    TypeError,
+    match=rf"^args\[0\]\['{name}'\] is a str \('encoder'\), not an array: every "
+    r"leaf of a differentiated argument must be an array or a number\. Move it "
+    r"out of the parameters, or pass it as another argument\.",
+  ):
     jaxaccum.value_and_grad(lambda p, b: loss(p["w"], b), 2)(params, BATCH)
 
 
@@ -204,9 +232,38 @@ def test_mesh_batch_error_names_the_global_batch_and_the_devices():
 @pytest.mark.parametrize("remat", [None, 0, 1, "yes", 2.0])
 def test_remat_takes_a_bool_or_a_policy(remat):
   with pytest.raises(
-    TypeError, match=r"remat must be a bool or a jax\.checkpoint_policies"
+    TypeError,
+    match=rf"^remat must be a bool or a jax\.checkpoint_policies policy \(a "
+    rf"callable\), got {re.escape(repr(remat))}\.",
   ):
     jaxaccum.value_and_grad(loss, 2, remat=remat)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "error", "message"),
+  [
+    (
+      {"argnums": ()},
+      TypeError,
+      "argnums must be an int or a non-empty tuple of ints.",
+    ),
+    ({"argnums": (0, 1.0)}, TypeError, "argnums must be an int or a non-empty tuple"),
+    ({"argnums": True}, TypeError, "argnums must be an int or a non-empty tuple"),
+    ({"argnums": -1}, ValueError, "argnums=-1 must be non-negative."),
+    ({"argnums": (0, 0)}, ValueError, "argnums=(0, 0) repeats an argument."),
+    ({"batch_argnums": ()}, TypeError, "batch_argnums must be an int or a non-empty"),
+    ({"rng_argnum": -2}, ValueError, "rng_argnum=-2 must be non-negative."),
+    ({"state_argnum": (3, 3)}, ValueError, "state_argnum=(3, 3) repeats an argument."),
+  ],
+)
+def test_argument_numbers_are_checked_and_named(kwargs, error, message):
+  with pytest.raises(error, match="^" + re.escape(message)):
+    jaxaccum.value_and_grad(loss, 2, **kwargs)
+
+
+def test_fun_must_be_callable():
+  with pytest.raises(TypeError, match=r"^fun must be callable, got 3\."):
+    jaxaccum.value_and_grad(3, 2)
 
 
 @pytest.mark.parametrize(
