@@ -276,11 +276,8 @@ def _unpack_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
   if not has_aux:
     return out, None
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    got = (
-      f"one array of shape={jnp.shape(out)}"
-      if isinstance(out, (jax.Array, np.ndarray, numbers.Number))
-      else f"a {type(out).__name__}"
-    )
+    shape = getattr(out, "shape", None)
+    got = f"a {type(out).__name__}" if shape is None else f"one array of {shape=}"
     raise ValueError(
       f"has_aux=True needs fun to return a pair (value, aux), got {got}."
     )
