@@ -215,20 +215,20 @@ class JaxAccum(OneCallStep):
   """``jaxaccum.make_train_step``: ``lax.scan`` over micro-batches in one jit."""
 
   name, label = "jaxaccum", "jaxaccum"
+  skip_nonfinite = True
 
   def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
     super().__init__(model, tx, k)
-    self.fn = jaxaccum.make_train_step(model.loss, tx, k)
+    self.fn = jaxaccum.make_train_step(
+      model.loss, tx, k, skip_nonfinite=self.skip_nonfinite
+    )
 
 
-class JaxAccumNoSkip(OneCallStep):
+class JaxAccumNoSkip(JaxAccum):
   """``jaxaccum.make_train_step(..., skip_nonfinite=False)``: no finite check."""
 
   name, label = "jaxaccum_no_skip", "jaxaccum, no skip"
-
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    self.fn = jaxaccum.make_train_step(model.loss, tx, k, skip_nonfinite=False)
+  skip_nonfinite = False
 
 
 class OptaxMicrobatch(OneCallStep):
