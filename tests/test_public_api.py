@@ -1,0 +1,69 @@
+"""The public API, snapshotted: names, signatures and NamedTuple fields.
+
+Code outside the project depends on these (``../shared/DESIGN.md``). A
+change to ``jaxaccum`` or ``jaxaccum.nnx`` that renames or drops anything
+fails here. An intended extension (a new keyword, a new function) updates
+``tests/data/public_api.txt`` by running this file as a script:
+``python tests/test_public_api.py > tests/data/public_api.txt``.
+"""
+
+import inspect
+import pathlib
+import sys
+
+SNAPSHOT = pathlib.Path(__file__).parent / "data" / "public_api.txt"
+
+
+def _signature(fun) -> str:
+  """Parameter names, kinds and defaults; annotations are not the contract."""
+  sig = inspect.signature(fun)
+  params = [
+    p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()
+  ]
+  return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+def _describe(module_name: str, name: str, obj) -> list[str]:
+  where = f"{module_name}.{name}"
+  if inspect.isclass(obj):
+    fields = getattr(obj, "_fields", None)
+    if fields is not None:
+      return [f"{where}: NamedTuple{tuple(fields)}"]
+    lines = [f"{where}: class"]
+    for attr, member in sorted(vars(obj).items()):
+      if attr.startswith("_") or not callable(member):
+        continue
+      lines.append(f"{where}.{attr}{_signature(member)}")
+    return lines
+  if callable(obj):
+    return [f"{where}{_signature(obj)}"]
+  return [f"{where} = {type(obj).__name__}"]
+
+
+def describe_public_api() -> str:
+  import jaxaccum  # noqa: PLC0415
+
+  lines = []
+  for module in (jaxaccum, jaxaccum.nnx):
+    for name in sorted(vars(module)):
+      obj = getattr(module, name)
+      if name.startswith("_") or inspect.ismodule(obj) and name != "nnx":
+        continue
+      if module is jaxaccum.nnx and getattr(obj, "__module__", "") != "jaxaccum.nnx":
+        continue
+      if inspect.ismodule(obj):
+        lines.append(f"{module.__name__}.{name}: module")
+        continue
+      lines += _describe(module.__name__, name, obj)
+  return "\n".join(lines) + "\n"
+
+
+def test_the_public_api_is_the_snapshot():
+  assert describe_public_api() == SNAPSHOT.read_text(), (
+    "The public API changed. If that is intended (an extension, never a "
+    "rename), rewrite tests/data/public_api.txt: python tests/test_public_api.py"
+  )
+
+
+if __name__ == "__main__":
+  sys.stdout.write(describe_public_api())
