@@ -19,13 +19,15 @@ The public surface:
 - :class:`GradientNoise`, :func:`noise_scale_update`,
   :func:`critical_batch_size`: is the larger effective batch worth it?
 - :func:`dynamic_loss_scale`: float16 loss scaling, adjusted per window.
+- :mod:`jaxaccum.testing`: reading collectives out of compiled HLO, to check
+  that a step communicates what it should.
 """
 
 from jaxaccum import nnx as nnx
-from jaxaccum._accumulate import grad as grad
-from jaxaccum._accumulate import value_and_grad as value_and_grad
-from jaxaccum._checks import Deviation as Deviation
-from jaxaccum._checks import verify_equivalence as verify_equivalence
+from jaxaccum._accumulate import AccumulateState as AccumulateState
+from jaxaccum._accumulate import accumulate as accumulate
+from jaxaccum._equivalence import Deviation as Deviation
+from jaxaccum._equivalence import verify_equivalence as verify_equivalence
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from jaxaccum._memory import MemoryStats as MemoryStats
@@ -33,6 +35,11 @@ from jaxaccum._memory import MicroBatchPlan as MicroBatchPlan
 from jaxaccum._memory import compiled_memory as compiled_memory
 from jaxaccum._memory import memory_report as memory_report
 from jaxaccum._memory import plan_micro_batches as plan_micro_batches
+from jaxaccum._noise import GradientNoise as GradientNoise
+from jaxaccum._noise import NoiseScaleState as NoiseScaleState
+from jaxaccum._noise import critical_batch_size as critical_batch_size
+from jaxaccum._noise import noise_scale_init as noise_scale_init
+from jaxaccum._noise import noise_scale_update as noise_scale_update
 from jaxaccum._opt_state import has_updated as has_updated
 from jaxaccum._opt_state import inner_step as inner_step
 from jaxaccum._scaling import AdamHyperparams as AdamHyperparams
@@ -42,15 +49,10 @@ from jaxaccum._scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._scaling import warmup as warmup
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import pad_batch as pad_batch
-from jaxaccum._stats import GradientNoise as GradientNoise
-from jaxaccum._stats import NoiseScaleState as NoiseScaleState
-from jaxaccum._stats import critical_batch_size as critical_batch_size
-from jaxaccum._stats import noise_scale_init as noise_scale_init
-from jaxaccum._stats import noise_scale_update as noise_scale_update
 from jaxaccum._targets import CompileTarget as CompileTarget
 from jaxaccum._targets import compile_target as compile_target
 from jaxaccum._train_step import make_train_step as make_train_step
-from jaxaccum._transform import AccumulateState as AccumulateState
-from jaxaccum._transform import accumulate as accumulate
+from jaxaccum._value_and_grad import grad as grad
+from jaxaccum._value_and_grad import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"

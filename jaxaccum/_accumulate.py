@@ -1,239 +1,398 @@
-"""``value_and_grad`` and ``grad``: the public face of the scan engine.
+"""``accumulate()``: accumulation across calls, as an optax transformation.
 
-These wrap :mod:`jaxaccum._engine` (the ``lax.scan`` over micro-batches) for
-one device, or :mod:`jaxaccum._parallel` (the same engine inside
-``shard_map``) with ``mesh=``. Called outside ``jit``, the step is compiled
-once per configuration and kept (:mod:`jaxaccum._calls`), so an eager call
-costs what an eager ``jax.value_and_grad`` call costs; under an outer
-transformation it is traced inline.
+Use it when the micro-batches arrive one call at a time (a data loader that
+yields small batches, a generator, an RL rollout). Each ``update`` adds one
+micro-batch gradient into a float32 accumulator; the call that completes a
+window runs the inner optimizer once, under ``lax.cond``, on the normalized
+sum. Unlike ``optax.MultiSteps``, the inner optimizer does not run on every
+micro-step, and nothing is masked by multiplication.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from jaxaccum import _calls, _engine, _parallel
+from jaxaccum import _compat, _noise, _normalize, _tree
+from jaxaccum._loss_scale import DynamicLossScale
 
 PyTree = Any
 
 
-def value_and_grad(
-  fun: Callable[..., Any],
-  num_micro_batches: int | None = None,
-  *,
-  micro_batch_size: int | None = None,
-  argnums: int | Sequence[int] = 0,
-  batch_argnums: int | Sequence[int] = 1,
-  has_aux: bool = False,
-  normalize: str = "mean",
-  accum_dtype: Any = jnp.float32,
-  rng_argnum: int | None = None,
-  state_argnum: int | None = None,
-  remat: bool | Callable[..., Any] = False,
-  mesh: jax.sharding.Mesh | None = None,
-  data_axis: str | tuple[str, ...] | None = None,
-  param_specs: PyTree | None = None,
-  noise_stats: bool = False,
-  value_checks: bool = False,
-) -> Callable[..., Any]:
-  """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
+class WindowNoise(NamedTuple):
+  """The gradient-noise measurements of :func:`accumulate`.
 
-  The arguments in ``batch_argnums`` are split along their leading axis into
-  ``k`` contiguous micro-batches (micro-batch ``i`` holds rows
-  ``i*m .. (i+1)*m - 1``). A ``lax.scan`` runs ``fun`` forward and backward on
-  each and adds the gradients into a float32 accumulator, so only one
-  micro-batch's activations are alive at a time. The sums are normalized once.
+  Attributes:
+    window: the current window's :class:`~jaxaccum._noise.NoiseSums`: over
+      its kept micro-batches of positive weight, ``|g_i / w_i|²`` and the
+      weights (``w_i = 1`` without ``weight=``).
+    last: the last completed window's :class:`GradientNoise`, in units of
+      ``weight`` (micro-batches without ``weight=``: multiply ``B_simple``
+      by the micro-batch size for examples); zeros before the first window
+      (``has_estimate()`` is False, and ``noise_scale_update`` leaves it out).
+  """
+
+  window: _noise.NoiseSums
+  last: _noise.GradientNoise
+
+
+class AccumulateState(NamedTuple):
+  """The state of :func:`accumulate`.
+
+  Attributes:
+    micro_step: calls seen in the current window; shape=(), int32.
+    step: optimizer steps taken, i.e. inner updates; shape=(), int32.
+    acc_grads: the window's gradient sum; like the parameters, at least
+      ``accum_dtype``.
+    acc_weight: the window's weight sum (1 per micro-batch without
+      ``weight=``); shape=(), float32.
+    inner_state: the inner transformation's state.
+    num_skipped: non-finite micro-batches dropped so far; shape=(), int32.
+    noise: gradient-noise measurements (zeros unless ``noise_stats``).
+    loss_scale: the :class:`DynamicLossScale` (``None`` without one).
+    window_finite: no micro-batch of the current window overflowed;
+      shape=(), bool.
+    updated: the last ``update`` ran the inner optimizer; shape=(), bool.
+      Read it with :func:`jaxaccum.has_updated`, also from inside a chain,
+      a ``TrainState`` or an ``nnx.Optimizer``.
+  """
+
+  micro_step: jax.Array
+  step: jax.Array
+  acc_grads: PyTree
+  acc_weight: jax.Array
+  inner_state: PyTree
+  num_skipped: jax.Array
+  noise: WindowNoise
+  loss_scale: DynamicLossScale | None
+  window_finite: jax.Array
+  updated: jax.Array
+
+
+def _window_size(
+  every_k: int | Callable[[jax.Array], Any],
+) -> Callable[[jax.Array], jax.Array]:
+  """``every_k`` as a function of the optimizer step. A callable is checked
+  at step 0, where it gives a concrete number: 0 or less is the same error
+  as the integer; traced values it gives later are held at 1 or more."""
+  if callable(every_k):
+    first = every_k(jnp.zeros((), jnp.int32))
+    if not _compat.is_tracer(first) and int(first) <= 0:
+      _check_every_k(int(first))
+    return lambda step: jnp.maximum(jnp.asarray(every_k(step), jnp.int32), 1)
+  if isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral):
+    raise TypeError(f"every_k must be an int or a callable, got {every_k!r}.")
+  _check_every_k(int(every_k))
+  return lambda step: jnp.asarray(every_k, jnp.int32)
+
+
+def _check_every_k(every_k: int) -> None:
+  if every_k <= 0:
+    raise ValueError(f"every_k must be positive, got {every_k=}.")
+
+
+def _scalar(value: float, dtype: Any = jnp.float32) -> jax.Array:
+  """A fresh scalar array. Every state field gets its own buffer: fields that
+  shared one could not be donated (``donate_argnums``)."""
+  return jnp.full((), value, dtype)
+
+
+def _inner_init(inner: optax.GradientTransformationExtraArgs, params: PyTree) -> PyTree:
+  """``inner.init(params)`` at the dtypes that its state keeps.
+
+  Many optimizers create their state in the parameters' dtype and return it
+  in the dtype promoted with the gradients' (adam's ``mu``: float16 params
+  and float32 gradients give a float32 ``mu``). A state that changes dtype
+  cannot go through ``lax.cond``, a ``lax.scan`` carry or donation, so
+  :func:`accumulate` fixes the inner state's dtypes here, once: those after
+  one inner update on gradients in the parameters' dtype (what ``jax.grad``
+  gives), which for optax's optimizers are the dtypes of ``inner.init``. Each
+  window casts the inner state back to them, as ``optax.MultiSteps`` does.
+  """
+  state = inner.init(params)
+  grads = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(jnp.shape(p), _normalize.result_dtype(p)), params
+  )
+  try:
+    _, after = jax.eval_shape(inner.update, grads, state, params)
+  except Exception:  # an inner update that needs keyword arguments (value=)
+    after = state
+  after_struct: Any = jax.tree.structure(after)
+  if after_struct != jax.tree.structure(state):
+    after = state
+  return _tree.cast_like(state, after)
+
+
+def _init_state(
+  inner: optax.GradientTransformationExtraArgs,
+  params: PyTree,
+  accum_dtype: Any,
+  loss_scale: DynamicLossScale | None,
+) -> AccumulateState:
+  return AccumulateState(
+    micro_step=_scalar(0, jnp.int32),
+    step=_scalar(0, jnp.int32),
+    acc_grads=jax.tree.map(
+      lambda p: jnp.zeros(jnp.shape(p), _normalize.accumulator_dtype(accum_dtype, p)),
+      params,
+    ),
+    acc_weight=_scalar(0.0),
+    inner_state=_inner_init(inner, params),
+    num_skipped=_scalar(0, jnp.int32),
+    noise=WindowNoise(_noise.NoiseSums.zeros(), _noise.no_estimate()),
+    loss_scale=None if loss_scale is None else jax.tree.map(jnp.copy, loss_scale),
+    window_finite=_scalar(True, jnp.bool_),
+    updated=_scalar(False, jnp.bool_),
+  )
+
+
+def _check_update_args(grads: PyTree, state: Any, weight: Any) -> jax.Array:
+  """Trace-time checks of one ``update`` call; returns the weight as a
+  float32 scalar."""
+  if not isinstance(state, AccumulateState):
+    raise TypeError(
+      f"accumulate()'s update got a {type(state).__name__} as its state, not an "
+      "AccumulateState: restore a checkpoint with tx.init(params) as the target "
+      "(e.g. orbax's StandardRestore(tx.init(params))), so that it comes back "
+      "with its type."
+    )
+  weight = jnp.asarray(1.0 if weight is None else weight, jnp.float32)
+  if weight.shape != ():
+    raise ValueError(f"weight must be a scalar, got shape={weight.shape}.")
+  grads_struct: Any = jax.tree.structure(grads)
+  params_struct: Any = jax.tree.structure(state.acc_grads)
+  if grads_struct != params_struct:
+    raise ValueError(
+      "grads do not have the structure of the parameters accumulate() was "
+      f"initialized with: {grads_struct} vs {params_struct}."
+    )
+  for (path, g), a in zip(
+    jax.tree_util.tree_leaves_with_path(grads),
+    jax.tree.leaves(state.acc_grads),
+    strict=True,
+  ):
+    if jnp.shape(g) != jnp.shape(a):
+      raise ValueError(
+        f"The gradient leaf grads{jax.tree_util.keystr(path)} has "
+        f"shape={jnp.shape(g)}, but accumulate() was initialized with "
+        f"parameters whose leaf there has shape={jnp.shape(a)}."
+      )
+  return weight
+
+
+class _Window(NamedTuple):
+  """The window after one more micro-batch, before its end is decided."""
+
+  acc_grads: PyTree
+  acc_weight: jax.Array
+  noise: WindowNoise
+  finite: jax.Array  # this micro-batch is finite
+  valid: jax.Array  # this micro-batch was added
+  window_finite: jax.Array
+
+
+def _add_micro_batch(
+  state: AccumulateState,
+  summand: PyTree,
+  weight: jax.Array,
+  *,
+  drop_nonfinite: bool,
+  noise_stats: bool,
+) -> _Window:
+  """Adds one micro-batch's gradient to the window, or drops it (selected
+  away, never multiplied: ``0 * nan`` is ``nan``) when it is not finite."""
+  finite = _tree.all_finite(summand) & jnp.isfinite(weight) & (weight >= 0)
+  valid = finite if drop_nonfinite else jnp.asarray(True)
+  acc_grads = jax.tree.map(
+    lambda a, g: jnp.where(valid, a + g.astype(a.dtype), a), state.acc_grads, summand
+  )
+  noise = state.noise
+  if noise_stats:
+    counted = valid & (weight > 0)
+    this = _noise.NoiseSums.of(
+      _tree.sq_norm(summand),
+      jnp.where(counted, weight, 1.0),
+      jnp.where(counted, weight, 0.0),
+    )
+    noise = noise._replace(window=noise.window + this)
+  return _Window(
+    acc_grads=acc_grads,
+    acc_weight=jnp.where(valid, state.acc_weight + weight, state.acc_weight),
+    noise=noise,
+    finite=finite,
+    valid=valid,
+    window_finite=state.window_finite & finite,
+  )
+
+
+def accumulate(
+  inner: optax.GradientTransformation,
+  every_k: int | Callable[[jax.Array], Any],
+  *,
+  accum_dtype: Any = jnp.float32,
+  skip_nonfinite: bool = True,
+  noise_stats: bool = False,
+  loss_scale: DynamicLossScale | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates ``every_k`` micro-batch gradients, then runs ``inner`` once.
+
+  ``update(grads, state, params=None, *, weight=None, flush=False, **extra)``
+  adds one micro-batch gradient. The call that completes a window of
+  ``every_k`` micro-batches runs ``inner.update`` once, under ``lax.cond``, on
+  the normalized sum and returns its updates; the other calls return zeros
+  and leave ``inner``'s state untouched.
+
+  The normalized sum is the mean over the window's micro-batches, or
+  ``sum(grads) / sum(weight)`` when ``weight`` is given (then ``grads`` are
+  gradients of loss *sums*, e.g. over tokens, and ``weight`` is the token
+  count). This is the exact token mean of the window, however the tokens
+  fall into micro-batches.
 
   Args:
-    fun: the loss, ``fun(*args, **kwargs)``. Its value is a scalar, or the pair
-      ``(loss_sum, weight)`` with ``normalize="weighted"``; with ``has_aux``
-      it returns ``(value, aux)``.
-    num_micro_batches: ``k``, the number of micro-batches. Give this or
-      ``micro_batch_size``.
-    micro_batch_size: ``m``, the rows per micro-batch.
-    argnums: the argument(s) to differentiate, as in ``jax.value_and_grad``.
-    batch_argnums: the argument(s) to split: pytrees whose leaves share one
-      leading batch axis. Other arguments reach every micro-batch unchanged.
-    has_aux: ``fun`` returns ``(value, aux)``. The aux comes back stacked, with
-      a leading axis of length ``k``.
-    normalize: ``"mean"`` (``fun`` returns a micro-batch mean; the result is
-      the mean over micro-batches), ``"sum"`` (the results are summed) or
-      ``"weighted"`` (``fun`` returns ``(loss_sum, weight)``; the result is
-      ``sum(loss_sum) / sum(weight)`` over the whole batch, zero when the
-      total weight is zero).
-    accum_dtype: the dtype of the sums; a gradient wider than it (float64) is
-      summed in its own dtype. The grads come back in the parameters' dtype.
-    rng_argnum: a PRNG key argument; micro-batch ``i`` receives
-      ``jax.random.fold_in(key, i)``.
-    state_argnum: a mutable state argument (e.g. BatchNorm statistics). ``fun``
-      must use ``has_aux=True`` and return ``(value, (aux, new_state))``;
-      micro-batch ``i + 1`` sees the state micro-batch ``i`` produced, and the
-      aux comes back as ``(stacked_aux, final_state)``.
-    noise_stats: also measure the gradient noise scale (McCandlish et al.
-      2018) from the micro-batch gradients, at the cost of one squared norm
-      per micro-batch. The function then returns ``(output, noise)``, with
-      ``output`` as without it and ``noise`` a :class:`GradientNoise`
-      (``|G_small|²``, ``|G_big|²``, ``B_small``, ``B_big``); feed it to
-      :func:`noise_scale_update`. Needs ``k >= 2``.
-    value_checks: emit value-level normalization checks (every weight finite
-      and non-negative; a zero total weight gives zero grads), which raise
-      when the step runs under ``chex.chexify``. Off by default: even unused,
-      they would take a jitted step off JAX's fast dispatch path.
-    remat: wrap each micro-batch's computation (forward and backward) in
-      ``jax.checkpoint``; ``True``, or a ``jax.checkpoint_policies`` policy.
-      This matters when you differentiate *through* the accumulated gradient
-      (meta-gradients, gradient penalties): the outer backward pass then
-      recomputes each micro-batch instead of storing ``k`` micro-batches of
-      residuals. A first-order step already holds only one micro-batch's
-      activations, and remat leaves its peak unchanged; to go below that,
-      checkpoint layers inside the model (``nnx.remat``, ``nn.remat``).
-    mesh: a ``jax.sharding.Mesh`` for data parallelism. Each device splits
-      its own shard of the batch into ``k`` micro-batches (or micro-batches of
-      ``micro_batch_size`` rows) and accumulates locally inside
-      ``shard_map``; ONE reduction of the gradients runs after the loop. The
-      micro-batch index folded into the key is global (``d * k + i`` on device
-      ``d``). Each device threads its own copy of the state; after the loop
-      floating-point state is averaged over devices, integers take their
-      maximum, and a typed PRNG key (``jax.random.key``; a raw ``uint32`` key
-      counts as integers) that ``fun`` advanced comes from device 0. Devices
-      draw different numbers from typed keys in the state only.
-    data_axis: the mesh axis that the batch is sharded along.
-    param_specs: ``PartitionSpec``s of the differentiated arguments (a tree
-      prefix per entry of ``argnums``). Only needed inside ``jit`` with an
-      ``Auto`` mesh, where shardings are not visible at trace time; outside
-      ``jit`` and with ``Explicit`` meshes they are read from the arrays.
-      Parameters sharded along ``data_axis`` (FSDP) are all-gathered once
-      before the loop, and their grads are reduce-scattered back to that
-      sharding.
+    inner: the optimizer to run once per window, e.g. ``optax.adam(1e-3)``.
+    every_k: micro-batches per window: an int, or a callable from the
+      optimizer step (``state.step``) to an int, for a batch-size ramp.
+    accum_dtype: the dtype of the sums (float32 by default, also for bf16
+      gradients); a wider gradient dtype is kept.
+    skip_nonfinite: drop a micro-batch whose gradient or weight contains NaN
+      or Inf (or whose weight is negative) from its window and count it in
+      ``num_skipped``. The accumulator and the parameters stay finite. A
+      window in which nothing valid was accumulated (total weight 0) applies
+      no update and does not advance ``step``.
+    noise_stats: measure the gradient noise scale: each call adds the squared
+      norm of its (per-weight) gradient, and each completed window stores a
+      :class:`GradientNoise` in ``state.noise.last``.
+    loss_scale: float16 training with dynamic loss scaling: the initial
+      :class:`DynamicLossScale`. Multiply your loss by
+      ``state.loss_scale.scale`` before differentiating; ``update`` divides
+      the gradients by it in float32, and ``inner`` gets the float32 mean.
+      A window in which any micro-batch
+      overflowed is skipped as a whole, and the scale is adjusted once per
+      window, never within one.
+
+  Dtypes: ``inner`` gets the window's mean in the dtype of the gradients
+  passed (float32 with ``loss_scale``) and its updates come back as it makes
+  them, zeros of those dtypes on the other calls. Its state keeps the dtypes
+  of ``inner.init(params)`` (more exactly: those after one inner update on
+  gradients in the parameters' dtype; the same for optax's optimizers), so
+  that ``lax.cond``, a ``lax.scan`` carry and donation see one type: where
+  gradients of another dtype would promote it (float32 gradients on bfloat16
+  parameters make adam's ``mu`` float32), each window casts it back, as
+  ``optax.MultiSteps`` does. Ask for a wider state with the optimizer's own
+  option, e.g. ``optax.adam(..., mu_dtype=jnp.float32)``.
 
   Returns:
-    A function of the same arguments as ``fun`` that returns
-    ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``.
+    An ``optax.GradientTransformationExtraArgs``; its ``update`` also takes
+    ``weight`` (a scalar) and ``flush`` (a bool: end the window now, e.g. at
+    the end of an epoch, normalized by what it holds). Other keyword arguments
+    are passed on to ``inner.update``: those of the call that completes the
+    window (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau`` should
+    then be the window's loss).
 
-  Raises:
-    ValueError: at definition time for bad static arguments, and at trace time
-      for a batch that does not split, naming the sizes.
-
-  >>> import jax, jax.numpy as jnp, jaxaccum
-  >>> def loss(w, batch):
-  ...   x, y = batch
-  ...   return jnp.mean((x @ w - y) ** 2)
-  >>> x = jnp.arange(16.0).reshape(8, 2) / 10
-  >>> y = x @ jnp.array([1.0, -1.0])
-  >>> w = jnp.zeros(2)
-  >>> value, grads = jaxaccum.value_and_grad(loss, num_micro_batches=4)(w, (x, y))
-  >>> full_value, full_grads = jax.value_and_grad(loss)(w, (x, y))
-  >>> bool(jnp.allclose(value, full_value)), bool(jnp.allclose(grads, full_grads))
-  (True, True)
+  >>> import jax.numpy as jnp, optax, jaxaccum
+  >>> tx = jaxaccum.accumulate(optax.sgd(1.0), every_k=2)
+  >>> params = jnp.zeros(2)
+  >>> state = tx.init(params)
+  >>> u, state = tx.update(jnp.array([1.0, 2.0]), state, params)
+  >>> u.tolist(), int(state.step)
+  ([0.0, 0.0], 0)
+  >>> u, state = tx.update(jnp.array([3.0, 4.0]), state, params)
+  >>> u.tolist(), int(state.step)
+  ([-2.0, -3.0], 1)
   """
-  engine = _engine.make(
-    fun,
-    num_micro_batches=num_micro_batches,
-    micro_batch_size=micro_batch_size,
-    argnums=argnums,
-    batch_argnums=batch_argnums,
-    has_aux=has_aux,
-    normalize=normalize,
-    accum_dtype=accum_dtype,
-    rng_argnum=rng_argnum,
-    state_argnum=state_argnum,
-    remat=remat,
-    noise_stats=noise_stats,
-    value_checks=value_checks,
-  )
-  step = Step(engine, mesh, data_axis, param_specs)
+  inner = optax.with_extra_args_support(inner)
+  window_size = _window_size(every_k)
+  _normalize.check_accum_dtype(accum_dtype)
 
-  @functools.wraps(fun)
-  def accumulated(*args, **kwargs):
-    value_aux, grads, noise = step(*args, **kwargs)
-    return engine.output(value_aux, grads, noise, argnums)
+  def init_fn(params):
+    return _init_state(inner, params, accum_dtype, loss_scale)
 
-  return accumulated
-
-
-class Step:
-  """An engine's whole step, on one device or data-parallel with ``mesh=``.
-
-  ``step(*args, **kwargs)`` returns ``((value, aux), grads_tuple, noise)``.
-  Called eagerly it runs one compiled program per configuration; under an
-  outer transformation, :meth:`traced` runs inline.
-  """
-
-  def __init__(
-    self,
-    engine: _engine.Engine,
-    mesh: jax.sharding.Mesh | None,
-    data_axis: str | tuple[str, ...] | None,
-    param_specs: PyTree | None,
-  ):
-    self.engine = engine
-    self.parallel: _parallel.DataParallel | None = None
-    if mesh is not None or data_axis is not None:
-      if mesh is None:
-        raise ValueError(f"{data_axis=} needs mesh=, the mesh that holds that axis.")
-      if data_axis is None:
-        raise ValueError("mesh= needs data_axis=, the name of the mesh's data axis.")
-      self.parallel = _parallel.DataParallel(engine, mesh, data_axis, param_specs)
-    elif param_specs is not None:
-      raise ValueError("param_specs is for the data-parallel path; pass mesh= too.")
-    self._compiled = _calls.Compiled(
-      self.traced,
-      static_positions=self.static_positions,
-      checked=engine.value_checks,
+  def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
+    weight = _check_update_args(grads, state, weight)
+    scale = state.loss_scale
+    summand = grads if scale is None else scale.unscale(grads)
+    window = _add_micro_batch(
+      state,
+      summand,
+      weight,
+      drop_nonfinite=skip_nonfinite or scale is not None,
+      noise_stats=noise_stats,
     )
+    micro_step = state.micro_step + 1
+    done = (micro_step >= window_size(state.step)) | jnp.asarray(flush)
+    apply = done & (window.acc_weight > 0)
+    if scale is not None:
+      apply = apply & window.window_finite
 
-  def static_positions(self, num_args: int) -> list[int]:
-    """Positions whose Python values ``fun`` gets as they are (not traced)."""
-    return [n for n in range(num_args) if n not in self.engine.array_argnums]
+    def inner_update(acc_grads, acc_weight, inner_state, noise):
+      mean = _normalize.safe_divide(acc_grads, acc_weight)
+      # In the gradients' dtype, or float32 once unscaled from a loss scale
+      # (a float16 mean would underflow where the scale had saved it).
+      updates, new_inner_state = inner.update(
+        jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand),
+        inner_state,
+        params,
+        **extra_args,
+      )
+      # The state keeps its dtypes, whatever the gradients' dtype promoted it to.
+      new_inner_state = _tree.cast_like(new_inner_state, inner_state)
+      if noise_stats:
+        noise = noise._replace(last=noise.window.finalize(_tree.sq_norm(mean)))
+      return updates, new_inner_state, noise
 
-  def layout(self, args: tuple[Any, ...]) -> Any:
-    """What the compiled program depends on besides static values: the
-    parameters' shardings on the data-parallel path."""
-    return None if self.parallel is None else self.parallel.layout(args)
+    def no_update(acc_grads, acc_weight, inner_state, noise):
+      shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state, noise)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+      return zeros, inner_state, noise
 
-  def traced(self, layout: Any, /, *args: Any, **kwargs: Any) -> Any:
-    if self.parallel is not None:
-      return self.parallel(layout, *args, **kwargs)
-    return self.engine.local(args, kwargs)
+    updates, inner_state, noise = jax.lax.cond(
+      apply,
+      inner_update,
+      no_update,
+      window.acc_grads,
+      window.acc_weight,
+      state.inner_state,
+      window.noise,
+    )
+    return updates, _next_state(state, window, done, apply, (inner_state, noise))
 
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    if _calls.is_tracing((args, kwargs)):
-      return self.traced(self.layout(args), *args, **kwargs)
-    self.engine.check_args(args)
-    return self._compiled(self.layout(args), *args, **kwargs)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def grad(
-  fun: Callable[..., Any],
-  num_micro_batches: int | None = None,
-  **kwargs: Any,
-) -> Callable[..., Any]:
-  """Like ``jax.grad``, accumulated over micro-batches; see ``value_and_grad``.
-
-  Takes the same arguments as :func:`value_and_grad` and returns a function
-  that gives ``grads``, or ``(grads, aux)`` with ``has_aux=True``; with
-  ``noise_stats=True``, ``(that, noise)``.
-
-  >>> import jax.numpy as jnp, jaxaccum
-  >>> loss = lambda w, x: jnp.mean((x * w) ** 2)
-  >>> g = jaxaccum.grad(loss, micro_batch_size=2)(jnp.array(1.0), jnp.arange(4.0))
-  >>> float(g)  # d/dw mean(x^2 w^2) = 2 w mean(x^2) = 2 * 3.5
-  7.0
-  """
-  value_and_grad_fun = value_and_grad(fun, num_micro_batches, **kwargs)
-  has_aux = kwargs.get("has_aux", False)
-  noise_stats = kwargs.get("noise_stats", False)
-
-  @functools.wraps(fun)
-  def accumulated_grad(*args, **call_kwargs):
-    out = value_and_grad_fun(*args, **call_kwargs)
-    value, grads = out[0] if noise_stats else out
-    result = (grads, value[1]) if has_aux else grads
-    return (result, out[1]) if noise_stats else result
-
-  return accumulated_grad
+def _next_state(
+  state: AccumulateState,
+  window: _Window,
+  done: jax.Array,
+  apply: jax.Array,
+  applied: tuple[PyTree, WindowNoise],
+) -> AccumulateState:
+  """The state after one call: the window reset where it ended, the loss
+  scale adjusted once per window; ``applied`` is the inner state and the
+  noise after the (possibly skipped) inner update."""
+  inner_state, noise = applied
+  reset = lambda new, zero: jnp.where(done, zero, new)  # noqa: E731
+  loss_scale = state.loss_scale
+  if loss_scale is not None:
+    adjusted = loss_scale.adjust(window.window_finite)
+    loss_scale = jax.tree.map(
+      lambda new, old: jnp.where(done, new, old), adjusted, loss_scale
+    )
+  return AccumulateState(
+    micro_step=reset(state.micro_step + 1, 0),
+    step=state.step + apply.astype(jnp.int32),
+    acc_grads=jax.tree.map(lambda a: reset(a, jnp.zeros_like(a)), window.acc_grads),
+    acc_weight=reset(window.acc_weight, 0.0),
+    inner_state=inner_state,
+    num_skipped=state.num_skipped + (~window.valid).astype(jnp.int32),
+    noise=noise._replace(
+      window=jax.tree.map(lambda x: reset(x, jnp.zeros_like(x)), noise.window)
+    ),
+    loss_scale=loss_scale,
+    window_finite=done | window.window_finite,
+    updated=apply,
+  )

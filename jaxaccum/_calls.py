@@ -37,11 +37,6 @@ def is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def is_tracing(tree: PyTree) -> bool:
-  """Whether any leaf of ``tree`` is a tracer of an outer transformation."""
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
-
-
 class Statics(NamedTuple):
   """A pytree without its arrays: what a compiled program is for.
 

@@ -1,168 +1,165 @@
-"""``verify_equivalence``: accumulation checked against the full batch.
+"""The checks: what the engine verifies about its inputs and its results.
 
-It runs the accumulated and the full-batch computation side by side and
-raises with the largest deviation. (The engine's own checks are elsewhere:
-static ``chex`` shape and dtype assertions at trace time in ``_engine``, and
-the opt-in value-level checks of the weights in ``_normalize``.)
+- Trace-time checks of the call's arguments (:func:`check_args`): no nnx
+  object where a pytree of arrays belongs, only arrays and numbers among the
+  differentiated leaves, a PRNG key where ``rng_argnum`` points. Each names
+  the argument as the user numbered it.
+- Trace-time checks of what ``fun`` returns (:func:`check_aux`).
+- A hint when ``fun`` fails on a micro-batch while another argument looks
+  like a batch that was not split (:func:`batch_argnums_hint`).
+- Static ``chex`` assertions on shapes and dtypes run inside the engine's
+  loop; they cost nothing at run time.
+- Value-level checks of the normalization (:func:`check_weights`,
+  :func:`check_total_weight`), written with ``checkify.debug_check`` and off
+  unless ``value_checks=True``: even as no-ops they would put an effect on
+  the step's jaxpr, which takes a jitted step off JAX's fast dispatch path.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import numbers
+from typing import Any
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.experimental import checkify
 
-from jaxaccum._accumulate import value_and_grad
+from jaxaccum import _tree
+from jaxaccum._options import Options
 
 PyTree = Any
 
 
-class Deviation(NamedTuple):
-  """The largest deviation ``verify_equivalence`` found.
-
-  Attributes:
-    value: ``max |accumulated - full|`` of the value.
-    grads: ``max |accumulated - full|`` over every gradient leaf.
-    where: the tree path of the gradient leaf where ``grads`` occurs.
-  """
-
-  value: float
-  grads: float
-  where: str
+def check_args(options: Options, args: tuple[Any, ...]) -> None:
+  """Trace-time checks of a call's positional arguments."""
+  _check_no_nnx_objects(options, args)
+  for n in options.argnums:
+    _check_differentiable(args[n], options.names(n))
+  if options.rng_argnum is not None:
+    _check_key(options, args[options.rng_argnum])
 
 
-def _full_batch(fun, argnums, has_aux, normalize):
-  """The reference: ``jax.value_and_grad`` on the whole batch at once."""
-  if normalize != "weighted":
-    return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-
-  def loss_sum(*args, **kwargs):
-    out = fun(*args, **kwargs)
-    value, aux = out if has_aux else (out, None)
-    loss, weight = value
-    return loss, (weight, aux)
-
-  def reference(*args, **kwargs):
-    (loss, (weight, aux)), grads = jax.value_and_grad(
-      loss_sum, argnums=argnums, has_aux=True
-    )(*args, **kwargs)
-    safe = jnp.where(weight > 0, weight, 1)
-    grads = jax.tree.map(lambda g: jnp.where(weight > 0, g / safe, 0), grads)
-    value = jnp.where(weight > 0, loss / safe, 0)
-    return ((value, aux) if has_aux else value), grads
-
-  return reference
-
-
-def verify_equivalence(
-  fun: Callable[..., Any],
-  args: tuple[Any, ...],
-  num_micro_batches: int,
-  *,
-  fun_kwargs: dict[str, Any] | None = None,
-  rtol: float | None = None,
-  **options: Any,
-) -> Deviation:
-  """Checks that accumulation over micro-batches equals the full batch.
-
-  Computes ``value_and_grad(fun, num_micro_batches, **options)(*args,
-  **fun_kwargs)`` and the full-batch reference (``jax.value_and_grad`` on the
-  whole batch, under ``jit``; for ``normalize="weighted"``, the full-batch
-  ``loss_sum / weight``), and compares value and gradients leaf by leaf with
-  ``chex``. With ``mesh=`` and ``data_axis=`` the accumulated side runs
-  data-parallel and the reference is the full batch on the same arrays.
-
-  This holds for losses in which examples do not interact. Per-micro-batch
-  keys (``rng_argnum``) and threaded state (``state_argnum``) have no
-  full-batch counterpart, so they are refused.
-
-  Args:
-    fun: the loss, as for :func:`jaxaccum.value_and_grad`.
-    args: the positional arguments, with the whole batch.
-    num_micro_batches: ``k``.
-    fun_kwargs: keyword arguments of ``fun`` for both calls, e.g.
-      ``{"train": False}``; Python values stay Python values.
-    rtol: the tolerance, relative to each leaf's largest magnitude; by default
-      ``max(1e-5, 8 * eps)`` of the leaf's dtype (``1e-5`` for float32).
-    **options: further arguments of :func:`jaxaccum.value_and_grad`
-      (``argnums``, ``batch_argnums``, ``has_aux``, ``normalize``, ``mesh``,
-      ...).
-
-  Returns:
-    The largest deviations, as a ``Deviation``.
-
-  Raises:
-    AssertionError: naming the leaf with the largest deviation, if any leaf
-      differs by more than the tolerance.
-
-  >>> import jax.numpy as jnp, jaxaccum
-  >>> loss = lambda w, x: jnp.mean(jnp.sin(x * w))
-  >>> dev = jaxaccum.verify_equivalence(loss, (jnp.array(0.5), jnp.arange(8.0)), 4)
-  >>> dev.grads < 1e-6
-  True
-  """
-  for name in ("rng_argnum", "state_argnum", "noise_stats"):
-    if options.get(name):
+def _check_no_nnx_objects(options: Options, args: tuple[Any, ...]) -> None:
+  """An nnx Module or other graph node belongs to ``jaxaccum.nnx``."""
+  is_object = lambda x: isinstance(x, nnx.Pytree)  # noqa: E731
+  for n, arg in enumerate(args):
+    nodes = [x for x in jax.tree.leaves(arg, is_leaf=is_object) if is_object(x)]
+    if nodes:
       raise ValueError(
-        f"verify_equivalence compares with one full-batch call; {name} has "
-        "no full-batch counterpart."
+        f"{options.names(n)} is (or holds) an nnx object, {type(nodes[0]).__name__}. "
+        "jaxaccum.value_and_grad works on pytrees of arrays; for Flax NNX "
+        "models use jaxaccum.nnx.value_and_grad(fun, k)(model, batch), which "
+        "splits the model, differentiates its nnx.Param variables and writes "
+        "its other state back."
       )
-  fun_kwargs = dict(fun_kwargs or {})
-  argnums = options.get("argnums", 0)
-  has_aux = options.get("has_aux", False)
-  normalize = options.get("normalize", "mean")
-  accumulated = value_and_grad(fun, num_micro_batches, **options)
-  reference = jax.jit(
-    functools.partial(_full_batch(fun, argnums, has_aux, normalize), **fun_kwargs)
+
+
+def _check_differentiable(tree: PyTree, name: str) -> None:
+  """Every leaf to differentiate is an array or a number, named if not."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+      continue
+    raise TypeError(
+      f"{name}{jax.tree_util.keystr(path)} is a {type(leaf).__name__} "
+      f"({leaf!r:.40}), not an array: every leaf of a differentiated argument "
+      "must be an array or a number. Move it out of the parameters, or pass "
+      "it as another argument."
+    )
+
+
+def _check_key(options: Options, key: Any) -> None:
+  """``rng_argnum`` points at a PRNG key: a typed key, or a raw ``uint32``
+  key (``jax.random.PRNGKey``)."""
+  if _tree.is_key(key) or jnp.result_type(key) == jnp.uint32:
+    return
+  n = options.rng_argnum
+  assert n is not None
+  raise TypeError(
+    f"rng_argnum={n - options.names.offset} points at {options.names(n)}, "
+    f"{describe(key)}, not a PRNG key: pass jax.random.key(seed) (or a raw "
+    "key from jax.random.PRNGKey), or leave rng_argnum out."
   )
-  (value, grads) = accumulated(*args, **fun_kwargs)
-  ref_value, ref_grads = reference(*args)
-  if has_aux:
-    value, ref_value = value[0], ref_value[0]
 
-  pairs = [("value", value, ref_value)] + [
-    ("grads" + jax.tree_util.keystr(path), leaf, ref_leaf)
-    for (path, leaf), ref_leaf in zip(
-      jax.tree_util.tree_leaves_with_path(grads),
-      jax.tree.leaves(ref_grads),
-      strict=False,
+
+def describe(x: Any) -> str:
+  """A short description of a value for an error message.
+
+  >>> describe(jnp.ones(2)), describe("a"), describe((1, 2))
+  ('a float32 array of shape=(2,)', 'a str', 'a tuple of length 2')
+  """
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of length {len(x)}"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"a {jnp.dtype(x.dtype).name} array of shape={tuple(x.shape)}"
+  return f"a {type(x).__name__}"
+
+
+def check_aux(aux: PyTree) -> None:
+  """Every leaf of ``fun``'s aux is something the loop can stack."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+      continue
+    raise TypeError(
+      f"fun returned aux{jax.tree_util.keystr(path)} = {leaf!r:.40}, a "
+      f"{type(leaf).__name__}: jaxaccum stacks the aux of every micro-batch "
+      "into arrays, so it holds arrays and numbers only. Return other values "
+      "from outside the accumulated function."
     )
+
+
+def batch_argnums_hint(
+  options: Options, args: tuple[Any, ...], batch_size: int
+) -> str | None:
+  """A note for an error that ``fun`` raised on a micro-batch, when some
+  argument outside ``batch_argnums`` has the batch's leading size: it was
+  passed whole to every micro-batch, which may be the cause."""
+  used = set(options.array_argnums)
+  suspects = [
+    n
+    for n, arg in enumerate(args)
+    if n not in used
+    and (leaves := jax.tree.leaves(arg))
+    and all(jnp.ndim(x) > 0 and jnp.shape(x)[0] == batch_size for x in leaves)
   ]
-  rows = [_compare(name, got, want, rtol) for name, got, want in pairs]
-  failing = [row for row in rows if not row.ok]
-  if failing:
-    worst = max(failing, key=lambda row: row.deviation / row.allowed)
-    raise AssertionError(
-      f"Accumulated and full-batch {worst.name} differ by up to "
-      f"{worst.deviation:.3e}, more than the {worst.allowed:.3e} allowed "
-      f"({len(failing)} of {len(rows)} leaves differ)."
-    )
-  worst_grad = max(rows[1:], key=lambda row: row.deviation)
-  return Deviation(rows[0].deviation, worst_grad.deviation, worst_grad.name)
+  if not suspects:
+    return None
+  offset = options.names.offset
+  batch = tuple(n - offset for n in options.batch_argnums)
+  names = ", ".join(options.names(n) for n in suspects)
+  verb = "has" if len(suspects) == 1 else "have"
+  return (
+    f"jaxaccum splits only batch_argnums={batch}; {names} also {verb} the "
+    f"batch's leading size {batch_size} and was passed whole to every "
+    f"micro-batch. Did you mean batch_argnums={tuple(sorted(batch + tuple(n - offset for n in suspects)))}?"
+  )
 
 
-class _Row(NamedTuple):
-  name: str
-  deviation: float  # max |got - want|
-  allowed: float  # rtol * max |want|
-  ok: bool
+def check_weights(weights: jax.Array) -> None:
+  """Every micro-batch weight is finite and non-negative (under checkify)."""
+  checkify.debug_check(
+    jnp.all(jnp.isfinite(weights) & (weights >= 0)),
+    "jaxaccum: micro-batch weights must be finite and >= 0, got {weights}.",
+    weights=weights,
+  )
 
 
-def _compare(name: str, got: Any, want: Any, rtol: float | None) -> _Row:
-  """Compares one leaf with chex, relative to the leaf's largest magnitude."""
-  finfo = jnp.finfo(jnp.result_type(want))
-  if rtol is None:
-    rtol = max(1e-5, 8 * float(finfo.eps))
-  got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  deviation = float(np.max(np.abs(got64 - want64), initial=0.0))
-  allowed = rtol * float(np.max(np.abs(want64), initial=0.0)) + float(finfo.tiny)
-  try:
-    chex.assert_trees_all_close(got64, want64, rtol=0.0, atol=allowed)
-  except AssertionError:
-    return _Row(name, deviation, allowed, ok=False)
-  return _Row(name, deviation, allowed, ok=True)
+def check_total_weight(total: jax.Array, grad_sums: PyTree) -> None:
+  """The total weight is positive, or the summed gradients are zero (under
+  checkify).
+
+  ``grad_sums`` are the gradients before normalization. A zero total weight
+  under a loss sum that still depends on the parameters means the weights and
+  the loss disagree (a mask applied to one and not the other); the zero
+  result would hide that.
+  """
+  zero = jnp.all(
+    jnp.asarray([jnp.all(g == 0) for g in jax.tree.leaves(grad_sums)] or [True])
+  )
+  checkify.debug_check(
+    (total > 0) | zero,
+    "jaxaccum: total weight {total} is not positive, yet the summed gradient is "
+    "not zero: the weights count no rows that the loss sums over.",
+    total=total,
+  )

@@ -1,36 +1,89 @@
 """The scan engine that everything else builds on.
 
 One traced step splits the batch into ``k`` micro-batches (``_split``), runs
-forward and backward on each inside a ``lax.scan``, and adds each gradient into
-an accumulator of at least ``accum_dtype`` (float32 by default). The
+forward and backward on each inside a ``lax.scan``, and adds each gradient
+into an accumulator of at least ``accum_dtype`` (float32 by default). The
 per-micro-batch losses and weights leave the scan as ``k`` scalars; the
-normalization mode (``_normalize``) turns the sums into the result once, after
-the loop.
+normalization mode (``_normalize``) turns the sums into the result once,
+after the loop.
 
-The engine is split in two halves so that the data-parallel path can reduce
-between them: :meth:`Engine.sums` runs the loop on a (local) batch and returns
-raw :class:`Sums`; :meth:`Engine.finish` normalizes them and restores the
-dtypes ``jax.value_and_grad`` would return. The public wrappers
-(``_accumulate``), the data-parallel path (``_parallel``) and
-``verify_equivalence`` (``_checks``) all build on this module; it imports none
-of them.
+The step is a story in three chapters, each a method of :class:`Engine`:
+
+1. :meth:`Engine.plan`: validate the batch and resolve ``k`` and ``m``;
+2. :meth:`Engine.sums`: the loop, which returns raw :class:`Sums`;
+3. :meth:`Engine.finish`: normalize them into a :class:`Result`.
+
+The data-parallel path (``_parallel``) runs the same loop with one block of
+the batch per device, ``vmap``-ped over the devices: it passes its own micro
+step and :class:`Accumulator`, and reduces over the devices between chapters
+2 and 3. The public wrappers (``_value_and_grad``), the data-parallel path and
+``verify_equivalence`` build on this module; it imports none of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxaccum import _normalize, _sharding, _split, _stats
+from jaxaccum import _checks, _noise, _normalize, _split, _tree
+from jaxaccum._options import Options
 
 PyTree = Any
+
+
+class MicroOut(NamedTuple):
+  """What one micro-batch gives besides its gradient.
+
+  Attributes:
+    loss: the scalar that was differentiated.
+    weight: its weight (1 unless ``normalize="weighted"``).
+    aux: ``fun``'s aux.
+    state: the new threaded state (None without ``state_argnum``).
+    sq_norm: the gradient's squared norm (None unless ``noise_stats``).
+  """
+
+  loss: jax.Array
+  weight: jax.Array
+  aux: PyTree
+  state: PyTree
+  sq_norm: jax.Array | None
+
+
+class Accumulator(NamedTuple):
+  """How micro-batch gradients are summed: a fold.
+
+  Attributes:
+    init: ``diff_args -> acc``, the zero accumulator.
+    first: ``grads -> acc``, the accumulator after one micro-batch (with a
+      single micro-batch there is no zero to add to).
+    add: ``(acc, grads) -> acc``.
+  """
+
+  init: Callable[[Any], Any]
+  first: Callable[[Any], Any]
+  add: Callable[[Any, Any], Any]
+
+
+def local_accumulator(accum_dtype: Any) -> Accumulator:
+  """Sums in ``accum_dtype`` (or the gradient's dtype, where wider)."""
+
+  def like(p):
+    return _normalize.accumulator_dtype(accum_dtype, p)
+
+  def add(acc, grads):
+    chex.assert_trees_all_equal_shapes(grads, acc)  # trace time, free
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+
+  return Accumulator(
+    init=lambda diff: jax.tree.map(lambda p: jnp.zeros_like(p, like(p)), diff),
+    first=lambda grads: jax.tree.map(lambda g: g.astype(like(g)), grads),
+    add=add,
+  )
 
 
 class Sums(NamedTuple):
@@ -38,14 +91,13 @@ class Sums(NamedTuple):
 
   Attributes:
     loss: the sum of the micro-batch losses; shape=(), at least ``accum_dtype``.
-    grads: the sum of the micro-batch gradients, one tree per entry of
-      ``argnums``; leaves like the parameters, at least ``accum_dtype``.
+    grads: the accumulated gradients, one tree per entry of ``argnums``.
     weight: the sum of the micro-batch weights; shape=(), at least float32.
-    aux: ``fun``'s aux per micro-batch, each leaf with a leading axis ``k``.
-    state: the state after the last micro-batch (``None`` without state).
-    losses: the per-micro-batch losses; shape=(k,), ``fun``'s loss dtype.
-    noise: partial sums for the gradient noise scale (``None`` unless
-      ``noise_stats``).
+    aux: ``fun``'s aux per micro-batch, each leaf with a leading axis ``k``
+      (``(k, S, ...)``, one entry per block, in the data-parallel path).
+    state: the state after the last micro-batch (None without state).
+    losses: the per-micro-batch losses; ``fun``'s loss dtype.
+    noise: the noise sums (None unless ``noise_stats``).
   """
 
   loss: jax.Array
@@ -54,68 +106,134 @@ class Sums(NamedTuple):
   aux: PyTree
   state: PyTree
   losses: jax.Array
-  noise: _stats.NoiseSums | None
+  noise: _noise.NoiseSums | None
+
+
+class Result(NamedTuple):
+  """One accumulated step, normalized.
+
+  Attributes:
+    value: the normalized loss, in ``fun``'s loss dtype.
+    aux: the stacked aux; ``(aux, final_state)`` with ``state_argnum``.
+    grads: one gradient tree per entry of ``argnums``, in the dtypes
+      ``jax.grad`` gives.
+    noise: the step's :class:`GradientNoise` (None unless ``noise_stats``).
+    total_weight: the sum of the weights; shape=(), float32 (or wider).
+  """
+
+  value: jax.Array
+  aux: PyTree
+  grads: tuple[PyTree, ...]
+  noise: _noise.GradientNoise | None
+  total_weight: jax.Array
+
+  def arranged(self, options: Options) -> Any:
+    """What ``jaxaccum.value_and_grad`` returns: ``(value, grads)``, with
+    ``(value, aux)`` for ``has_aux``, the grads as one tree for an integer
+    ``argnums``, and ``(that, noise)`` for ``noise_stats``."""
+    value = (self.value, self.aux) if options.has_aux else self.value
+    grads = self.grads[0] if options.tree_grads else self.grads
+    return ((value, grads), self.noise) if options.noise_stats else (value, grads)
 
 
 @dataclasses.dataclass(frozen=True)
 class Engine:
-  """The static configuration of one accumulated ``value_and_grad``."""
+  """``fun`` and its options, positions resolved (:meth:`Options.resolve`)."""
 
   fun: Callable[..., Any]
-  num_micro_batches: int | None
-  micro_batch_size: int | None
-  argnums: tuple[int, ...]
-  batch_argnums: tuple[int, ...]
-  has_aux: bool
-  normalization: _normalize.Normalization
-  accum_dtype: Any
-  rng_argnum: int | None
-  state_argnum: int | None
-  remat: bool | Callable[..., Any]
-  noise_stats: bool
-  value_checks: bool
-
-  @property
-  def array_argnums(self) -> tuple[int, ...]:
-    """The positions whose leaves are always arrays (differentiated, split,
-    key and state arguments); Python values elsewhere stay Python values."""
-    extra = tuple(n for n in (self.rng_argnum, self.state_argnum) if n is not None)
-    return self.argnums + self.batch_argnums + extra
+  options: Options
 
   def check_args(self, args: tuple[Any, ...]) -> None:
     """Trace-time checks of the call's positional arguments."""
-    used = self.array_argnums
-    if max(used) >= len(args):
-      raise ValueError(
-        f"The function was called with {len(args)} positional arguments, "
-        f"but argnums={self.argnums}, batch_argnums={self.batch_argnums}, "
-        f"rng_argnum={self.rng_argnum} and state_argnum={self.state_argnum} "
-        "refer to more."
+    _checks.check_args(self.options, args)
+
+  def plan(
+    self, args: tuple[Any, ...], devices: int | None = None
+  ) -> _split.MicroBatching:
+    """Validates the batch arguments and resolves ``k`` and ``m``: for the
+    batch as it is laid out (one device, or sharded over several), or, in
+    the data-parallel path, for the share of each of ``devices``."""
+    o = self.options
+    batch = {o.names(i): args[i] for i in o.batch_argnums}
+    size = _split.leading_batch_size(batch)
+    if devices is None:
+      shards = _split.batch_shards(list(batch.values()))
+      return _split.plan_split(size, o.num_micro_batches, o.micro_batch_size, shards)
+    where = f"the {devices} devices of data axes {o.data_axes}"
+    if size % devices:
+      raise ValueError(f"The global batch_size={size} is not divisible by {where}.")
+    try:
+      local = _split.plan_split(
+        size // devices, o.num_micro_batches, o.micro_batch_size
       )
-    _check_no_nnx_objects(args)
-    for n in self.argnums:
-      _check_differentiable(args[n], f"args[{n}]")
+    except ValueError as error:
+      raise ValueError(
+        f"The global batch_size={size} on {where} is {size // devices} rows per "
+        f"device, and per device: {error}"
+      ) from None
+    k = local.num_micro_batches
+    return _split.MicroBatching(size, k, size // k, devices)
 
-  def plan(self, args: tuple[Any, ...]) -> _split.MicroBatching:
-    """Validates the batch arguments and resolves ``k`` and ``m``."""
-    self.check_args(args)
-    batch = {f"args[{i}]": args[i] for i in self.batch_argnums}
-    return _split.plan_split(
-      _split.leading_batch_size(batch),
-      self.num_micro_batches,
-      self.micro_batch_size,
+  # -- chapter 2: the loop ------------------------------------------------------
+
+  def micro_step(
+    self,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    split: _split.MicroBatching,
+    total: int,
+  ) -> Callable[..., tuple[MicroOut, tuple[PyTree, ...]]]:
+    """``step(diff_args, micro, index, state) -> (MicroOut, grads)``: forward
+    and backward on one micro-batch, whose key is ``fold_in(key, index)``,
+    or the key itself when the step has one micro-batch in ``total`` (then
+    jaxaccum is the user's own step, bit for bit)."""
+    o = self.options
+    value_and_grad = jax.value_and_grad(
+      self._loss(args, kwargs, split.batch_size), argnums=o.argnums, has_aux=True
     )
+    fold = total > 1
 
-  def _micro_loss(self, kwargs: dict[str, Any]) -> Callable[..., Any]:
+    def step(diff_args, micro, index, state):
+      call_args = list(args)
+      for n, d in zip(o.argnums, diff_args, strict=True):
+        call_args[n] = d
+      for n, b in zip(o.batch_argnums, micro, strict=True):
+        call_args[n] = b
+      if o.rng_argnum is not None and fold:
+        call_args[o.rng_argnum] = jax.random.fold_in(args[o.rng_argnum], index)
+      if o.state_argnum is not None:
+        call_args[o.state_argnum] = state
+      (loss, (weight, aux, new_state)), grads = value_and_grad(*call_args)
+      if o.state_argnum is not None:
+        new_state = _match_state(new_state, state)
+      sq_norm = _tree.sq_norm(grads) if o.noise_stats else None
+      return MicroOut(loss, weight, aux, new_state, sq_norm), grads
+
+    if o.remat is not False:
+      policy = None if o.remat is True else o.remat
+      step = jax.checkpoint(step, prevent_cse=False, policy=policy)
+    return step
+
+  def _loss(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int
+  ) -> Callable[..., Any]:
     """``fun`` as ``args -> (loss, (weight, aux, new_state))`` for autodiff."""
+    o = self.options
 
-    def loss_fn(*args):
-      out = self.fun(*args, **kwargs)
-      value, aux = _unpack_aux(out, self.has_aux)
+    def loss_fn(*call_args):
+      try:
+        out = self.fun(*call_args, **kwargs)
+      except (TypeError, ValueError) as error:
+        hint = _checks.batch_argnums_hint(o, args, batch_size)
+        if hint is not None:
+          error.add_note(hint)
+        raise
+      value, aux = _unpack_aux(out, o)
       new_state = None
-      if self.state_argnum is not None:
+      if o.state_argnum is not None:
         aux, new_state = _unpack_state(aux)
-      loss, weight = self.normalization.loss_and_weight(value)
+      _checks.check_aux(aux)
+      loss, weight = o.normalization.loss_and_weight(value)
       return loss, (weight, aux, new_state)
 
     return loss_fn
@@ -125,176 +243,155 @@ class Engine:
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     split: _split.MicroBatching,
-    diff_args: tuple[PyTree, ...] | None = None,
-    index_offset: jax.Array | int = 0,
+    *,
+    step: Callable[..., Any] | None = None,
+    accumulator: Accumulator | None = None,
+    state: PyTree = None,
+    per_block: bool = False,
   ) -> Sums:
     """Runs the ``lax.scan`` over the micro-batches of ``args``.
 
     Args:
-      args: the positional arguments; the batch arguments hold this device's
-        batch, of ``split.batch_size`` rows.
+      args: the positional arguments, with the whole batch.
       kwargs: keyword arguments, passed unchanged to every micro-batch.
       split: the resolved split of the batch.
-      diff_args: the values to differentiate at, by default
-        ``args[argnums]`` (the data-parallel path passes them cast to varying).
-      index_offset: added to the micro-batch index before it is folded into
-        the key, so that micro-batch ``i`` of device ``d`` is the global
-        micro-batch ``d * k + i``.
+      step: the micro step (default :meth:`micro_step`); the data-parallel
+        path passes it ``vmap``-ped over the blocks.
+      accumulator: how gradients are summed (default: locally, in
+        ``accum_dtype``).
+      state: the initial threaded state (default ``args[state_argnum]``).
+      per_block: hand the step micro-batches as ``(S, m / S, ...)``, one
+        entry per block, instead of ``m`` rows.
     """
-    k, m = split.num_micro_batches, split.micro_batch_size
-    if diff_args is None:
-      diff_args = tuple(args[i] for i in self.argnums)
-    batches = _split.MicroBatches(tuple(args[i] for i in self.batch_argnums), k)
-    value_and_grad = jax.value_and_grad(
-      self._micro_loss(kwargs),
-      argnums=self.argnums,
-      has_aux=True,
+    o = self.options
+    k = split.num_micro_batches
+    step = step or self.micro_step(args, kwargs, split, split.num_micro_batches)
+    accumulator = accumulator or local_accumulator(o.accum_dtype)
+    diff_args = tuple(args[i] for i in o.argnums)
+    batches = _split.MicroBatches(
+      tuple(args[i] for i in o.batch_argnums), split, per_block=per_block
     )
-    # zeros_like keeps the parameter's sharding (Explicit mesh axes) and its
-    # varying manual axes, so the scan carry's type never changes.
-    init_grads = jax.tree.map(
-      lambda p: _sharding.like_vma(
-        jnp.zeros_like(p, _normalize.accumulator_dtype(self.accum_dtype, p)), p
-      ),
-      diff_args,
-    )
-    init_state = None if self.state_argnum is None else args[self.state_argnum]
-
-    def micro_step(diff_args, micro, index, state):
-      """Forward and backward on one micro-batch."""
-      chex.assert_tree_shape_prefix(micro, (m,))
-      call_args = list(args)
-      for n, d in zip(self.argnums, diff_args, strict=True):
-        call_args[n] = d
-      for n, b in zip(self.batch_argnums, micro, strict=True):
-        call_args[n] = b
-      if self.rng_argnum is not None:
-        call_args[self.rng_argnum] = jax.random.fold_in(args[self.rng_argnum], index)
-      if self.state_argnum is not None:
-        call_args[self.state_argnum] = state
-      return value_and_grad(*call_args)
-
-    if self.remat is not False:
-      policy = None if self.remat is True else self.remat
-      micro_step = jax.checkpoint(micro_step, prevent_cse=False, policy=policy)
+    if state is None and o.state_argnum is not None:
+      state = args[o.state_argnum]
 
     def body(carry, xs, first=False):
-      acc_grads, state, fetched = carry
-      scanned, local, index = xs
-      micro = batches.take(scanned, fetched)
+      acc, state, fetched = carry
+      scanned, index = xs
+      micro = batches.take(scanned, fetched, index)
       if batches.streamed:  # double buffering: copy the next one meanwhile
-        fetched = batches.fetch(batches.next_index(local))
-      (loss, (weight, aux, new_state)), grads = micro_step(
-        diff_args, micro, index, state
-      )
-      chex.assert_trees_all_equal_shapes(grads, init_grads)
-      acc_grads = jax.tree.map(
-        lambda a, g: g.astype(a.dtype) if first else a + g.astype(a.dtype),
-        acc_grads,
-        grads,
-      )
-      chex.assert_trees_all_equal_dtypes(acc_grads, init_grads)
-      if self.state_argnum is not None:
-        new_state = _match_state(new_state, state)
-      sq_norm = _stats.sq_norm(grads) if self.noise_stats else None
-      return (acc_grads, new_state, fetched), (loss, weight, aux, sq_norm)
+        fetched = batches.fetch(batches.next_index(index))
+      out, grads = step(diff_args, micro, index, state)
+      acc = accumulator.first(grads) if first else accumulator.add(acc, grads)
+      return (acc, out.state, fetched), out._replace(state=None)
 
-    local = jnp.arange(k, dtype=jnp.int32)
-    xs = (batches.scanned(), local, index_offset + local)
-    init = (init_grads, init_state, batches.fetch(0))
+    init = (None if k == 1 else accumulator.init(diff_args), state, batches.fetch(0))
+    xs = (batches.scanned(), jnp.arange(k, dtype=jnp.int32))
     if k == 1:
       # One micro-batch: no loop and no accumulator, exactly the full batch.
       carry, ys = body(init, jax.tree.map(lambda x: x[0], xs), first=True)
       ys = jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
     else:
       carry, ys = jax.lax.scan(body, init, xs)
-    (grads, state, _), (losses, weights, aux, sq_norms) = carry, ys
-    if self.value_checks:
-      _normalize.check_weights(weights)
+    (grads, state, _), out = carry, ys
+    if o.value_checks:
+      _checks.check_weights(out.weight)
+    rows = (
+      split.micro_batch_size // split.shards if per_block else split.micro_batch_size
+    )
     return Sums(
-      loss=jnp.sum(losses.astype(jnp.promote_types(self.accum_dtype, losses.dtype))),
+      loss=jnp.sum(out.loss.astype(jnp.promote_types(o.accum_dtype, out.loss.dtype))),
       grads=grads,
-      weight=jnp.sum(weights.astype(jnp.promote_types(jnp.float32, weights.dtype))),
-      aux=aux,
+      weight=jnp.sum(
+        out.weight.astype(jnp.promote_types(jnp.float32, out.weight.dtype))
+      ),
+      aux=out.aux,
       state=state,
-      losses=losses,
-      noise=None
-      if sq_norms is None
-      else _stats.micro_batch_noise(self.normalization.name, sq_norms, weights, m),
+      losses=out.loss,
+      noise=None if out.sq_norm is None else _noise_sums(o, out, rows),
     )
 
-  def finish(
-    self,
-    sums: Sums,
-    diff_args: tuple[PyTree, ...],
-    sq_norm: Callable[[PyTree], jax.Array] = _stats.sq_norm,
-  ) -> tuple[Any, Any, _stats.GradientNoise | None]:
-    """Normalizes ``sums``: ``(value, aux)``, the grads tuple, and the noise."""
-    norm = self.normalization
+  # -- chapter 3: normalization -------------------------------------------------
+
+  def finish(self, sums: Sums, diff_args: tuple[PyTree, ...]) -> Result:
+    """Normalizes ``sums`` into the :class:`Result`."""
+    o = self.options
+    norm = o.normalization
     value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
     normalized = norm.finalize(sums.grads, sums.weight)
     grads = jax.tree.map(
       lambda g, p: g.astype(_normalize.result_dtype(p)), normalized, diff_args
     )
-    if self.value_checks:
-      _normalize.check_total_weight(sums.weight, sums.grads)
-    aux = sums.aux
-    if self.state_argnum is not None:
-      aux = (aux, sums.state)
+    if o.value_checks:
+      _checks.check_total_weight(sums.weight, sums.grads)
+    aux = sums.aux if o.state_argnum is None else (sums.aux, sums.state)
     noise = None
     if sums.noise is not None:
-      big_sq_norm = sq_norm(normalized)
-      if not norm.divide:
-        # A sum over the batch's rows: its per-row mean is the sum / B_big.
+      big_sq_norm = _tree.sq_norm(normalized)
+      if not norm.divide:  # a sum over the batch's rows: its mean is sum / B_big
         big_sq_norm = big_sq_norm / sums.noise.examples**2
       noise = sums.noise.finalize(big_sq_norm)
-    return (value, aux), grads, noise
+    return Result(value, aux, grads, noise, sums.weight)
 
-  def local(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The whole step on one device: ``sums`` then ``finish``."""
+  def local(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Result:
+    """The whole step on one device: plan, loop, normalize."""
+    self.check_args(args)
     split = self.plan(args)
-    diff_args = tuple(args[i] for i in self.argnums)
+    check_noise_estimable(self.options, split.num_micro_batches)
+    diff_args = tuple(args[i] for i in self.options.argnums)
     return self.finish(self.sums(args, kwargs, split), diff_args)
 
-  def output(
-    self,
-    value_aux: tuple[Any, Any],
-    grads: tuple[PyTree, ...],
-    noise: _stats.GradientNoise | None,
-    argnums: int | Sequence[int],
-  ) -> Any:
-    """Arranges the result as ``jax.value_and_grad`` would, plus the noise."""
-    if isinstance(argnums, int):
-      grads = grads[0]
-    value = value_aux if self.has_aux else value_aux[0]
-    if self.noise_stats:
-      return (value, grads), noise
-    return value, grads
+
+def _noise_sums(options: Options, out: MicroOut, rows: int) -> _noise.NoiseSums:
+  """The noise sums of the micro-batches: each gradient's squared norm, and
+  what it averages over (a mean: 1; a sum: ``rows``; weighted: its weight)."""
+  assert out.sq_norm is not None
+  name = options.normalize
+  if name == "weighted":
+    return _noise.NoiseSums.of(out.sq_norm, out.weight, out.weight)
+  divisor = jnp.float32(1.0 if name == "mean" else rows)
+  return _noise.NoiseSums.of(out.sq_norm, divisor, jnp.float32(rows))
 
 
-def _unpack_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
-  if not has_aux:
-    return out, None
-  if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    shape = getattr(out, "shape", None)
-    got = f"a {type(out).__name__}" if shape is None else f"one array of {shape=}"
+def check_noise_estimable(options: Options, total: int) -> None:
+  """``noise_stats`` needs two micro-batches in ``total`` (over devices too)."""
+  if options.noise_stats and total < 2:
     raise ValueError(
-      f"has_aux=True needs fun to return a pair (value, aux), got {got}."
+      f"noise_stats=True needs at least 2 micro-batches in total, got {total}: "
+      "one micro-batch has no noise to measure."
     )
-  return out[0], out[1]
+
+
+def _unpack_aux(out: Any, options: Options) -> tuple[Any, Any]:
+  if not options.has_aux:
+    return out, None
+  if isinstance(out, (tuple, list)) and len(out) == 2:
+    return out[0], out[1]
+  if options.normalize == "weighted":
+    raise ValueError(
+      'has_aux=True with normalize="weighted" needs fun to return '
+      f"((loss_sum, weight), aux), got {_checks.describe(out)}."
+    )
+  got = _checks.describe(out)
+  if hasattr(out, "shape"):
+    got = f"one array of shape={tuple(out.shape)}"
+  raise ValueError(f"has_aux=True needs fun to return a pair (value, aux), got {got}.")
 
 
 def _unpack_state(aux: Any) -> tuple[Any, Any]:
-  if not (isinstance(aux, (tuple, list)) and len(aux) == 2):
-    raise ValueError(
-      "state_argnum needs fun to return (value, (aux, new_state)), got an "
-      f"aux that is a {type(aux).__name__}, not a pair."
-    )
-  return aux[0], aux[1]
+  if isinstance(aux, (tuple, list)) and len(aux) == 2:
+    return aux[0], aux[1]
+  got = _checks.describe(aux)
+  if hasattr(aux, "shape"):
+    got = f"one array of shape={tuple(aux.shape)}"
+  raise ValueError(
+    "state_argnum needs fun to return (value, (aux, new_state)), got an aux "
+    f"that is {got}, not a pair."
+  )
 
 
 def _match_state(new_state: PyTree, state: PyTree) -> PyTree:
-  """Checks that ``fun`` returned a state like the one it got; keeps dtypes."""
+  """Checks that ``fun`` returned a state like the one it got: the same
+  structure, shapes and dtypes (a Python number takes the state's dtype)."""
   new_struct: Any = jax.tree.structure(new_state)
   old_struct: Any = jax.tree.structure(state)
   if new_struct != old_struct:
@@ -302,137 +399,11 @@ def _match_state(new_state: PyTree, state: PyTree) -> PyTree:
       "fun returned a new_state whose structure differs from the state it "
       f"was given: {new_struct} vs {old_struct}."
     )
-  for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=False):
+  for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
     if jnp.shape(new) != jnp.shape(old):
       raise ValueError(
         "fun returned a new_state leaf of shape="
         f"{jnp.shape(new)} for a state leaf of shape={jnp.shape(old)}."
       )
-  return jax.tree.map(_cast_like, new_state, state)
-
-
-def _cast_like(new: Any, old: Any) -> Any:
-  """``new`` typed as ``old`` (a Python number, say, as a strong int32).
-
-  A weak type counts too: a state fed back into a jitted step with another
-  weak type would compile the step again.
-  """
-  new, old = jnp.asarray(new), jnp.asarray(old)
-  if jax.typeof(old).weak_type:
-    return new.astype(old.dtype)
-  return jax.lax.convert_element_type(new, old.dtype)
-
-
-def _check_no_nnx_objects(args: tuple[Any, ...]) -> None:
-  """An nnx Module or other graph node belongs to ``jaxaccum.nnx``."""
-  from flax import nnx  # noqa: PLC0415 (imported only when called)
-
-  is_object = lambda x: isinstance(x, nnx.Pytree)  # noqa: E731
-  for n, arg in enumerate(args):
-    nodes = [x for x in jax.tree.leaves(arg, is_leaf=is_object) if is_object(x)]
-    if nodes:
-      raise ValueError(
-        f"args[{n}] is (or holds) an nnx object, {type(nodes[0]).__name__}. "
-        "jaxaccum.value_and_grad works on pytrees of arrays; for Flax NNX "
-        "models use jaxaccum.nnx.value_and_grad(fun, k)(model, batch), which "
-        "splits the model, differentiates its nnx.Param variables and writes "
-        "its other state back."
-      )
-
-
-def _check_differentiable(tree: PyTree, name: str) -> None:
-  """Every leaf to differentiate is an array or a number, named if not."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
-      continue
-    raise TypeError(
-      f"{name}{jax.tree_util.keystr(path)} is a {type(leaf).__name__} "
-      f"({leaf!r:.40}), not an array: every leaf of a differentiated argument "
-      "must be an array or a number. Move it out of the parameters, or pass "
-      "it as another argument."
-    )
-
-
-def _as_tuple(argnums: Any, name: str) -> tuple[int, ...]:
-  nums = (argnums,) if isinstance(argnums, numbers.Integral) else tuple(argnums)
-  if not nums or not all(
-    isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in nums
-  ):
-    raise TypeError(f"{name} must be an int or a non-empty tuple of ints.")
-  nums = tuple(int(n) for n in nums)
-  if min(nums) < 0:
-    raise ValueError(f"{name}={argnums} must be non-negative.")
-  if len(set(nums)) != len(nums):
-    raise ValueError(f"{name}={argnums} repeats an argument.")
-  return nums
-
-
-def _check_remat(remat: Any) -> bool | Callable[..., Any]:
-  if isinstance(remat, bool) or (callable(remat) and not isinstance(remat, type)):
-    return remat
-  raise TypeError(
-    "remat must be a bool or a jax.checkpoint_policies policy (a callable), "
-    f"got {remat!r}."
-  )
-
-
-def _check_argnum(name: str, n: Any) -> int | None:
-  if n is None:
-    return None
-  return _as_tuple(n, name)[0]
-
-
-def make(
-  fun: Callable[..., Any],
-  *,
-  num_micro_batches: int | None,
-  micro_batch_size: int | None,
-  argnums: int | Sequence[int],
-  batch_argnums: int | Sequence[int],
-  has_aux: bool,
-  normalize: str,
-  accum_dtype: Any,
-  rng_argnum: int | None,
-  state_argnum: int | None,
-  remat: bool | Callable[..., Any],
-  noise_stats: bool,
-  value_checks: bool,
-) -> Engine:
-  """Validates the static arguments (at definition time) into an ``Engine``."""
-  if not callable(fun):
-    raise TypeError(f"fun must be callable, got {fun!r}.")
-  _split.check_split_arguments(num_micro_batches, micro_batch_size)
-  diff = _as_tuple(argnums, "argnums")
-  batch = _as_tuple(batch_argnums, "batch_argnums")
-  rng_argnum = _check_argnum("rng_argnum", rng_argnum)
-  state_argnum = _check_argnum("state_argnum", state_argnum)
-  if set(diff) & set(batch):
-    raise ValueError(
-      f"{argnums=} and {batch_argnums=} overlap: the differentiated "
-      "arguments are not split."
-    )
-  for name, n in (("rng_argnum", rng_argnum), ("state_argnum", state_argnum)):
-    if n is not None and n in diff + batch:
-      raise ValueError(f"{name}={n} is also in argnums or batch_argnums.")
-  if rng_argnum is not None and rng_argnum == state_argnum:
-    raise ValueError(f"{rng_argnum=} and {state_argnum=} are the same argument.")
-  if state_argnum is not None and not has_aux:
-    raise ValueError(
-      "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
-    )
-  _normalize.check_accum_dtype(accum_dtype)
-  return Engine(
-    fun=fun,
-    num_micro_batches=None if num_micro_batches is None else int(num_micro_batches),
-    micro_batch_size=None if micro_batch_size is None else int(micro_batch_size),
-    argnums=diff,
-    batch_argnums=batch,
-    has_aux=has_aux,
-    normalization=_normalize.get(normalize),
-    accum_dtype=jnp.dtype(accum_dtype),
-    rng_argnum=rng_argnum,
-    state_argnum=state_argnum,
-    remat=_check_remat(remat),
-    noise_stats=noise_stats,
-    value_checks=value_checks,
-  )
+  _tree.check_dtypes_kept(new_state, state, "state")
+  return _tree.cast_like(new_state, state)

@@ -10,14 +10,11 @@ sums into the result. A mode is therefore just two functions:
 - ``weighted``: ``fun`` returns ``(loss_sum, weight)``; the sums are divided by
   the total weight, the exact full-batch token mean.
 
-Dividing is zero-safe: a total weight of zero gives zeros, never NaN. Masks
-select with ``jnp.where``; they never multiply (``0 * nan`` is ``nan``).
-
-The value-level checks of the weights (:func:`check_weights`,
-:func:`check_total_weight`) live here too. They are written with
-``checkify.debug_check`` and are off unless ``value_checks=True``: even as
-no-ops they would put an effect on the step's jaxpr, which takes a jitted
-step off JAX's fast C++ dispatch path.
+Dividing is the full batch's division, except where it is 0 / 0: a total
+weight of zero gives zeros, never NaN, and a non-finite total weight gives a
+non-finite result, as ``loss_sum / weight`` does over the whole batch. A NaN
+or Inf that the loss itself produced always reaches the result. (The
+value-level checks of the weights are in :mod:`jaxaccum._checks`.)
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 
 PyTree = Any
 
@@ -54,24 +50,37 @@ class Normalization(NamedTuple):
 
 
 def safe_divide(total: PyTree, weight: jax.Array) -> PyTree:
-  """``total / weight`` leaf by leaf, and zeros where ``weight`` is zero.
+  """``total / weight`` leaf by leaf, as the full batch divides, but zeros
+  where ``weight`` is zero.
 
-  Where the weight is zero the quotient is multiplied by 0, not selected
-  away: the result is zero for a finite total, and a NaN or Inf that the loss
-  itself produced is not hidden. (An elementwise select here also cost a
-  whole extra copy of the gradients on an H100 target: XLA did not fuse it
-  into the optimizer update that reads the result, a multiplication it did.)
+  - A finite, non-zero weight divides exactly (negative too: the full batch
+    would).
+  - A zero weight gives zeros for finite sums, never the NaN of 0 / 0; a NaN
+    or Inf that the loss itself produced is not hidden (it is multiplied by
+    0, not selected away).
+  - A NaN or Inf weight gives NaN: the full batch's ``loss_sum / weight`` is
+    not finite either, and a step must not be taken on it.
+
+  No elementwise select touches the (possibly large) sums: an elementwise
+  select here cost a whole extra copy of the gradients on an H100 target,
+  which XLA did not fuse into the optimizer update that reads the result; a
+  scalar factor it does.
 
   >>> import jax.numpy as jnp
   >>> safe_divide({"a": jnp.array([2.0, 4.0])}, jnp.array(2.0))["a"].tolist()
   [1.0, 2.0]
-  >>> safe_divide(jnp.array([1.0]), jnp.array(0.0)).tolist()
-  [0.0]
+  >>> safe_divide(jnp.array([1.0, jnp.nan]), jnp.array(0.0)).tolist()
+  [0.0, nan]
+  >>> safe_divide(jnp.array([1.0]), jnp.array(jnp.inf)).tolist()
+  [nan]
   """
-  positive = weight > 0
-  denominator = jnp.where(positive, weight, 1)
+  zero = weight == 0
+  denominator = jnp.where(zero, jnp.ones_like(weight), weight)
+  # 1 for a finite non-zero weight, NaN for a non-finite one (Inf / Inf), and
+  # 0 for a zero weight; never 0 / 0, so jax_debug_nans stays quiet.
+  factor = jnp.where(zero, jnp.zeros_like(weight), denominator / denominator)
   return jax.tree.map(
-    lambda t: (t / denominator.astype(t.dtype)) * positive.astype(t.dtype), total
+    lambda t: (t / denominator.astype(t.dtype)) * factor.astype(t.dtype), total
   )
 
 
@@ -167,32 +176,3 @@ def get(normalize: str) -> Normalization:
     return MODES[normalize]
   except (KeyError, TypeError):
     raise ValueError(f"Unknown {normalize=}; choose one of {sorted(MODES)}.") from None
-
-
-def check_weights(weights: jax.Array) -> None:
-  """Every micro-batch weight is finite and non-negative (under checkify)."""
-  checkify.debug_check(
-    jnp.all(jnp.isfinite(weights) & (weights >= 0)),
-    "jaxaccum: micro-batch weights must be finite and >= 0, got {weights}.",
-    weights=weights,
-  )
-
-
-def check_total_weight(total: jax.Array, grad_sums: PyTree) -> None:
-  """The total weight is positive, or the summed gradients are zero (under
-  checkify).
-
-  ``grad_sums`` are the gradients before normalization. A zero total weight
-  under a loss sum that still depends on the parameters means the weights and
-  the loss disagree (a mask applied to one and not the other); the zero
-  result would hide that.
-  """
-  zero = jnp.all(
-    jnp.asarray([jnp.all(g == 0) for g in jax.tree.leaves(grad_sums)] or [True])
-  )
-  checkify.debug_check(
-    (total > 0) | zero,
-    "jaxaccum: total weight {total} is not positive, yet the summed gradient is "
-    "not zero: the weights count no rows that the loss sums over.",
-    total=total,
-  )

@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import optax
 from flax import nnx
 
-from jaxaccum._transform import AccumulateState
+from jaxaccum._accumulate import AccumulateState
+from jaxaccum._loss_scale import DynamicLossScale
 
 PyTree = Any
 
@@ -125,3 +127,44 @@ def inner_step(opt_state: PyTree) -> jax.Array:
   (2, 8)
   """
   return _value(find_accumulate_state(opt_state).step)
+
+
+def find_loss_scale(opt_state: PyTree) -> DynamicLossScale | None:
+  """The loss scale of the ``accumulate(..., loss_scale=...)`` that sees the
+  gradients first: ``tx`` itself or the first link of an ``optax.chain``
+  (also inside ``inject_hyperparams`` or ``MultiSteps``); None if there is
+  no loss scale. A scale anywhere else would leave other gradients scaled,
+  so it raises a ``ValueError``.
+  """
+  is_scale = lambda x: isinstance(x, DynamicLossScale)  # noqa: E731
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_scale) if is_scale(x)]
+  if not found:
+    return None
+  first = _first_transformation(opt_state)
+  if len(found) > 1 or not _is_state(first) or first.loss_scale is None:
+    raise ValueError(
+      "make_train_step multiplies the whole loss by the loss scale, so the "
+      "jaxaccum.accumulate(..., loss_scale=...) that unscales it must see "
+      "every gradient first: pass it as tx, or first in optax.chain. This "
+      f"opt_state holds {len(found)} loss scale(s) elsewhere."
+    )
+  return first.loss_scale
+
+
+def _first_transformation(opt_state: PyTree) -> Any:
+  """The state of the transformation that sees the gradients first, through
+  the wrappers that pass every gradient on: ``inject_hyperparams``,
+  ``MultiSteps`` and ``optax.chain`` (its first link)."""
+  first = opt_state
+  while not _is_state(first):
+    if isinstance(
+      first, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    ):
+      first = first.inner_state
+    elif isinstance(first, optax.MultiStepsState):
+      first = first.inner_opt_state
+    elif type(first) is tuple and first:  # optax.chain
+      first = first[0]
+    else:
+      break
+  return first

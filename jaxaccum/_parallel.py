@@ -2,30 +2,34 @@
 
 Accumulating under plain ``jit`` over a sharded batch leaves the reduction to
 the partitioner, which places an all-reduce of the gradients inside the loop
-body: ``k`` reductions per step. Here the step runs inside ``jax.shard_map``
-over the data axes instead (one axis, or several for HSDP, e.g.
-``("replica", "fsdp")``):
+body: ``k`` reductions per step. Here the step keeps one gradient per device
+instead, in global view:
 
-1. Each device splits its own shard of the batch locally, so micro-batch ``i``
-   is the ``i``-th contiguous slice of every shard and no data moves.
-2. Parameters sharded along data axes (FSDP) are all-gathered along them once,
-   before the loop. All parameters are then cast to *varying* along the data
-   axes (``lax.pcast``), so autodiff inserts no ``psum`` into the backward
-   pass.
-3. The ``lax.scan`` accumulates local gradient sums.
-4. After the loop, one reduction: ``psum_scatter`` along the data axes a
-   parameter is sharded over (its grads come back sharded like it) and
-   ``psum`` along the others; ``psum`` of the loss and weight sums, so the
-   weighted mode divides by the global token count; ``pmean`` of floating
-   state.
+1. The batch, sharded over the data axes, is laid out as ``(D, k, m / D,
+   ...)``: one block per device, so micro-batch ``i`` is the ``i``-th slice
+   of every device's shard and no data moves (``_split``).
+2. The micro step runs ``vmap``-ped over the blocks, with
+   ``spmd_axis_name`` set to the data axes: every device computes the
+   gradient of its own rows, ``(D, *shape)``, and nothing is summed over
+   devices inside the loop. ``fun`` sees one device's micro-batch and the
+   mesh as under plain ``jit``: its sharding annotations on the other axes
+   (a tensor-parallel ``"model"``), flax's layers, concrete-mesh constraints
+   all work as they do there.
+3. After the loop, one reduction: the sum over devices, constrained to each
+   parameter's sharding (a reduce-scatter for a parameter sharded over data
+   axes, FSDP; an all-reduce otherwise).
 
-Every other mesh axis (tensor parallel ``"model"``, say) keeps its sharding:
-``shard_map`` makes only the data axes manual, and the parameters, the
-accumulators and the grads stay sharded along the rest. On a mesh with
-``Explicit`` axes, those axes are made ``Auto`` around the ``shard_map``
-(whose lowering would otherwise replicate them at its boundary) and
-``Explicit`` again around the loop, so that ``fun`` sees exactly the types it
-sees under plain ``jit``, minus the manual data axes.
+FSDP leaves (parameters sharded over data axes) have two modes
+(``fsdp_gather``):
+
+- ``"per_micro_batch"`` (default): the forward uses the weight gathered
+  where it is needed, as the full-batch step does, and each micro-batch's
+  gradient is reduce-scattered over the FSDP axes into a float32 accumulator
+  sharded like the parameter, ``P / D`` per device. Data axes the leaf is
+  replicated over (HSDP's replica axes) are reduced once, after the loop.
+- ``"once"``: the weight is gathered before the loop and the full gradient
+  accumulated per device; one reduce-scatter after the loop, no collective
+  inside it. Choose it when communication, not memory, is the limit.
 
 The micro-batch index folded into the key is global: micro-batch ``i`` of
 device ``d`` is ``d * k + i``, ``d`` counting the data axes' devices in the
@@ -36,11 +40,9 @@ micro-batches, keys included.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import contextlib
 import math
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,119 +50,51 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _calls, _sharding, _split, _stats
+from jaxaccum import _compat, _engine, _normalize, _sharding, _tree
 from jaxaccum._engine import Engine
+from jaxaccum._options import Options
 
 PyTree = Any
 Layout = tuple["_sharding.SplitSpec | None", ...]
 
 
-def _data_axes(mesh: jax.sharding.Mesh, data_axis: Any) -> tuple[str, ...]:
-  axes = (data_axis,) if isinstance(data_axis, str) else data_axis
-  if (
-    not isinstance(axes, tuple) or not axes or not all(isinstance(a, str) for a in axes)
-  ):
-    raise TypeError(
-      "data_axis must be a mesh axis name or a non-empty tuple of them, got "
-      f"{data_axis!r}."
-    )
-  for a in axes:
-    if a not in mesh.axis_names:
-      raise ValueError(
-        f"data_axis {a!r} is not an axis of the mesh, whose axes are {mesh.axis_names}."
-      )
-  if len(set(axes)) != len(axes):
-    raise ValueError(f"data_axis={data_axis!r} repeats an axis.")
-  return axes
-
-
-def _names_manual_axes(error: Exception, axes: Sequence[str]) -> bool:
-  message = str(error)
-  return "Manual" in message and any(
-    re.search(rf"(?<![\w]){re.escape(a)}(?![\w])", message) for a in axes
-  )
-
-
-def _guard_manual_axes(fun: Callable[..., Any], axes: tuple[str, ...]):
-  """``fun``, with JAX's error about a manual axis explained in our terms."""
-
-  @functools.wraps(fun)
-  def guarded(*args, **kwargs):
-    try:
-      return fun(*args, **kwargs)
-    except Exception as error:
-      if not _names_manual_axes(error, axes):
-        raise
-      raise ValueError(
-        f"fun names the data axes {axes} in a sharding annotation, but "
-        "jaxaccum runs fun inside shard_map, where the data axes are manual: "
-        "each device sees only its own micro-batch. Read the batch axis from "
-        "the input's type instead, which works in both views, e.g. "
-        "out_sharding=P(jax.typeof(x).sharding.spec[0], None) (that entry is "
-        "the data axis under plain jit and None inside jaxaccum). Annotations "
-        "and collectives on the other mesh axes work as under plain jit. "
-        f"JAX said: {error}"
-      ) from error
-
-  return guarded
-
-
 class DataParallel:
-  """Runs an :class:`Engine` data-parallel over ``mesh``'s data axes."""
+  """Runs an :class:`Engine` data-parallel over the mesh's data axes."""
 
-  def __init__(
-    self,
-    engine: Engine,
-    mesh: jax.sharding.Mesh,
-    data_axis: str | tuple[str, ...],
-    param_specs: PyTree | None,
-  ):
-    if not isinstance(mesh, jax.sharding.Mesh):
-      raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}.")
-    self.axes = _data_axes(mesh, data_axis)
-    self.engine = dataclasses.replace(
-      engine, fun=_guard_manual_axes(engine.fun, self.axes)
-    )
-    self.mesh = mesh
-    self.num_devices = math.prod(mesh.shape[a] for a in self.axes)
-    self.param_specs = param_specs
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    explicit = {a for a, t in types.items() if t == AxisType.Explicit}
-    self.explicit = frozenset(explicit)
-    # Explicit axes other than the data axes: Auto around the shard_map,
-    # Explicit again around the loop.
-    self.other_explicit = tuple(
-      a for a in mesh.axis_names if a in explicit - set(self.axes)
-    )
-
-  @property
-  def _batch_entry(self) -> Any:
-    return self.axes[0] if len(self.axes) == 1 else self.axes
+  def __init__(self, options: Options):
+    assert options.mesh is not None and options.data_axes is not None
+    self.options = options
+    self.mesh = options.mesh
+    self.axes = options.data_axes
+    self.devices = options.data_devices
+    self.sizes = tuple(self.mesh.shape[a] for a in self.axes)
+    types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+    self.explicit = any(types[a] == AxisType.Explicit for a in self.mesh.axis_names)
 
   # -- what a compiled step is for ------------------------------------------
 
-  def layout(self, args: tuple[Any, ...]) -> Layout:
+  def layout(self, o: Options, args: tuple[Any, ...]) -> Layout:
     """Per leaf of the differentiated arguments, its split spec if known.
 
     From ``param_specs`` if given, else from the arrays: their sharding
-    outside ``jit``, their type on ``Explicit`` axes inside it. Unknown
-    (``None``) means replicated along the data axes.
+    outside ``jit``, their type on Explicit axes inside it. Unknown (None)
+    means replicated along the data axes. ``o`` are the options with their
+    positions resolved for ``args``.
     """
-    engine = self.engine
     specs: list[Any] = []
-    given = self.param_specs
-    if given is not None and len(engine.argnums) == 1:
+    given = o.param_specs
+    if given is not None and len(o.argnums) == 1:
       given = (given,)
-    for j, n in enumerate(engine.argnums):
+    for j, n in enumerate(o.argnums):
       arg = args[n]
       if given is not None:
-        leaf_specs = _broadcast_specs(given[j], arg)
+        leaf_specs = _broadcast_specs(given[j], arg, o.names(n))
       else:
-        leaf_specs = [_sharding.visible_spec(x) for x in jax.tree.leaves(arg)]
+        leaf_specs = [_compat.visible_spec(x) for x in jax.tree.leaves(arg)]
       for (path, x), spec in zip(
         jax.tree_util.tree_leaves_with_path(arg), leaf_specs, strict=True
       ):
-        what = f"The parameter args[{n}]{jax.tree_util.keystr(path)}"
+        what = f"The parameter {o.names(n)}{jax.tree_util.keystr(path)}"
         specs.append(
           None
           if spec is None
@@ -168,372 +102,378 @@ class DataParallel:
         )
     return tuple(specs)
 
-  def check_global_batch(self, args: tuple[Any, ...]) -> None:
-    batch = {f"args[{i}]": args[i] for i in self.engine.batch_argnums}
-    size = _split.leading_batch_size(batch)
-    where = f"the {self.num_devices} devices of data axes {self.axes}"
-    if size % self.num_devices:
-      raise ValueError(f"The global batch_size={size} is not divisible by {where}.")
-    local = size // self.num_devices
-    try:
-      _split.plan_split(
-        local, self.engine.num_micro_batches, self.engine.micro_batch_size
-      )
-    except ValueError as error:
-      raise ValueError(
-        f"The global batch_size={size} on {where} is {local} rows per device, "
-        f"and per device: {error}"
-      ) from None
-
   # -- the traced step --------------------------------------------------------
 
-  def __call__(self, layout: Layout, /, *args: Any, **kwargs: Any) -> Any:
-    """The step, traced: ``((value, aux), grads_tuple, noise)``."""
-    engine, axes = self.engine, self.axes
-    engine.check_args(args)
-    self.check_global_batch(args)
-    args = tuple(
-      jax.tree.map(jnp.asarray, a) if n in engine.array_argnums else a
+  def __call__(
+    self, engine: Engine, layout: Layout, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> _engine.Result:
+    """The step, traced: plan, gather, loop, reduce, normalize."""
+    with _mesh_context(self.mesh):
+      o = engine.options
+      engine.check_args(args)
+      split = engine.plan(args, devices=self.devices)
+      _engine.check_noise_estimable(o, self.devices * split.num_micro_batches)
+      diff_args = tuple(args[n] for n in o.argnums)
+      call_args, kwargs = self._whole_on_every_device(o, args, kwargs)
+      for n, d in zip(o.argnums, self._gather_once(diff_args, layout), strict=True):
+        call_args[n] = d
+      state_in = None if o.state_argnum is None else args[o.state_argnum]
+      sums = engine.sums(
+        tuple(call_args),
+        kwargs,
+        split,
+        step=self._per_device_step(engine, tuple(call_args), kwargs, split, layout),
+        accumulator=self._accumulator(o, layout),
+        state=None if state_in is None else self._device_states(state_in),
+        per_block=True,
+      )
+      sums = self._reduce(sums, layout, state_in)
+      result = engine.finish(sums, diff_args)
+      return result._replace(
+        grads=_map_leaves(self._like_parameter, result.grads, layout)
+      )
+
+  def _whole_on_every_device(
+    self, o: Options, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> tuple[list[Any], dict[str, Any]]:
+    """On Explicit axes, the batch sharded over the data axes, and the arrays
+    that reach every micro-batch whole (those outside the batch, the
+    parameters and the state) resharded off them: a ``vmap`` over the data
+    axes wants its mapped axis sharded along them, and refuses an unmapped
+    value sharded along them."""
+    if not self.explicit:
+      return list(args), kwargs
+    keep = set(o.argnums) | {o.state_argnum}
+    off = lambda tree: jax.tree.map(self._off_data_axes, tree)  # noqa: E731
+    call_args = [
+      self._on_data_axes(a) if n in o.batch_argnums else (a if n in keep else off(a))
       for n, a in enumerate(args)
-    )
-    core = {n: args[n] for n in engine.array_argnums}
-    others = {n: a for n, a in enumerate(args) if n not in core}
-    statics, other_arrays = _calls.split_statics((others, kwargs))
-    num_args = len(args)
+    ]
+    return call_args, off(kwargs)
 
-    def rebuild(core, other_arrays):
-      others, kwargs = statics.merge(other_arrays)
-      merged = {**others, **core}
-      return tuple(merged[n] for n in range(num_args)), kwargs
+  def _on_data_axes(self, batch: PyTree) -> PyTree:
+    """Batch leaves with their leading axis sharded over the data axes, the
+    other axes as they are."""
 
-    # Per leaf of `core`: the split spec (data axes vs the rest).
-    diff_layout = iter(layout)
-    split_core: dict[int, Any] = {}
-    for n in sorted(core):
-      if n in engine.argnums:
-        continue
-      split_core[n] = jax.tree.map(
-        lambda x, n=n: self._split_input(
-          x, f"args[{n}]", batch=n in engine.batch_argnums
-        ),
-        core[n],
-      )
-    for n in engine.argnums:
-      split_core[n] = jax.tree.map(
-        lambda x: next(diff_layout) or _sharding.split_spec(None, jnp.ndim(x), axes),
-        core[n],
-      )
-    split_others = [self._split_input(x, "a keyword argument") for x in other_arrays]
-    is_split = lambda s: isinstance(s, _sharding.SplitSpec)  # noqa: E731
-    explicit_specs = jax.tree.map(
-      lambda s: s.other_spec(frozenset(self.other_explicit)),
-      (split_core, split_others),
-      is_leaf=is_split,
-    )
-    data_specs = jax.tree.map(
-      lambda s: s.data_spec(), (split_core, split_others), is_leaf=is_split
-    )
-    diff_splits = tuple(split_core[n] for n in engine.argnums)
-
-    def local_step(core, other_arrays):
-      local_args, _ = rebuild(core, other_arrays)
-      split = engine.plan(local_args)
-      local_diff = tuple(local_args[n] for n in engine.argnums)
-      device = jax.lax.axis_index(axes)
-      call_core = dict(core)
-      for n, arg, splits in zip(engine.argnums, local_diff, diff_splits, strict=True):
-        call_core[n] = _sharding.to_varying(jax.tree.map(_gather, arg, splits), axes)
-      state_in = None
-      if engine.state_argnum is not None:
-        # Each device threads its own copy of the state, with the device index
-        # folded into any PRNG key in it (e.g. an nnx RNG stream), so devices
-        # draw different dropout masks.
-        state_in = core[engine.state_argnum]
-        call_core[engine.state_argnum] = _sharding.to_varying(
-          jax.tree.map(lambda x: _fold_key(x, device), state_in), axes
-        )
-
-      def accumulate(call_core, other_arrays, offset):
-        call_args, kwargs = rebuild(call_core, other_arrays)
-        return engine.sums(call_args, kwargs, split, index_offset=offset)
-
-      sums = self._in_explicit_region(
-        accumulate,
-        (call_core, other_arrays, device * split.num_micro_batches),
-        (*explicit_specs, P()),
-      )
-      grads = jax.tree.map(_reduce_grad(axes), sums.grads, diff_splits)
-      sums = sums._replace(
-        loss=jax.lax.psum(sums.loss, axes),
-        weight=jax.lax.psum(sums.weight, axes),
-        grads=grads,
-        state=_reduce_state(sums.state, state_in, axes),
-        noise=None if sums.noise is None else jax.lax.psum(sums.noise, axes),
-      )
-      return engine.finish(sums, local_diff, _sharded_sq_norm(diff_splits))
-
-    out_specs = (
-      self._value_aux_specs(),
-      jax.tree.map(lambda s: s.data_spec(), diff_splits, is_leaf=is_split),
-      P(),
-    )
-    mapped = jax.shard_map(
-      local_step,
-      mesh=None if self.other_explicit else self.mesh,
-      in_specs=data_specs,
-      out_specs=out_specs,
-      axis_names=set(axes),
-    )
-
-    def step(core, other_arrays):
-      inputs = self._reshard_data_axes((core, other_arrays), data_specs)
-      return mapped(*inputs)
-
-    if not self.other_explicit:
-      value_aux, grads, noise = step(core, other_arrays)
-      return value_aux, self._constrain_auto(grads, diff_splits), noise
-    return self._auto_around(step, core, other_arrays, diff_splits, split_core)
-
-  def _reshard_data_axes(self, inputs: Any, data_specs: Any) -> Any:
-    """On Explicit data axes, ``shard_map`` wants each input sharded along
-    them exactly as its ``in_specs`` say: reshard the inputs that are not
-    (e.g. a keyword array sharded along the data axis, which every device
-    gets whole)."""
-    if not self.explicit & set(self.axes):
-      return inputs
-    mesh = self.mesh if not self.other_explicit else None
-
-    def fix(x, spec):
-      have = _sharding.split_spec(_sharding.visible_spec(x), jnp.ndim(x), self.axes)
-      if have.data_spec() == spec:
+    def on(x):
+      split = _sharding.split_spec(_compat.visible_spec(x), jnp.ndim(x), self.axes)
+      if split.data[0] == self.axes:
         return x
-      return jax.sharding.reshard(
-        x, spec if mesh is None else NamedSharding(mesh, spec)
-      )
+      return self._constrain(x, P(_entry(self.axes), *tuple(split.other_spec())[1:]))
 
-    return jax.tree.map(fix, inputs, data_specs)
+    return jax.tree.map(on, batch)
 
-  def _split_input(self, x: Any, what: str, batch: bool = False) -> _sharding.SplitSpec:
-    """The split spec of an input that is not differentiated: its visible
-    sharding along the other axes; along the data axes, the batch axis for a
-    batch leaf and replicated otherwise."""
-    visible = _sharding.split_spec(
-      _sharding.visible_spec(x), jnp.ndim(x), self.axes, what
+  def _off_data_axes(self, x: Any) -> Any:
+    """``x`` with the data axes removed from its sharding (Explicit axes)."""
+    spec = _compat.explicit_spec(x) if isinstance(x, jax.Array) else None
+    if spec is None:
+      return x
+    split = _sharding.split_spec(spec, jnp.ndim(x), self.axes)
+    return x if not split.sharded_dims() else self._constrain(x, split.other_spec())
+
+  def _gather_once(self, diff_args: tuple[PyTree, ...], splits: Any) -> Any:
+    """With ``fsdp_gather="once"``, FSDP leaves gathered over their data axes
+    before the loop (the other axes keep their sharding)."""
+    if self.options.fsdp_gather != "once":
+      return diff_args
+    return _map_leaves(
+      lambda x, s: self._constrain(x, s.other_spec()) if _fsdp(s) else x,
+      diff_args,
+      splits,
     )
-    other = visible.other
-    if batch and other and other[0]:
-      raise ValueError(
-        f"Batch leaf {what} is sharded along {other[0]} in its batch "
-        f"dimension; jaxaccum splits the batch dimension along the data axes "
-        f"{self.axes} only."
-      )
-    data: tuple[tuple[str, ...], ...] = tuple(() for _ in other)
-    if batch:
-      data = (self.axes, *data[1:])
-    return _sharding.SplitSpec(data, other)
 
-  def _in_explicit_region(self, fun, inputs, specs) -> Any:
-    """``fun(*inputs)`` with the other Explicit axes Explicit again, each
-    input sharded along them by ``specs``."""
-    if not self.other_explicit:
-      return fun(*inputs)
-    region = jax.sharding.explicit_axes(
-      fun, axes=self.other_explicit, in_sharding=specs
+  def _per_device_step(
+    self,
+    engine: Engine,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    split: Any,
+    layout: Layout,
+  ) -> Callable[..., Any]:
+    """The engine's micro step, ``vmap``-ped over the devices' blocks: device
+    ``d``'s micro-batch ``i`` gets the key of global micro-batch ``d*k + i``.
+    On Explicit axes the FSDP leaves enter it gathered, as a ``vmap`` over
+    the data axes refuses an unmapped value sharded along them (on Auto axes
+    the partitioner gathers them where they are used)."""
+    k = split.num_micro_batches
+    base = engine.micro_step(args, kwargs, split, self.devices * k)
+    has_state = engine.options.state_argnum is not None
+    vmapped = jax.vmap(
+      _explained(base, self.axes),
+      in_axes=(None, 0, 0, 0 if has_state else None),
+      spmd_axis_name=self.axes,
     )
-    return region(*inputs)
-
-  def _auto_around(self, step, core, other_arrays, diff_splits, split_core):
-    """Runs ``step`` with the other Explicit axes Auto, and gives its outputs
-    back the shardings they have under plain ``jit``: the grads exactly the
-    parameters'."""
-    value_aux_specs = self._value_aux_specs(split_core)
-    keep = self.explicit
-
-    def full(s):
-      only = lambda names: tuple(n for n in names if n in keep)  # noqa: E731
-      spec = _sharding.SplitSpec(tuple(map(only, s.data)), tuple(map(only, s.other)))
-      return NamedSharding(self.mesh, spec.full_spec())
-
-    out_sharding = (
-      jax.tree.map(
-        lambda s: NamedSharding(self.mesh, s),
-        value_aux_specs,
-        is_leaf=lambda s: isinstance(s, P),
-      ),
-      jax.tree.map(
-        full, diff_splits, is_leaf=lambda s: isinstance(s, _sharding.SplitSpec)
-      ),
-      NamedSharding(self.mesh, P()),
+    offsets = self._constrain(
+      jnp.arange(self.devices, dtype=jnp.int32) * k, P(_entry(self.axes))
     )
-    return jax.sharding.auto_axes(
-      step, axes=self.other_explicit, out_sharding=out_sharding
-    )(core, other_arrays)
 
-  def _constrain_auto(self, grads: Any, diff_splits: Any) -> Any:
-    """On an all-Auto mesh, pins the grads to the parameters' known specs."""
-    if self.explicit:
-      return grads
-
-    def pin(g, s):
-      if s is None or (not any(s.other) and not any(s.data)):
-        return g
-      return jax.lax.with_sharding_constraint(
-        g, NamedSharding(self.mesh, s.full_spec())
-      )
-
-    return jax.tree.map(pin, grads, diff_splits)
-
-  def _value_aux_specs(self, split_core: dict[int, Any] | None = None) -> Any:
-    """Value: replicated. Aux: device-major along its micro-batch axis.
-
-    The stacked aux of device ``d`` holds its micro-batches ``d*k .. d*k+k-1``,
-    so concatenating along the leading axis gives them in global order. The
-    state is replicated along the data axes (and, with ``split_core``, keeps
-    its sharding along the other Explicit axes).
-    """
-    aux_spec: Any = P(self._batch_entry)
-    n = self.engine.state_argnum
-    if n is not None:
-      if split_core is None:
-        state_spec: Any = P()
-      else:
-        keep = frozenset(self.other_explicit)
-        state_spec = jax.tree.map(
-          lambda s: s.other_spec(keep),
-          split_core[n],
-          is_leaf=lambda s: isinstance(s, _sharding.SplitSpec),
+    def step(diff_args, micro, index, state):
+      if self.explicit:
+        diff_args = _map_leaves(
+          lambda x, s: self._constrain(x, s.other_spec()) if _fsdp(s) else x,
+          diff_args,
+          layout,
         )
-      aux_spec = (aux_spec, state_spec)
-    return (P(), aux_spec)
+      return vmapped(diff_args, micro, offsets + index, state)
 
+    return step
 
-def _broadcast_specs(spec_tree: Any, arg: PyTree) -> list[P | None]:
-  """One spec per leaf of ``arg`` from ``spec_tree``, a tree prefix of it."""
-  is_spec = lambda s: isinstance(s, P) or s is None  # noqa: E731
-  specs: list[P | None] = []
-  jax.tree.map(
-    lambda s, sub: specs.extend([s] * len(jax.tree.leaves(sub))),
-    spec_tree,
-    arg,
-    is_leaf=is_spec,
-  )
-  return specs
+  def _accumulator(self, options: Options, splits: Any) -> _engine.Accumulator:
+    """Per leaf: a gradient per device, ``(D, *shape)``; or, for an FSDP
+    leaf in ``"per_micro_batch"`` mode, each micro-batch's gradient summed
+    over its FSDP axes (a reduce-scatter) into an accumulator sharded like
+    the parameter, one entry per device of the other data axes."""
+    reduced = self._scattered_in_loop
 
+    def layout(x, s):
+      """The accumulator's leading size and its spec."""
+      kept = self._kept_axes(s) if reduced(s) else self.axes
+      groups = math.prod(self.mesh.shape[a] for a in kept)
+      if s is None:
+        inner: tuple[Any, ...] = (P.UNCONSTRAINED,) * jnp.ndim(x)
+      else:
+        inner = tuple(s.full_spec() if reduced(s) else s.other_spec())
+      return groups, P(_entry(kept), *inner)
 
-def _manual_along_others(
-  fun: Callable[[jax.Array], jax.Array], x: jax.Array, split: _sharding.SplitSpec
-) -> jax.Array:
-  """``fun(x)`` with the other axes ``x`` is sharded along made manual too.
+    def dtype(x):
+      return _normalize.accumulator_dtype(options.accum_dtype, x)
 
-  A collective along the data axes inside the (partially manual) step would
-  otherwise first replicate its operand along the other axes: an FSDP + TP
-  parameter would be all-gathered along the tensor-parallel axis as well. In
-  a nested ``shard_map`` over those axes, each device gathers or
-  reduce-scatters just its own tensor-parallel shard.
-  """
-  others = frozenset(n for names in split.other for n in names)
-  if not others:
-    return fun(x)
-  spec = split.other_spec()
-  return jax.shard_map(fun, in_specs=spec, out_specs=spec, axis_names=set(others))(x)
+    def zeros(x, s):
+      groups, spec = layout(x, s)
+      return self._constrain(jnp.zeros((groups, *jnp.shape(x)), dtype(x)), spec)
 
+    def fold(g, s):
+      """One micro-batch's ``(D, *shape)`` gradient, as its accumulator holds it."""
+      g = g.astype(dtype(g))
+      return self._reduce_scatter(g, s) if reduced(s) else g
 
-def _gather(x: jax.Array, split: _sharding.SplitSpec) -> jax.Array:
-  """An FSDP shard all-gathered along its data axes (once, before the loop)."""
-  if not split.sharded_dims():
-    return x
-
-  def gather(x):
-    for dim, names in split.sharded_dims():
-      x = jax.lax.all_gather(x, names, axis=dim, tiled=True)
-    return x
-
-  return _manual_along_others(gather, x, split)
-
-
-def _reduce_grad(axes: tuple[str, ...]) -> Callable[[jax.Array, Any], jax.Array]:
-  """The one reduction of a gradient sum: reduce-scatter along the data axes
-  its parameter is sharded over, all-reduce along the others."""
-
-  def reduce(g, split):
-    rest = tuple(a for a in axes if a not in split.data_axes_used())
-    if not split.sharded_dims():
-      return jax.lax.psum(g, rest)
-
-    def scatter(g):
-      for dim, names in split.sharded_dims():
-        g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
-      return jax.lax.psum(g, rest) if rest else g
-
-    return _manual_along_others(scatter, g, split)
-
-  return reduce
-
-
-def _sharded_sq_norm(diff_splits: Any) -> Callable[[PyTree], jax.Array]:
-  """The whole gradient's squared norm, from leaves some of which are sharded
-  along data axes (each summed over the axes it is sharded over)."""
-
-  def sq_norm(normalized):
-    groups: dict[frozenset[str], list[jax.Array]] = {}
-    splits = jax.tree.leaves(
-      diff_splits, is_leaf=lambda s: isinstance(s, _sharding.SplitSpec)
+    return _engine.Accumulator(
+      init=lambda diff: _map_leaves(zeros, diff, splits),
+      first=lambda grads: _map_leaves(fold, grads, splits),
+      add=lambda acc, grads: jax.tree.map(
+        jnp.add, acc, _map_leaves(fold, grads, splits)
+      ),
     )
-    for g, s in zip(jax.tree.leaves(normalized), splits, strict=True):
-      groups.setdefault(s.data_axes_used(), []).append(g)
-    total = jnp.zeros((), jnp.float32)
-    for used, leaves in groups.items():
-      part = _stats.sq_norm(leaves)
-      total = total + (jax.lax.psum(part, tuple(sorted(used))) if used else part)
-    return total
 
-  return sq_norm
+  def _reduce_scatter(self, g: jax.Array, s: _sharding.SplitSpec) -> jax.Array:
+    """``(D, *shape)`` per-device gradients summed over the leaf's FSDP axes
+    and scattered to its sharding: ``(R, *shape)``, ``R`` the devices of the
+    other data axes. A reduce-scatter, written as one (in a ``shard_map``
+    over the data axes and the leaf's other axes) rather than left to the
+    partitioner, which may all-reduce and slice."""
+    kept = self._kept_axes(s)
+    others = {n for names in s.other for n in names}
+    in_spec = P(_entry(self.axes), *s.other_spec())
+    out_spec = P(_entry(kept), *s.full_spec())
+
+    def scatter(local):
+      x = local[0]
+      for dim, names in s.sharded_dims():
+        over = tuple(n for n in names if self.mesh.shape[n] > 1)
+        if over:
+          x = jax.lax.psum_scatter(x, over, scatter_dimension=dim, tiled=True)
+      return x[None]
+
+    mapped = jax.shard_map(
+      scatter,
+      mesh=self.mesh,
+      in_specs=in_spec,
+      out_specs=out_spec,
+      axis_names=set(self.axes) | others,
+    )
+    return mapped(g)
+
+  def _scattered_in_loop(self, s: _sharding.SplitSpec | None) -> bool:
+    """Whether a leaf's gradient is reduce-scattered in the loop: an FSDP
+    leaf in ``"per_micro_batch"`` mode."""
+    return self.options.fsdp_gather == "per_micro_batch" and _fsdp(s)
+
+  def _kept_axes(self, s: _sharding.SplitSpec) -> tuple[str, ...]:
+    """The data axes a leaf is replicated over (HSDP's replica axes)."""
+    return tuple(a for a in self.axes if a not in s.data_axes_used())
+
+  def _device_states(self, state: PyTree) -> PyTree:
+    """Each device's copy of the state, ``(D, ...)``, with the device index
+    folded into any typed PRNG key in it (e.g. an nnx RNG stream), so that
+    devices draw different dropout masks."""
+    devices = jnp.arange(self.devices, dtype=jnp.int32)
+
+    def per_device(x):
+      if _tree.is_key(x):
+        copies = jax.vmap(lambda d: _tree.fold_in(x, d))(devices)
+      else:
+        copies = jnp.broadcast_to(jnp.asarray(x), (self.devices, *jnp.shape(x)))
+      other = _sharding.split_spec(_compat.visible_spec(x), jnp.ndim(x), self.axes)
+      return self._constrain(copies, P(_entry(self.axes), *other.other_spec()))
+
+    return jax.tree.map(per_device, state)
+
+  def _reduce(self, sums: _engine.Sums, splits: Any, state_in: PyTree) -> _engine.Sums:
+    """The one reduction over devices, after the loop: the gradients summed
+    into each parameter's sharding; the aux in device-major order; the
+    devices' states made one."""
+    grads = _map_leaves(self._sum_over_devices, sums.grads, splits)
+    return sums._replace(
+      grads=grads,
+      aux=jax.tree.map(_device_major, sums.aux),
+      state=None if state_in is None else _reduce_state(sums.state, state_in),
+    )
+
+  def _sum_over_devices(
+    self, acc: jax.Array, s: _sharding.SplitSpec | None
+  ) -> jax.Array:
+    """An accumulator summed over its leading axis (devices), into the
+    parameter's sharding: reduce-scattered over the leaf's FSDP axes where
+    that was not done in the loop, all-reduced over the rest."""
+    if s is not None and _fsdp(s) and not self._scattered_in_loop(s):
+      acc = self._reduce_scatter(acc, s)
+    return self._like_parameter(jnp.sum(acc, axis=0), s)
+
+  def _like_parameter(self, g: jax.Array, s: _sharding.SplitSpec | None) -> jax.Array:
+    """``g`` sharded like its parameter, where that is known."""
+    return g if s is None else self._constrain(g, s.full_spec())
+
+  def _constrain(self, x: jax.Array, spec: P) -> jax.Array:
+    """``x`` laid out as ``spec`` on the mesh: a reshard on Explicit axes, a
+    sharding constraint on Auto ones."""
+    if self.explicit:
+      return jax.sharding.reshard(
+        x, NamedSharding(self.mesh, _explicit_only(spec, self.mesh))
+      )
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
-def _reduce_state(state: PyTree, state_in: PyTree, axes: tuple[str, ...]) -> PyTree:
-  """Makes each device's final state one replicated state.
+def mesh_context(mesh: jax.sharding.Mesh | None) -> Any:
+  """``jax.set_mesh(mesh)`` unless a mesh is set already (or ``mesh`` is
+  None): where jaxaccum compiles a step with ``mesh=`` itself (an eager call,
+  the planner), it runs in that mesh, as the user's ``jit`` would."""
+  if mesh is None or not jax.sharding.get_mesh().empty:
+    return contextlib.nullcontext()
+  return jax.set_mesh(mesh)
 
-  Every device threads its own state through its micro-batches. Floating
-  statistics (BatchNorm's running averages) are averaged over devices.
-  Integer counters advance identically on every device; their maximum is
-  taken. PRNG keys, which came in with the device index folded in, go out as
-  they came in if ``fun`` left them alone (an nnx RNG stream advances its
-  counter, not its key), and otherwise as device 0's new key. Only typed keys
-  (``jax.random.key``) are keys here: a raw ``uint32`` key is an integer
-  array, the same on every device.
+
+def _mesh_context(mesh: jax.sharding.Mesh) -> Any:
+  """The mesh as the context in which ``fun`` is traced, as under plain
+  ``jit`` in ``jax.set_mesh`` (annotations name axes by a bare
+  ``PartitionSpec``); the caller's own mesh context if it has one."""
+  if not jax.sharding.get_abstract_mesh().empty:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def _explicit_only(spec: P, mesh: jax.sharding.Mesh) -> P:
+  """``spec`` without the axes that are not Explicit (a reshard names only
+  those)."""
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+  def keep(entry):
+    if entry is None or entry is P.UNCONSTRAINED:
+      return None
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return _entry(tuple(n for n in names if types.get(n) == AxisType.Explicit))
+
+  return P(*(keep(e) for e in spec))
+
+
+def _entry(names: tuple[str, ...]) -> Any:
+  if not names:
+    return None
+  return names[0] if len(names) == 1 else names
+
+
+def _fsdp(s: _sharding.SplitSpec | None) -> bool:
+  """Whether a leaf is sharded over data axes (FSDP)."""
+  return s is not None and bool(s.sharded_dims())
+
+
+def _map_leaves(fun: Callable[..., Any], tree: PyTree, layout: Layout) -> PyTree:
+  """``fun(leaf, split)`` over the leaves of ``tree`` and their split specs,
+  one per leaf in order (None where unknown)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(
+    treedef, [fun(x, s) for x, s in zip(leaves, layout, strict=True)]
+  )
+
+
+def _device_major(x: jax.Array) -> jax.Array:
+  """``(k, D, ...)`` per micro-batch and device to ``(D * k, ...)``: device
+  ``d``'s micro-batches ``d*k .. d*k+k-1`` in global order."""
+  x = jnp.swapaxes(x, 0, 1)
+  return x.reshape((x.shape[0] * x.shape[1], *x.shape[2:]))
+
+
+def _reduce_state(state: PyTree, state_in: PyTree) -> PyTree:
+  """Makes each device's final state, ``(D, ...)``, one state.
+
+  Floating statistics (BatchNorm's running averages) are averaged over
+  devices. Integer counters advance identically on every device; their
+  maximum is taken. PRNG keys, which came in with the device index folded
+  in, go out as they came in if ``fun`` left them alone (an nnx RNG stream
+  advances its counter, not its key), and otherwise as device 0's new key.
+  Only typed keys (``jax.random.key``) are keys here: a raw ``uint32`` key
+  is an integer array, the same on every device.
   """
-  device = jax.lax.axis_index(axes)
 
   def reduce(new, old):
-    if _is_key(new):
-      return _final_key(new, old, device, axes)
+    if _tree.is_key(new):
+      return _final_key(new, old)
     if jnp.issubdtype(jnp.result_type(new), jnp.floating):
-      return jax.lax.pmean(new, axes)
-    return jax.lax.pmax(new, axes)
+      return jnp.mean(new, axis=0).astype(new.dtype)
+    return jnp.max(new, axis=0)
 
   return jax.tree.map(reduce, state, state_in)
 
 
-def _is_key(x: Any) -> bool:
-  return jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
-
-
-def _fold_key(x: Any, device: jax.Array) -> Any:
-  """``fold_in(x, device)`` for a key or an array of keys; ``x`` otherwise."""
-  if not _is_key(x):
-    return x
-  fold = jax.random.fold_in
-  for _ in range(jnp.ndim(x)):
-    fold = jax.vmap(fold, in_axes=(0, None))
-  return fold(x, device)
-
-
-def _final_key(new: Any, old: Any, device: jax.Array, axes: tuple[str, ...]) -> Any:
+def _final_key(new: jax.Array, old: jax.Array) -> jax.Array:
   """``old`` if device 0 left its key as it got it, else device 0's key."""
-  new_data = jax.random.key_data(new)
-  got = jax.random.key_data(_fold_key(old, device))
-  on_zero = device == 0
-  changed = jax.lax.psum((on_zero & jnp.any(new_data != got)).astype(jnp.int32), axes)
-  key_zero = jax.lax.psum(jnp.where(on_zero, new_data, 0), axes)
-  data = jnp.where(changed > 0, key_zero, jax.random.key_data(old))
-  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
+  data = jax.random.key_data(new)
+  if _compat.explicit_spec(data) is not None:  # device 0's entry, replicated
+    data = jax.sharding.reshard(data, P())
+  new_zero = jax.random.wrap_key_data(data[0], impl=jax.random.key_impl(new))
+  changed = jnp.any(
+    jax.random.key_data(new_zero) != jax.random.key_data(_tree.fold_in(old, 0))
+  )
+  return _tree.select(changed, new_zero, old)
+
+
+def _broadcast_specs(spec_tree: Any, arg: PyTree, name: str) -> list[P | None]:
+  """One spec per leaf of ``arg`` from ``spec_tree``, a tree prefix of it."""
+  is_spec = lambda s: isinstance(s, P) or s is None  # noqa: E731
+  specs: list[P | None] = []
+  try:
+    jax.tree.map(
+      lambda s, sub: specs.extend([s] * len(jax.tree.leaves(sub))),
+      spec_tree,
+      arg,
+      is_leaf=is_spec,
+    )
+  except ValueError as error:
+    raise ValueError(
+      f"param_specs does not match the structure of {name}: it must be a tree "
+      "prefix of the differentiated argument, a PartitionSpec (or None) where "
+      f"a subtree shares one. {error}"
+    ) from None
+  return specs
+
+
+def _explained(step: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
+  """``step``, with JAX's refusal of an annotation that names a data axis
+  explained in jaxaccum's terms."""
+
+  def explained(*args):
+    try:
+      return step(*args)
+    except Exception as error:
+      if not _compat.names_spmd_axis(error, axes):
+        raise
+      raise ValueError(
+        f"fun names the data axes {axes} in a sharding annotation. Inside "
+        "jaxaccum's mesh path fun runs on one device's micro-batch, one "
+        f"entry of a vmap over the data axes, whose sharding jaxaccum sets. "
+        "Drop the data axes from the annotation (P(None, 'model') for "
+        "P('data', 'model')), or read the batch axis from the input's type, "
+        "which works under plain jit and inside jaxaccum alike: "
+        f"P(jax.typeof(x).sharding.spec[0], ...). JAX said: {error}"
+      ) from error
+
+  return explained

@@ -1,17 +1,9 @@
-"""Sharding vocabulary shared by the engine and the data-parallel path.
+"""How a ``PartitionSpec`` splits into its data part and the rest.
 
-Two small concerns live here, so that the engine, which knows nothing of
-meshes, and the data-parallel path, which wraps it, can share them without
-importing each other:
-
-- *varying* values: inside ``shard_map`` a value either varies over a manual
-  axis (each device holds its own) or is invariant. Autodiff inserts a
-  ``psum`` for the gradient of an invariant value, so the data-parallel path
-  casts the parameters to varying, and the engine's accumulators must vary
-  like the parameters.
-- how a ``PartitionSpec`` splits into its *data* part (the axes the batch is
-  split over, which ``shard_map`` makes manual) and the rest (tensor-parallel
-  or other axes, which keep their sharding).
+The data-parallel path splits the batch over the *data* axes and keeps every
+other mesh axis (tensor-parallel ``"model"``, say) as the parameters have it.
+A :class:`SplitSpec` is a parameter's spec cut in two along that line: the
+data axes a dimension is sharded over (FSDP), and the other axes.
 """
 
 from __future__ import annotations
@@ -19,57 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import jax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-PyTree = Any
-
-
-def varying_axes(x: Any) -> frozenset[str]:
-  """The manual mesh axes that ``x`` varies over (empty outside shard_map)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.9: the manual axis type
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
-def to_varying(tree: PyTree, axes: Sequence[str]) -> PyTree:
-  """Casts every leaf to varying along ``axes`` (where it is not already)."""
-
-  def cast(x):
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-  return jax.tree.map(cast, tree)
-
-
-def like_vma(x: jax.Array, like: Any) -> jax.Array:
-  """``x`` cast to varying along every manual axis that ``like`` varies over.
-
-  Outside ``shard_map`` nothing varies and ``x`` is returned as it is.
-  """
-  axes = tuple(sorted(varying_axes(like) - varying_axes(x)))
-  return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-
-def visible_spec(x: Any) -> P | None:
-  """The ``PartitionSpec`` that ``x`` is known to have, or None if unknown.
-
-  A concrete array knows its sharding. A traced value knows it only where
-  the mesh axes are ``Explicit`` (the sharding is part of its type); under
-  ``jit`` on an ``Auto`` mesh it is unknown.
-  """
-  sharding = getattr(x, "sharding", None)
-  if isinstance(sharding, NamedSharding) and not isinstance(x, jax.core.Tracer):
-    return sharding.spec
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  if isinstance(sharding, NamedSharding) and any(
-    t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types
-  ):
-    return sharding.spec
-  return None
 
 
 class SplitSpec(NamedTuple):

@@ -1,21 +1,23 @@
 """Splitting a batch into micro-batches, and validating the batch first.
 
-The split is a C-order reshape of the leading axis: ``(B, ...)`` becomes
-``(k, m, ...)`` with ``B = k * m``, so micro-batch ``i`` holds rows
-``i*m .. (i+1)*m - 1``. Nothing is transposed. Inside a data-parallel
-``shard_map`` the same reshape runs on each device's local shard, so micro-batch
-``i`` is the ``i``-th contiguous slice of every shard and no data moves between
-devices. (The reshape itself is free; XLA may still copy the current
-micro-batch out of the batch inside the loop, as it would for any slice.)
+The split is a reshape of the leading axis, so nothing is transposed and no
+row moves between devices. On one device ``(B, ...)`` becomes ``(k, m, ...)``
+with ``B = k * m``: micro-batch ``i`` holds rows ``i*m .. (i+1)*m - 1``. A
+batch laid out in ``S`` blocks (sharded over ``S`` devices) becomes
+``(S, k, m / S, ...)``: micro-batch ``i`` holds the ``i``-th slice of every
+block, ``m / S`` rows each, so each device keeps computing its own rows
+(:meth:`MicroBatching.rows` lists them). The data-parallel path uses the same
+layout with one block per device and runs ``fun`` per block.
 
-Batch leaves that live in host memory (``memory_kind="pinned_host"``) are not
-reshaped: :class:`MicroBatches` streams them, slicing micro-batch ``i + 1`` out
-of the host array and copying it to device memory while micro-batch ``i``
-computes, so that only two micro-batches of them are ever in device memory.
+Batch leaves that live in host memory (``memory_kind="pinned_host"``) are
+streamed: :class:`MicroBatches` slices micro-batch ``i + 1`` out of the host
+array and copies it to device memory while micro-batch ``i`` computes, so that
+only two micro-batches of them are ever in device memory.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -23,39 +25,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxaccum import _compat, _options
+
 PyTree = Any
 
 
 class MicroBatching(NamedTuple):
-  """How a batch of ``batch_size`` rows is cut: ``num_micro_batches * micro_batch_size``."""
+  """How a batch of ``batch_size`` rows is cut: ``num_micro_batches * micro_batch_size``.
+
+  Attributes:
+    batch_size: rows in the batch (one device's, in the data-parallel path).
+    num_micro_batches: ``k``.
+    micro_batch_size: ``m``, rows per micro-batch.
+    shards: ``S``, the blocks the batch is laid out in: micro-batch ``i``
+      holds the ``i``-th slice of ``m / S`` rows of every block. 1 on one
+      device (contiguous micro-batches); the number of devices holding the
+      batch otherwise, so that no row leaves its device.
+  """
 
   batch_size: int
   num_micro_batches: int
   micro_batch_size: int
+  shards: int = 1
 
+  def rows(self) -> np.ndarray:
+    """The batch rows of each micro-batch, shape ``(k, m)``.
 
-def check_split_arguments(
-  num_micro_batches: int | None, micro_batch_size: int | None
-) -> None:
-  """Raises ``ValueError`` unless exactly one positive split size is given."""
-  if (num_micro_batches is None) == (micro_batch_size is None):
-    raise ValueError(
-      "Give exactly one of num_micro_batches and micro_batch_size, got "
-      f"{num_micro_batches=} and {micro_batch_size=}."
-    )
-  for name, size in (
-    ("num_micro_batches", num_micro_batches),
-    ("micro_batch_size", micro_batch_size),
-  ):
-    if size is None:
-      continue
-    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-      raise TypeError(
-        f"{name} must be an integer (a Python or numpy int), got {size!r} "
-        f"of type {type(size).__name__}."
-      )
-    if size <= 0:
-      raise ValueError(f"{name} must be positive, got {name}={size}.")
+    >>> MicroBatching(8, 2, 4).rows().tolist()
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    >>> MicroBatching(8, 2, 4, shards=2).rows().tolist()
+    [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+    k, s = self.num_micro_batches, self.shards
+    ids = np.arange(self.batch_size).reshape(s, k, self.micro_batch_size // s)
+    return ids.transpose(1, 0, 2).reshape(k, self.micro_batch_size)
 
 
 def leading_batch_size(batch: dict[str, PyTree]) -> int:
@@ -66,6 +69,8 @@ def leading_batch_size(batch: dict[str, PyTree]) -> int:
       names appear in error messages.
 
   Raises:
+    TypeError: for a leaf that is not an array (a Python list of numbers, a
+      string), naming it.
     ValueError: if the batch has no array leaves, a leaf is a scalar, or the
       leaves disagree on their leading size (every size is named).
 
@@ -75,13 +80,22 @@ def leading_batch_size(batch: dict[str, PyTree]) -> int:
   """
   sizes = {}
   for name, tree in batch.items():
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+      tree, is_leaf=_is_number_list
+    ):
       where = name + jax.tree_util.keystr(path)
+      if _is_number_list(leaf):
+        raise TypeError(
+          f"Batch leaf {where} is a Python list, not an array: pass "
+          "jnp.asarray(...) of it (JAX would take each element of a list as a "
+          "leaf of its own)."
+        )
       shape = getattr(leaf, "shape", None)
       if shape is None:
         raise TypeError(
-          f"Batch leaf {where} is a {type(leaf).__name__}, not an array; "
-          "pass Python scalars as non-batch arguments."
+          f"Batch leaf {where} is a {type(leaf).__name__} ({leaf!r:.40}), not an "
+          "array: pass Python values as arguments outside batch_argnums, which "
+          "reach every micro-batch unchanged."
         )
       if len(shape) == 0:
         raise ValueError(
@@ -100,10 +114,19 @@ def leading_batch_size(batch: dict[str, PyTree]) -> int:
   return next(iter(sizes.values()))
 
 
+def _is_number_list(x: Any) -> bool:
+  """A Python list whose elements are numbers or such lists (a leaf meant as
+  an array); a list of arrays is a container and stays one."""
+  return isinstance(x, list) and all(
+    isinstance(e, numbers.Number) or _is_number_list(e) for e in x
+  )
+
+
 def plan_split(
   batch_size: int,
   num_micro_batches: int | None = None,
   micro_batch_size: int | None = None,
+  shards: int = 1,
 ) -> MicroBatching:
   """Resolves the split of ``batch_size`` rows.
 
@@ -111,44 +134,89 @@ def plan_split(
     batch_size: rows in the (local) batch.
     num_micro_batches: ``k``; give this or ``micro_batch_size``.
     micro_batch_size: ``m``; give this or ``num_micro_batches``.
+    shards: the blocks the batch is laid out in (see :class:`MicroBatching`);
+      reduced to the largest divisor of ``m`` that divides it.
 
   Returns:
     The ``MicroBatching`` with ``batch_size == k * m``.
 
   Raises:
-    ValueError: if the sizes do not divide, naming them.
+    ValueError: for an empty batch, or sizes that do not divide, naming them.
 
   >>> plan_split(12, num_micro_batches=4)
-  MicroBatching(batch_size=12, num_micro_batches=4, micro_batch_size=3)
+  MicroBatching(batch_size=12, num_micro_batches=4, micro_batch_size=3, shards=1)
   >>> plan_split(12, micro_batch_size=6).num_micro_batches
   2
   """
-  check_split_arguments(num_micro_batches, micro_batch_size)
+  if batch_size == 0:
+    given = (
+      f"{num_micro_batches=}"
+      if num_micro_batches is not None
+      else f"{micro_batch_size=}"
+    )
+    raise ValueError(
+      f"The batch is empty (batch_size=0): nothing to split into micro-batches ({given})."
+    )
   if num_micro_batches is not None:
     num_micro_batches = int(num_micro_batches)
     if batch_size % num_micro_batches:
       raise ValueError(f"{batch_size=} is not divisible by {num_micro_batches=}.")
-    return MicroBatching(batch_size, num_micro_batches, batch_size // num_micro_batches)
-  assert micro_batch_size is not None
-  micro_batch_size = int(micro_batch_size)
-  if batch_size % micro_batch_size:
-    raise ValueError(f"{batch_size=} is not divisible by {micro_batch_size=}.")
-  return MicroBatching(batch_size, batch_size // micro_batch_size, micro_batch_size)
+    k = num_micro_batches
+  else:
+    assert micro_batch_size is not None
+    micro_batch_size = int(micro_batch_size)
+    if batch_size % micro_batch_size:
+      raise ValueError(f"{batch_size=} is not divisible by {micro_batch_size=}.")
+    k = batch_size // micro_batch_size
+  m = batch_size // k
+  return MicroBatching(batch_size, k, m, math.gcd(m, shards))
 
 
-def split(batch: PyTree, num_micro_batches: int) -> PyTree:
-  """Reshapes every leaf from ``(B, ...)`` to ``(k, B // k, ...)``, C-order.
+def batch_shards(batch: PyTree) -> int:
+  """The number of blocks the batch's leading axis is laid out in.
+
+  What is visible is used: a concrete array's sharding, or a traced value's
+  type on Explicit mesh axes. Under ``jit`` on Auto axes the layout is not
+  visible; then the batch may be sharded over any of the devices of its mesh,
+  and every device count is covered by the number of those devices (the
+  split reduces it to a divisor of the micro-batch size). On one device, 1.
 
   >>> import jax.numpy as jnp
-  >>> split(jnp.arange(6), 3).tolist()
-  [[0, 1], [2, 3], [4, 5]]
+  >>> batch_shards({"x": jnp.ones((8, 2))})
+  1
   """
-  return jax.tree.map(
-    lambda x: x.reshape(
-      (num_micro_batches, x.shape[0] // num_micro_batches, *x.shape[1:])
-    ),
-    batch,
-  )
+  shards = 1
+  for x in jax.tree.leaves(batch):
+    shards = math.lcm(shards, _leading_shards(x))
+  return shards
+
+
+def _leading_shards(x: Any) -> int:
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None and not _compat.is_tracer(x) and jnp.ndim(x) > 0:
+    return int(x.shape[0] // sharding.shard_shape(x.shape)[0])
+  aval_sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(aval_sharding, "mesh", None)
+  if aval_sharding is None or mesh is None or mesh.empty or jnp.ndim(x) == 0:
+    return 1
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  entry = aval_sharding.spec[0] if len(aval_sharding.spec) else None
+  names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+  if all(types[a] == jax.sharding.AxisType.Explicit for a in mesh.axis_names):
+    return math.prod(mesh.shape[a] for a in names)
+  return math.prod(mesh.shape.values())
+
+
+def _reshape_leading(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """``x`` with its leading axis reshaped to ``shape``; on Explicit mesh axes
+  the sharding of the leading axis goes to the first new axis."""
+  out_shape = (*shape, *x.shape[1:])
+  spec = _compat.explicit_spec(x)
+  if spec is None:
+    return x.reshape(out_shape)
+  entries = (*tuple(spec)[:1], *(None,) * (len(shape) - 1), *tuple(spec)[1:])
+  sharding = jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*entries))
+  return jax.lax.reshape(x, out_shape, out_sharding=sharding)
 
 
 def in_host_memory(x: Any) -> bool:
@@ -163,28 +231,37 @@ def in_host_memory(x: Any) -> bool:
 
 
 class MicroBatches:
-  """Hands micro-batch ``i`` of a batch to the scan body.
+  """Hands micro-batch ``i`` of a batch to the loop body.
 
-  Leaves in device memory are reshaped to ``(k, m, ...)`` and scanned over
-  (:meth:`scanned`). Leaves in host memory are streamed: :meth:`fetch` slices
-  micro-batch ``i`` out of the host array by index and copies it into device
-  memory. The engine fetches micro-batch ``i + 1`` in the body that computes
-  micro-batch ``i`` and carries it to the next iteration, so the copy can
-  overlap the computation (double buffering), and only two micro-batches of
-  the host leaves are in device memory at a time.
+  Every leaf is laid out as ``(k, m, ...)``, or ``(S, k, m / S, ...)`` with
+  several blocks (:func:`split`). With one block, device leaves are scanned
+  over (:meth:`scanned`); with several, the body takes the ``i``-th slice of
+  every block (:meth:`take`), so that no row leaves its device. Leaves in host
+  memory are streamed: :meth:`fetch` slices micro-batch ``i`` out of the host
+  array and copies it into device memory. The engine fetches micro-batch
+  ``i + 1`` in the body that computes micro-batch ``i`` and carries it to the
+  next iteration, so the copy can overlap the computation (double buffering).
+
+  ``per_block=True`` (the data-parallel path) keeps the block axis in front
+  of micro-batch ``i``, ``(S, m / S, ...)``, for a ``vmap`` over it; otherwise
+  the blocks' slices form one micro-batch of ``m`` rows.
 
   >>> import jax.numpy as jnp
-  >>> mb = MicroBatches({"x": jnp.arange(6)}, 3)
-  >>> mb.take(jax.tree.map(lambda x: x[1], mb.scanned()), mb.fetch(1))["x"].tolist()
+  >>> mb = MicroBatches({"x": jnp.arange(6)}, MicroBatching(6, 3, 2))
+  >>> mb.take(jax.tree.map(lambda x: x[1], mb.scanned()), mb.fetch(1), 1)["x"].tolist()
   [2, 3]
   """
 
-  def __init__(self, batch: PyTree, num_micro_batches: int):
+  def __init__(self, batch: PyTree, split: MicroBatching, per_block: bool = False):
     leaves, self._treedef = jax.tree.flatten(batch)
-    self._leaves = leaves
+    k, m, s = split.num_micro_batches, split.micro_batch_size, split.shards
+    self._blocked = s > 1 or per_block
+    self._per_block = per_block
+    self._axis = 1 if self._blocked else 0
+    shape = (s, k, m // s) if self._blocked else (k, m)
+    self._leaves = [_reshape_leading(x, shape) for x in leaves]
     self._host = tuple(in_host_memory(x) for x in leaves)
-    self.num_micro_batches = num_micro_batches
-    self.micro_batch_size = leaves[0].shape[0] // num_micro_batches if leaves else 0
+    self.num_micro_batches = k
 
   @property
   def streamed(self) -> bool:
@@ -192,36 +269,50 @@ class MicroBatches:
     return any(self._host)
 
   def scanned(self) -> tuple[Any, ...]:
-    """The device leaves as ``(k, m, ...)`` (None for the host leaves)."""
+    """The device leaves to scan over, ``(k, m, ...)``; None where a leaf is
+    taken by index instead (host leaves, and every leaf with several blocks)."""
     return tuple(
-      None if host else split(x, self.num_micro_batches)
+      None if host or self._blocked else x
       for x, host in zip(self._leaves, self._host, strict=True)
     )
 
   def fetch(self, index: jax.Array | int) -> tuple[Any, ...]:
-    """Micro-batch ``index`` of the host leaves, in device memory."""
-    m = self.micro_batch_size
-
-    def copy(x):
-      micro = jax.lax.dynamic_slice_in_dim(x, index * m, m, axis=0)
-      return jax.device_put(micro, jax.memory.Space.Device)
-
+    """Micro-batch ``index`` of the host leaves, copied to device memory."""
     return tuple(
-      copy(x) if host else None
+      jax.device_put(self._slice(x, index), jax.memory.Space.Device) if host else None
       for x, host in zip(self._leaves, self._host, strict=True)
     )
 
-  def take(self, scanned: tuple[Any, ...], fetched: tuple[Any, ...]) -> PyTree:
-    """Micro-batch ``i`` from its scanned and its fetched leaves."""
-    leaves = [
-      f if host else s for s, f, host in zip(scanned, fetched, self._host, strict=True)
-    ]
+  def take(
+    self, scanned: tuple[Any, ...], fetched: tuple[Any, ...], index: jax.Array | int
+  ) -> PyTree:
+    """Micro-batch ``index``, from its scanned, fetched and indexed leaves."""
+    leaves = []
+    for x, s, f, host in zip(self._leaves, scanned, fetched, self._host, strict=True):
+      micro = f if host else (s if not self._blocked else self._slice(x, index))
+      if self._blocked and not self._per_block:
+        micro = _merge_blocks(micro)
+      leaves.append(micro)
     return jax.tree.unflatten(self._treedef, leaves)
+
+  def _slice(self, x: jax.Array, index: jax.Array | int) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, index, axis=self._axis, keepdims=False)
 
   def next_index(self, index: jax.Array) -> jax.Array:
     """The micro-batch to prefetch while ``index`` computes (the last one
     fetches itself again rather than reading past the batch)."""
     return jnp.minimum(index + 1, self.num_micro_batches - 1)
+
+
+def _merge_blocks(x: jax.Array) -> jax.Array:
+  """``(S, m/S, ...)`` to ``(m, ...)``: the blocks' slices as one micro-batch."""
+  out_shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+  spec = _compat.explicit_spec(x)
+  if spec is None:
+    return x.reshape(out_shape)
+  entries = (*tuple(spec)[:1], *tuple(spec)[2:])
+  sharding = jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*entries))
+  return jax.lax.reshape(x, out_shape, out_sharding=sharding)
 
 
 def pad_batch(
@@ -259,7 +350,7 @@ def pad_batch(
   >>> padded.tolist(), mask.tolist()
   ([0.0, 1.0, 2.0, 3.0, 4.0, 4.0, 4.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
   """
-  check_split_arguments(num_micro_batches, micro_batch_size)
+  _options.check_split_sizes(num_micro_batches, micro_batch_size)
   multiple = num_micro_batches if num_micro_batches is not None else micro_batch_size
   assert multiple is not None
   multiple = int(multiple)

@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import mesh_utils, topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxaccum import _aot
+from jaxaccum import _compat
 
 _DATA = "_target_data"
 _EXTRA = 'pip install "jaxaccum[targets]"'
@@ -80,7 +80,7 @@ class CompileTarget:
   memory_bytes: int
   budget_fraction: float
   # The devices that shardings name: the compile-only devices themselves, or
-  # for a GPU CPU devices standing in for them (see _aot.py).
+  # for a GPU CPU devices standing in for them (see _compat.py).
   _sharding_devices: tuple[jax.Device, ...] = dataclasses.field(repr=False)
 
   def __repr__(self) -> str:
@@ -221,13 +221,13 @@ class CompileTarget:
     lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(self.platform,))
     index = {d: i for i, d in enumerate(self._sharding_devices)}
     try:
-      devices = [self.devices[index[d]] for d in _aot.lowering_devices(lowered)]
+      devices = [self.devices[index[d]] for d in _compat.lowering_devices(lowered)]
     except KeyError:
       raise ValueError(
         f"The computation was placed on devices that are not {self.name}'s: "
         "build shardings from target.mesh() or target.place()."
       ) from None
-    return _aot.compile_lowered(lowered, devices)
+    return _compat.compile_lowered(lowered, devices)
 
 
 def _missing(what: str) -> ImportError:

@@ -18,73 +18,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _accumulate, _calls
+from jaxaccum import _calls, _compat, _options, _tree, _value_and_grad
+from jaxaccum._engine import Result
 from jaxaccum._loss_scale import DynamicLossScale
-from jaxaccum._transform import AccumulateState
+from jaxaccum._opt_state import find_loss_scale
 
 PyTree = Any
-
-
-def all_finite(tree: PyTree) -> jax.Array:
-  """Whether every leaf of ``tree`` is finite; a scalar bool.
-
-  >>> import jax.numpy as jnp
-  >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array(jnp.nan)}))
-  False
-  """
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return jnp.all(jnp.asarray(leaves)) if leaves else jnp.asarray(True)
-
-
-def _select(pred: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where ``pred``, else ``old`` (keys included), laid out as ``new``."""
-  if jax.dtypes.issubdtype(jnp.result_type(new), jax.dtypes.prng_key):
-    data = _select(pred, jax.random.key_data(new), jax.random.key_data(old))
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
-  new_sharding = getattr(jax.typeof(new), "sharding", None)
-  if new_sharding is not None and jax.typeof(old).sharding != new_sharding:
-    old = jax.sharding.reshard(old, new_sharding)
-  return jnp.where(pred, new, old)
-
-
-def find_loss_scale(opt_state: PyTree) -> DynamicLossScale | None:
-  """The loss scale of the ``accumulate(..., loss_scale=...)`` that sees the
-  gradients first: ``tx`` itself or the first link of an ``optax.chain``
-  (also inside ``inject_hyperparams`` or ``MultiSteps``); None if there is
-  no loss scale. A scale anywhere else would leave other gradients scaled,
-  so it raises a ``ValueError``.
-  """
-  found = [
-    x
-    for x in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, DynamicLossScale)
-    )
-    if isinstance(x, DynamicLossScale)
-  ]
-  if not found:
-    return None
-  first = opt_state
-  while not isinstance(first, AccumulateState):
-    if isinstance(
-      first, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-    ):
-      first = first.inner_state
-    elif isinstance(first, optax.MultiStepsState):
-      first = first.inner_opt_state
-    elif type(first) is tuple and first:  # optax.chain
-      first = first[0]
-    else:
-      break
-  if (
-    len(found) > 1 or not isinstance(first, AccumulateState) or first.loss_scale is None
-  ):
-    raise ValueError(
-      "make_train_step multiplies the whole loss by the loss scale, so the "
-      "jaxaccum.accumulate(..., loss_scale=...) that unscales it must see "
-      "every gradient first: pass it as tx, or first in optax.chain. This "
-      f"opt_state holds {len(found)} loss scale(s) elsewhere."
-    )
-  return first.loss_scale
 
 
 def make_train_step(
@@ -108,10 +47,12 @@ def make_train_step(
       ``batch_argnums`` (default 1) of ``loss_fn``'s arguments.
     tx: the optimizer, run once per step.
     num_micro_batches: ``k``; or give ``micro_batch_size``.
-    skip_nonfinite: if the value or a gradient is NaN or Inf, return the
-      parameters and optimizer state unchanged (the update is computed and
-      dropped by ``jnp.where``), and with ``state_argnum`` the state as it
-      came in.
+    skip_nonfinite: skip a step that has nothing to learn from: its value or
+      a gradient is NaN or Inf, or (``normalize="weighted"``) its total
+      weight is zero, a batch of padding only. The parameters and optimizer
+      state come back unchanged (the update is computed and dropped by
+      ``jnp.where``), with ``state_argnum`` the state too, and the value
+      reported is the one that caused the skip.
       For float16, pass ``tx = jaxaccum.accumulate(inner, 1,
       loss_scale=jaxaccum.dynamic_loss_scale())``: the step then multiplies
       the loss by the current scale, and ``accumulate`` unscales the
@@ -146,76 +87,29 @@ def make_train_step(
   """
   if value_and_grad_kwargs.get("argnums", 0) != 0:
     raise ValueError("make_train_step differentiates the parameters, argnums=0.")
-  has_aux = value_and_grad_kwargs.get("has_aux", False)
-  weighted = value_and_grad_kwargs.get("normalize", "mean") == "weighted"
-  noise_stats = value_and_grad_kwargs.get("noise_stats", False)
-  state_argnum = value_and_grad_kwargs.get("state_argnum")
-
-  def scaled_loss_fn(*args, _jaxaccum_loss_scale, **kwargs):
-    """``loss_fn`` with its loss (not its weight or aux) times the scale."""
-    out = loss_fn(*args, **kwargs)
-    value, aux = out if has_aux else (out, None)
-    if weighted:
-      value = (_jaxaccum_loss_scale.scale_loss(value[0]), value[1])
-    else:
-      value = _jaxaccum_loss_scale.scale_loss(value)
-    return (value, aux) if has_aux else value
-
-  grad_fn = _accumulate.value_and_grad(
-    loss_fn, num_micro_batches, **value_and_grad_kwargs
-  )
-  scaled_grad_fn = _accumulate.value_and_grad(
-    scaled_loss_fn, num_micro_batches, **value_and_grad_kwargs
-  )
+  options = _options.create(loss_fn, num_micro_batches, **value_and_grad_kwargs)
+  plain = _value_and_grad.Step(loss_fn, options)
+  scaled = _value_and_grad.Step(_scaled(loss_fn, options), options)
 
   def step(params, opt_state, /, *args, **kwargs):
     loss_scale = find_loss_scale(opt_state)
     if loss_scale is None:
-      out = grad_fn(params, *args, **kwargs)
+      result = plain(params, *args, **kwargs)
     else:
-      out = scaled_grad_fn(params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs)
-    (value, grads), noise = out if noise_stats else (out, None)
-    loss = value[0] if has_aux else value
-    if loss_scale is not None:
-      loss = loss / loss_scale.scale  # float32, like the scaled loss
-      value = (loss, value[1]) if has_aux else loss
-      if noise is not None:  # measured on scaled gradients
-        unscale = loss_scale.scale.astype(jnp.float32) ** 2
-        noise = noise._replace(
-          small_sq_norm=noise.small_sq_norm / unscale,
-          big_sq_norm=noise.big_sq_norm / unscale,
-        )
-    finite = all_finite(grads) & all_finite(loss)
-    if state_argnum is not None and skip_nonfinite:
+      result = scaled(params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs)
+      result = _unscaled(result, loss_scale)
+    engine_options = plain.engine(len(args) + 1).options
+    ok = _worth_a_step(result, options)
+    if engine_options.state_argnum is not None and skip_nonfinite:
       # A skipped step leaves the threaded state (BatchNorm statistics) as it
       # was too: one bad batch must not poison every later step.
-      old_state = args[state_argnum - 1]
-      aux, new_state = value[1]
-      new_state = jax.tree.map(
-        lambda new, old: _select(finite, new, old), new_state, old_state
-      )
-      value = (loss, (aux, new_state))
-
-    def apply(params, opt_state, grads):
-      updates, next_state = tx.update(grads, opt_state, params)
-      # The state keeps its dtypes (adam's mu would come back promoted with the
-      # gradients'): the select below, donation and the next call need the
-      # same types.
-      next_state = jax.tree.map(
-        lambda new, old: (
-          new
-          if jnp.result_type(new) == jnp.result_type(old)
-          else jnp.asarray(new).astype(jnp.result_type(old))
-        ),
-        next_state,
-        opt_state,
-      )
-      return optax.apply_updates(params, updates), next_state
-
+      old_state = args[engine_options.state_argnum - 1]
+      aux, new_state = result.aux
+      result = result._replace(aux=(aux, _tree.select(ok, new_state, old_state)))
     if not skip_nonfinite or loss_scale is not None:
       # float16: accumulate() unscales, skips overflowing windows and adjusts
       # the scale itself.
-      params, opt_state = apply(params, opt_state, grads)
+      params, opt_state = _apply(tx, params, opt_state, result.grads[0])
     else:
       # Select, do not branch: a lax.cond returning either the inputs or the
       # new values cannot update the donated buffers in place, and held a
@@ -223,10 +117,90 @@ def make_train_step(
       # a 109M-parameter Adam step on an H100 target). A skipped step's
       # update is computed from its non-finite gradient and dropped here;
       # zeroing that gradient first would cost another copy of it.
-      new_params, new_state = apply(params, opt_state, grads)
-      keep = lambda new, old: _select(finite, new, old)  # noqa: E731
-      params = jax.tree.map(keep, new_params, params)
-      opt_state = jax.tree.map(keep, new_state, opt_state)
-    return params, opt_state, ((value, noise) if noise_stats else value)
+      new_params, new_state = _apply(tx, params, opt_state, result.grads[0])
+      params = _tree.select(ok, new_params, params)
+      opt_state = _tree.select(ok, new_state, opt_state)
+    value = (result.value, result.aux) if options.has_aux else result.value
+    return params, opt_state, ((value, result.noise) if options.noise_stats else value)
 
-  return _calls.JitWithStaticKwargs(step, donate_argnums=(0, 1) if donate else ())
+  jitted = _calls.JitWithStaticKwargs(step, donate_argnums=(0, 1) if donate else ())
+  return _checked_donation(jitted) if donate else jitted
+
+
+def _scaled(
+  loss_fn: Callable[..., Any], options: _options.Options
+) -> Callable[..., Any]:
+  """``loss_fn`` with its loss (not its weight or aux) times the loss scale."""
+
+  def scaled_loss_fn(*args, _jaxaccum_loss_scale, **kwargs):
+    out = loss_fn(*args, **kwargs)
+    value, aux = out if options.has_aux else (out, None)
+    if options.normalize == "weighted":
+      value = (_jaxaccum_loss_scale.scale_loss(value[0]), value[1])
+    else:
+      value = _jaxaccum_loss_scale.scale_loss(value)
+    return (value, aux) if options.has_aux else value
+
+  return scaled_loss_fn
+
+
+def _unscaled(result: Result, loss_scale: DynamicLossScale) -> Result:
+  """The value (float32, like the scaled loss) and the noise of a step run on
+  a scaled loss, divided back. The gradients stay scaled: accumulate()
+  unscales them."""
+  return result._replace(
+    value=result.value / loss_scale.scale,
+    noise=None if result.noise is None else result.noise.unscaled(loss_scale.scale),
+  )
+
+
+def _worth_a_step(result: Result, options: _options.Options) -> jax.Array:
+  """The step is taken only if its value and gradients are finite and, with
+  ``normalize="weighted"``, its total weight is not zero (a batch of padding
+  only has nothing to learn from: Adam's momentum would still move)."""
+  ok = _tree.all_finite(result.grads) & jnp.all(jnp.isfinite(result.value))
+  if options.normalize == "weighted":
+    ok = ok & (result.total_weight != 0)
+  return ok
+
+
+def _apply(
+  tx: optax.GradientTransformation, params: PyTree, opt_state: PyTree, grads: PyTree
+):
+  updates, next_state = tx.update(grads, opt_state, params)
+  # The state keeps its dtypes (adam's mu would come back promoted with the
+  # gradients'): the select, donation and the next call need the same types.
+  next_state = _tree.cast_like(next_state, opt_state)
+  return optax.apply_updates(params, updates), next_state
+
+
+def _checked_donation(step: _calls.JitWithStaticKwargs) -> Any:
+  """``step``, raising a clear error when it is given parameters or an
+  optimizer state that an earlier call already donated."""
+
+  class DonatingStep:
+    __wrapped__ = step.__wrapped__
+
+    def __call__(self, params, opt_state, /, *args, **kwargs):
+      for name, tree in (("params", params), ("opt_state", opt_state)):
+        if _donated(tree):
+          raise ValueError(
+            f"make_train_step donates params and opt_state, and the {name} "
+            "passed were donated to an earlier call: pass the ones that call "
+            "returned, or build the step with donate=False."
+          )
+      return step(params, opt_state, *args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+      return step.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+      return step.trace(*args, **kwargs)
+
+  return DonatingStep()
+
+
+def _donated(tree: PyTree) -> bool:
+  """Whether ``tree`` was donated: one leaf tells (a donation takes all)."""
+  x = next(iter(jax.tree.leaves(tree)), None)
+  return isinstance(x, jax.Array) and not _compat.is_tracer(x) and x.is_deleted()

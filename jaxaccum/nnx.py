@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx as flax_nnx
 
-from jaxaccum import _accumulate
+from jaxaccum import _options, _value_and_grad
 
 
 def _holds_nnx(x: Any) -> bool:
@@ -51,6 +51,12 @@ class _Arg(NamedTuple):
   differentiated: bool
 
 
+# The engine's arguments: (the differentiated states, the threaded states,
+# *fun's arguments with None where an nnx object was). Errors name these two
+# as follows, and fun's own arguments as the user numbered them.
+_HIDDEN = ((0, "the differentiated nnx variables"), (1, "the threaded nnx variables"))
+
+
 def value_and_grad(
   fun: Callable[..., Any],
   num_micro_batches: int | None = None,
@@ -66,6 +72,7 @@ def value_and_grad(
   mesh: Any = None,
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: Any = None,
+  fsdp_gather: str = "per_micro_batch",
   noise_stats: bool = False,
   value_checks: bool = False,
 ) -> Callable[..., Any]:
@@ -89,7 +96,7 @@ def value_and_grad(
       (the model is position 0, so the default 1 is the first after it).
     accum_dtype: the dtype of the sums; float32 by default.
     remat: as in :func:`jaxaccum.value_and_grad`.
-    mesh, data_axis, param_specs: the data-parallel path, as in
+    mesh, data_axis, param_specs, fsdp_gather: the data-parallel path, as in
       :func:`jaxaccum.value_and_grad`; ``param_specs`` mirrors the ``wrt``
       state (a tuple of them for a tuple ``argnums``), e.g.
       ``nnx.get_partition_spec(nnx.state(model, nnx.Param))``.
@@ -121,83 +128,70 @@ def value_and_grad(
   >>> bool(train_step(model, optimizer, batch) > train_step(model, optimizer, batch))
   True
   """
-  diff_nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-  nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-  if set(nums) & set(diff_nums):
-    raise ValueError(
-      f"{batch_argnums=} overlaps {argnums=}: the differentiated arguments "
-      "(the model, by default 0) are not split."
-    )
-  specs = param_specs
-  if param_specs is not None and isinstance(argnums, int):
-    specs = (param_specs,)
+  # Every parameter above but wrt is an option of the engine: validated once.
+  options = _options.create(**{k: v for k, v in locals().items() if k != "wrt"})
+  steps: dict[Any, _value_and_grad.Step] = {}
 
-  engines: dict[Any, Callable[..., Any]] = {}
-
-  def engine_for(layout: tuple[_Arg | None, ...]) -> Callable[..., Any]:
-    """The engine's value_and_grad for one layout of arguments, built once."""
+  def step_for(user: _options.Options, layout: tuple[_Arg | None, ...]):
+    """The engine's step for one layout of arguments, built once."""
+    key = (len(layout), layout)
     try:
-      engine_fun = engines.get(layout)
+      step = steps.get(key)
     except TypeError:  # an unhashable graph: build for this call
-      engine_fun = None
-    if engine_fun is None:
-      engine_fun = _accumulate.value_and_grad(
-        _pure(fun, layout, wrt, has_aux),
-        num_micro_batches,
-        micro_batch_size=micro_batch_size,
-        argnums=0,
-        batch_argnums=tuple(n + 2 for n in nums),
-        has_aux=True,
-        normalize=normalize,
-        accum_dtype=accum_dtype,
-        state_argnum=1,
-        remat=remat,
-        mesh=mesh,
-        data_axis=data_axis,
-        param_specs=specs,
-        noise_stats=noise_stats,
-        value_checks=value_checks,
+      step = None
+    if step is None:
+      specs = user.param_specs
+      if specs is not None and user.tree_grads:
+        specs = (specs,)
+      engine_options = user.shifted(2, hidden=_HIDDEN).replace(
+        argnums=(0,), state_argnum=1, has_aux=True, param_specs=specs
       )
+      step = _value_and_grad.Step(_pure(fun, layout, wrt, has_aux), engine_options)
       with contextlib.suppress(TypeError):  # unhashable: not kept
-        engines[layout] = engine_fun
-    return engine_fun
+        steps[key] = step
+    return step
 
+  @functools.wraps(fun)
   def accumulated(*args, **kwargs):
-    if max(diff_nums + nums) >= len(args):
-      raise ValueError(
-        f"fun was called with {len(args)} positional arguments, but "
-        f"argnums={argnums} and batch_argnums={batch_argnums} refer to more."
-      )
-    _check_batch_is_plain(args, nums)
-    layout: list[_Arg | None] = []
-    diff_states: list[Any] = []
-    threaded: list[Any] = []
-    plain: list[Any] = []
-    for n, arg in enumerate(args):
-      differentiated = n in diff_nums
-      plain.append(None if differentiated or _holds_nnx(arg) else arg)
-      if not _holds_nnx(arg):
-        layout.append(_Arg(None, True) if differentiated else None)
-        if differentiated:
-          diff_states.append(arg)
-          threaded.append(None)
-        continue
-      if differentiated:
-        parts: tuple[Any, ...] = flax_nnx.split(arg, wrt, ...)
-        graphdef, diff_state, rest = parts
-        diff_states.append(diff_state)
-      else:
-        graphdef, rest = flax_nnx.split(arg)
-      layout.append(_Arg(graphdef, differentiated))
-      threaded.append(rest)
-    out = engine_for(tuple(layout))(tuple(diff_states), threaded, *plain, **kwargs)
-    (value, (aux, new_threaded)), grads = out[0] if noise_stats else out
+    user = options.resolve(len(args))
+    _check_batch_is_plain(args, user)
+    layout, diff_states, threaded, plain = _split_args(args, user, wrt)
+    result = step_for(user, layout)(tuple(diff_states), threaded, *plain, **kwargs)
+    aux, new_threaded = result.aux
     _write_back(args, layout, new_threaded)
-    grads = grads[0] if isinstance(argnums, int) else tuple(grads)
-    result = ((value, aux) if has_aux else value), grads
-    return (result, out[1]) if noise_stats else result
+    return result._replace(aux=aux, grads=tuple(result.grads[0])).arranged(user)
 
   return accumulated
+
+
+def _split_args(
+  args: tuple[Any, ...], user: _options.Options, wrt: Any
+) -> tuple[tuple[_Arg | None, ...], list[Any], list[Any], list[Any]]:
+  """Each argument as the engine takes it: nnx objects split into their
+  differentiated (``wrt``) and threaded variables, the rest as they are."""
+  layout: list[_Arg | None] = []
+  diff_states: list[Any] = []
+  threaded: list[Any] = []
+  plain: list[Any] = []
+  for n, arg in enumerate(args):
+    differentiated = n in user.argnums
+    holds_nnx = _holds_nnx(arg)
+    plain.append(None if differentiated or holds_nnx else arg)
+    if not holds_nnx:
+      layout.append(_Arg(None, True) if differentiated else None)
+      if differentiated:
+        diff_states.append(arg)
+        threaded.append(None)
+      continue
+    if differentiated:
+      parts: tuple[Any, ...] = flax_nnx.split(arg, wrt, ...)
+      graphdef, diff_state, rest = parts
+      diff_states.append(diff_state)
+    else:
+      graphdef, rest = flax_nnx.split(arg)
+    layout.append(_Arg(graphdef, differentiated))
+    threaded.append(rest)
+  return tuple(layout), diff_states, threaded, plain
 
 
 def _pure(
@@ -244,7 +238,9 @@ def _rest(entry: tuple[Any, bool] | None, wrt: Any) -> Any:
 
 
 def _write_back(
-  args: tuple[Any, ...], layout: list[_Arg | None], new_threaded: list[Any]
+  args: tuple[Any, ...],
+  layout: tuple[_Arg | None, ...],
+  new_threaded: list[Any],
 ):
   """Updates the nnx objects in place with the state the last micro-batch left."""
   states = iter(new_threaded)
@@ -256,8 +252,8 @@ def _write_back(
       flax_nnx.update(arg, state)
 
 
-def _check_batch_is_plain(args: tuple[Any, ...], nums: tuple[int, ...]) -> None:
-  for n in nums:
+def _check_batch_is_plain(args: tuple[Any, ...], user: _options.Options) -> None:
+  for n in user.batch_argnums:
     if _holds_nnx(args[n]):
       raise ValueError(
         f"The batch argument {n} holds an nnx object; the batch must be a "
@@ -285,14 +281,14 @@ def grad(
   [4.0, 4.0]
   """
   value_and_grad_fun = value_and_grad(fun, num_micro_batches, **kwargs)
-  has_aux = kwargs.get("has_aux", False)
-  noise_stats = kwargs.get("noise_stats", False)
+  nnx_only = {"wrt"}
+  options = _options.create(
+    fun, num_micro_batches, **{k: v for k, v in kwargs.items() if k not in nnx_only}
+  )
 
   @functools.wraps(fun)
   def accumulated_grad(*args, **call_kwargs):
-    out = value_and_grad_fun(*args, **call_kwargs)
-    value, grads = out[0] if noise_stats else out
-    result = (grads, value[1]) if has_aux else grads
-    return (result, out[1]) if noise_stats else result
+    output = value_and_grad_fun(*args, **call_kwargs)
+    return _value_and_grad.grad_only(output, options)
 
   return accumulated_grad

@@ -76,3 +76,34 @@ def test_chexify_catches_a_zero_total_weight_under_a_loss_that_counts_rows():
     checkify.JaxRuntimeError, match=r"total weight 0\.0 is not positive"
   ):
     step(W, (X, jnp.zeros(8)))
+
+
+def test_verify_equivalence_keeps_its_bfloat16_tolerance_under_weighted():
+  """Its documented default is max(1e-5, 8 eps) of the leaf's dtype; with
+  normalize="weighted" and bfloat16 parameters it applied about 1e-5 and
+  always raised (Gemma's query norm scale: 1.2e-4 over an allowed 2.4e-8)."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  w = jax.random.normal(keys[0], (16, 16)).astype(jnp.bfloat16)
+  x = jax.random.normal(keys[1], (32, 16)).astype(jnp.bfloat16)
+  mask = (jax.random.uniform(keys[2], (32,)) < 0.7).astype(jnp.float32)
+
+  def weighted_bf16(w, batch):
+    x, mask = batch
+    per_row = jnp.sum(jnp.tanh(x @ w).astype(jnp.float32) ** 2, axis=-1)
+    return jnp.sum(per_row * mask), jnp.sum(mask)
+
+  deviation = jaxaccum.verify_equivalence(
+    weighted_bf16, (w, (x, mask)), 4, normalize="weighted"
+  )
+  assert deviation.grads <= 8 * float(jnp.finfo(jnp.bfloat16).eps) * 10
+  # And it still catches a real difference at that tolerance: a loss that is
+  # not a sum over rows (the max row) differs between micro-batches and the
+  # whole batch.
+
+  def max_row(w, batch):
+    x, mask = batch
+    per_row = jnp.sum(jnp.tanh(x @ w).astype(jnp.float32) ** 2, axis=-1)
+    return jnp.max(per_row * mask) * jnp.sum(mask), jnp.sum(mask)
+
+  with pytest.raises(AssertionError, match="differ by up to"):
+    jaxaccum.verify_equivalence(max_row, (w, (x, mask)), 4, normalize="weighted")

@@ -158,6 +158,8 @@ def test_value_and_grad(k):
   value, grads = jaxaccum.value_and_grad(loss, k)(params(), batch)
   no_nan((value, grads))
   chex.assert_trees_all_close(grads, jax.grad(loss)(params(), batch), rtol=1e-5)
+  if k == 1:
+    return  # one micro-batch has no noise to measure (an error, tested elsewhere)
   (value, grads), noise = jaxaccum.value_and_grad(loss, k, noise_stats=True)(
     params(), batch
   )
@@ -168,12 +170,14 @@ def test_value_and_grad(k):
 @pytest.mark.parametrize("k", [1, 2])
 def test_make_train_step(k):
   tx = jaxaccum.accumulate(optax.adam(1e-2), 1, noise_stats=True)
-  step = jaxaccum.make_train_step(loss, tx, k, noise_stats=True)
+  step = jaxaccum.make_train_step(loss, tx, k, noise_stats=k > 1)
   w, state = params(), tx.init(params())
   for _ in range(2):
-    w, state, (value, noise) = step(w, state, big_batch(k))
+    w, state, out = step(w, state, big_batch(k))
+    value, noise = out if k > 1 else (out, None)
     no_nan((w, state, value))
-    check_noise(noise)
+    if noise is not None:
+      check_noise(noise)
     check_noise(state.noise.last)
   assert int(state.step) == 2
 
@@ -195,8 +199,14 @@ def test_nnx_value_and_grad(k):
     xs, ys = batch
     return jnp.mean((model(xs) - ys) ** 2)
 
-  (value, grads), noise = jaxaccum.nnx.value_and_grad(model_loss, k, noise_stats=True)(
-    model, (x, y)
+  (value, grads), noise = (
+    jaxaccum.nnx.value_and_grad(model_loss, k, noise_stats=k > 1)(model, (x, y))
+    if k > 1
+    else (
+      jaxaccum.nnx.value_and_grad(model_loss, k)(model, (x, y)),
+      None,
+    )
   )
   no_nan((value, grads))
-  check_noise(noise)
+  if noise is not None:
+    check_noise(noise)

@@ -2,6 +2,7 @@
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,7 +152,9 @@ def test_has_aux_without_a_pair():
     r"array of shape=\(\)\.",
   ):
     trace(jaxaccum.value_and_grad(loss, 2, has_aux=True), W, BATCH)
-  with pytest.raises(ValueError, match=r"pair \(value, aux\), got a tuple\."):
+  with pytest.raises(
+    ValueError, match=r"pair \(value, aux\), got a tuple of length 3\."
+  ):
     trace(
       jaxaccum.value_and_grad(lambda w, b: (loss(w, b),) * 3, 2, has_aux=True),
       W,
@@ -239,10 +242,8 @@ def test_remat_takes_a_bool_or_a_policy(remat):
     ),
     ({"argnums": (0, 1.0)}, TypeError, "argnums must be an int or a non-empty tuple"),
     ({"argnums": True}, TypeError, "argnums must be an int or a non-empty tuple"),
-    ({"argnums": -1}, ValueError, "argnums=-1 must be non-negative."),
     ({"argnums": (0, 0)}, ValueError, "argnums=(0, 0) repeats an argument."),
     ({"batch_argnums": ()}, TypeError, "batch_argnums must be an int or a non-empty"),
-    ({"rng_argnum": -2}, ValueError, "rng_argnum=-2 must be non-negative."),
     ({"state_argnum": (3, 3)}, ValueError, "state_argnum=(3, 3) repeats an argument."),
     (
       {"argnums": (0, 1)},
@@ -319,11 +320,17 @@ def test_negative_weights_are_reported_at_the_call_with_value_checks():
   with pytest.raises(Exception, match=r"weights must be finite and >= 0"):
     fun(W, (x, y))
   # Without value_checks, the documented behaviour: the weights are summed as
-  # given; a total that is not positive gives zero grads, never NaN.
+  # given and the sums divided by the total, as the full batch divides.
   value, grads = jaxaccum.value_and_grad(negative_weight_loss, 2, normalize="weighted")(
     W, (x, y)
   )
-  assert float(value) == 0.0 and not np.any(grads)
+
+  def full(w, batch):
+    loss_sum, weight = negative_weight_loss(w, batch)
+    return loss_sum / weight
+
+  want = jax.value_and_grad(full)(W, (x, y))
+  chex.assert_trees_all_close((value, grads), want, rtol=1e-6)
 
 
 def test_accumulate_names_a_gradient_leaf_of_the_wrong_shape():
@@ -337,3 +344,213 @@ def test_accumulate_names_a_gradient_leaf_of_the_wrong_shape():
     ValueError, match=r"grads\['layer'\]\['w'\] has shape=\(2, 3\).*shape=\(3, 2\)"
   ):
     tx.update(grads, state, params)
+
+
+# -- Messages that say what to do (issue 18) ---------------------------------
+
+
+@pytest.mark.parametrize(
+  "split", [{"micro_batch_size": 2}, {"num_micro_batches": 2}], ids=["m", "k"]
+)
+def test_an_empty_batch_is_a_clear_error(split):
+  empty = (jnp.ones((0, 3)), jnp.ones(0))
+  with pytest.raises(
+    ValueError, match=r"^The batch is empty \(batch_size=0\): nothing to split"
+  ):
+    jaxaccum.value_and_grad(loss, **split)(W, empty)
+
+
+def test_a_python_list_in_the_batch_is_named_as_a_list():
+  rows = [[1.0, 2.0, 3.0]] * 4
+  with pytest.raises(
+    TypeError,
+    match=r"^Batch leaf args\[1\]\[0\] is a Python list, not an array: pass "
+    r"jnp\.asarray\(\.\.\.\)",
+  ):
+    jaxaccum.value_and_grad(loss, 2)(W, (rows, jnp.ones(4)))
+
+
+def test_a_string_in_the_batch_is_named():
+  def uses_x(w, batch):
+    return jnp.mean(batch[0] @ w)
+
+  with pytest.raises(
+    TypeError,
+    match=r"^Batch leaf args\[1\]\[1\] is a str \('abc'\), not an array: pass "
+    r"Python values as arguments outside batch_argnums",
+  ):
+    jaxaccum.value_and_grad(uses_x, 2)(W, (jnp.ones((4, 3)), "abc"))
+
+
+def test_a_shape_error_hints_at_batch_argnums_when_another_argument_looks_like_a_batch():
+  """loss(w, x, y) with the default batch_argnums=1 splits x and not y."""
+
+  def three_args(w, x, y):
+    return jnp.mean((x @ w - y) ** 2)
+
+  with pytest.raises(TypeError) as error:
+    jaxaccum.value_and_grad(three_args, 2)(W, jnp.ones((4, 3)), jnp.ones(4))
+  note = "\n".join(getattr(error.value, "__notes__", []))
+  assert (
+    "jaxaccum splits only batch_argnums=(1,); args[2] also has the batch's "
+    "leading size 4 and was passed whole to every micro-batch. Did you mean "
+    "batch_argnums=(1, 2)?"
+  ) in note
+
+
+def test_a_string_in_the_aux_is_named():
+  def with_name(w, batch):
+    return loss(w, batch), {"name": "hi", "n": 1}
+
+  with pytest.raises(
+    TypeError,
+    match=r"^fun returned aux\['name'\] = 'hi', a str: jaxaccum stacks the aux of "
+    r"every micro-batch into arrays",
+  ):
+    jaxaccum.value_and_grad(with_name, 2, has_aux=True)(W, BATCH)
+
+
+def test_a_flat_triple_under_weighted_has_aux_shows_the_nesting():
+  def flat(w, batch):
+    x, y = batch
+    return jnp.sum((x @ w - y) ** 2), jnp.float32(12), None
+
+  want = (
+    'has_aux=True with normalize="weighted" needs fun to return '
+    "((loss_sum, weight), aux), got a tuple of length 3."
+  )
+  with pytest.raises(ValueError, match="^" + re.escape(want)):
+    jaxaccum.value_and_grad(flat, 2, normalize="weighted", has_aux=True)(W, BATCH)
+
+
+def test_an_rng_argnum_that_is_not_a_key_is_named():
+  def with_key(w, batch, key):
+    return loss(w, batch)
+
+  want = (
+    "rng_argnum=2 points at args[2], a float32 array of shape=(2,), not a PRNG "
+    "key: pass jax.random.key(seed)"
+  )
+  with pytest.raises(TypeError, match="^" + re.escape(want)):
+    jaxaccum.value_and_grad(with_key, 2, rng_argnum=2)(W, BATCH, jnp.ones(2))
+
+
+def test_param_specs_of_the_wrong_structure_are_named():
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  mesh = jax.make_mesh((8,), ("data",))
+  params = {"a": jnp.zeros(3), "b": jnp.zeros(3)}
+
+  def two(p, batch):
+    return loss(p["a"] + p["b"], batch)
+
+  fun = jaxaccum.value_and_grad(
+    two, 2, mesh=mesh, data_axis="data", param_specs={"a": P(), "c": P()}
+  )
+  batch = (jnp.ones((16, 3)), jnp.ones(16))
+  with pytest.raises(
+    ValueError, match=r"^param_specs does not match the structure of args\[0\]"
+  ):
+    jax.jit(fun)(params, batch)
+
+
+def test_donated_parameters_used_again_say_donate_false():
+  import optax  # noqa: PLC0415
+
+  step = jaxaccum.make_train_step(loss, optax.sgd(0.1), 2)
+  w, opt_state = jnp.zeros(3), optax.sgd(0.1).init(jnp.zeros(3))
+  step(w, opt_state, BATCH)
+  with pytest.raises(
+    ValueError,
+    match=r"^make_train_step donates params and opt_state, and the params "
+    r"passed were donated to an earlier call: pass the ones that call "
+    r"returned, or build the step with donate=False\.",
+  ):
+    step(w, opt_state, BATCH)
+
+
+def test_an_accumulate_state_restored_as_a_dict_says_how_to_restore():
+  import optax  # noqa: PLC0415
+
+  tx = jaxaccum.accumulate(optax.sgd(0.1), 2)
+  state = tx.init(W)
+  with pytest.raises(
+    TypeError,
+    match=r"^accumulate\(\)'s update got a dict as its state, not an "
+    r"AccumulateState: restore a checkpoint with tx\.init\(params\) as the target",
+  ):
+    tx.update(W, state._asdict(), W)
+
+
+@pytest.mark.parametrize("every_k", [0, lambda step: 0], ids=["int", "callable"])
+def test_every_k_of_zero_is_an_error_also_from_a_callable(every_k):
+  import optax  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match=r"^every_k must be positive, got every_k=0\."):
+    tx = jaxaccum.accumulate(optax.sgd(0.1), every_k)
+    tx.init(W)
+
+
+def test_a_state_aux_that_is_an_array_is_described_not_named_by_its_tracer():
+  def no_pair(w, batch, state):
+    return loss(w, batch), state
+
+  want = (
+    "state_argnum needs fun to return (value, (aux, new_state)), got an aux "
+    "that is one array of shape=(), not a pair."
+  )
+  with pytest.raises(ValueError, match="^" + re.escape(want)):
+    jaxaccum.value_and_grad(no_pair, 2, state_argnum=2, has_aux=True)(
+      W, BATCH, jnp.zeros(())
+    )
+
+
+def test_noise_stats_with_one_micro_batch_is_an_error():
+  with pytest.raises(
+    ValueError,
+    match=r"^noise_stats=True needs at least 2 micro-batches in total, got 1: "
+    r"one micro-batch has no noise to measure\.",
+  ):
+    jaxaccum.value_and_grad(loss, 1, noise_stats=True)(W, BATCH)
+
+
+@pytest.mark.parametrize(
+  "kwargs", [{"argnums": -2}, {"batch_argnums": -1}, {"argnums": (-2,)}]
+)
+def test_negative_argument_numbers_count_from_the_end_as_in_jax(kwargs):
+  value, grads = jaxaccum.value_and_grad(loss, 2, **kwargs)(W, BATCH)
+  want = jax.value_and_grad(loss, argnums=kwargs.get("argnums", 0))(W, BATCH)
+  chex.assert_trees_all_close((value, grads), want, rtol=1e-6)
+
+
+def test_a_numpy_integer_argnums_returns_the_tree_as_jax_does():
+  """argnums=np.int64(0) passed validation but the output code tested
+  isinstance(argnums, int) and returned a 1-tuple of gradients."""
+  _, grads = jaxaccum.value_and_grad(loss, 2, argnums=np.int64(0))(W, BATCH)
+  _, want = jax.value_and_grad(loss, argnums=np.int64(0))(W, BATCH)
+  assert jax.tree.structure(grads) == jax.tree.structure(want)
+  chex.assert_trees_all_close(grads, want, rtol=1e-6)
+
+
+def test_argument_errors_name_the_users_positions_under_nnx():
+  """jaxaccum.nnx shifts positions by two inside; the user's batch is
+  argument 1, and that is what the error names."""
+  from flax import nnx  # noqa: PLC0415
+
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+
+  def nnx_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x)[:, 0] - y) ** 2)
+
+  with pytest.raises(
+    ValueError, match=r"Batch leaves have different leading sizes \(args\[1\]\[0\]: 12"
+  ):
+    jaxaccum.nnx.value_and_grad(nnx_loss, 2)(model, (jnp.ones((12, 3)), jnp.ones(10)))
+
+
+def test_a_negative_batch_argnums_error_names_no_state_argnum():
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(loss, 5, batch_argnums=-1)(W, BATCH)
+  assert "state_argnum" not in str(error.value)
+  assert "batch_size=12 is not divisible by num_micro_batches=5" in str(error.value)

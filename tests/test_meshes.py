@@ -25,7 +25,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum import testing as _hlo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +133,17 @@ def place(layout, mesh, params, batch):
   return sharded, jax.device_put(batch, NamedSharding(mesh, P(layout.data_axis)))
 
 
-def accumulated(layout, mesh, mode, k, *, under_jit):
+def accumulated(layout, mesh, mode, k, *, under_jit, fsdp_gather="per_micro_batch"):
   """jaxaccum's step; under an outer jit on an Auto mesh the shardings are
   not visible, so there (only) the parameter specs are passed."""
   specs = layout.specs if (under_jit and mode == AxisType.Auto) else None
   fun = jaxaccum.value_and_grad(
-    make_loss(layout, mode), k, mesh=mesh, data_axis=layout.data_axis, param_specs=specs
+    make_loss(layout, mode),
+    k,
+    mesh=mesh,
+    data_axis=layout.data_axis,
+    param_specs=specs,
+    fsdp_gather=fsdp_gather,
   )
   return jax.jit(fun) if under_jit else fun
 
@@ -175,22 +180,24 @@ def test_full_batch_value_and_grads_sharded_like_the_parameters(
   assert_sharded_like(grads, sharded)
 
 
-def data_collectives(layout, mesh, mode, k):
+def data_collectives(layout, mesh, mode, k, fsdp_gather="once"):
   params, batch = make_problem()
   sharded, sharded_batch = place(layout, mesh, params, batch)
   text = _hlo.compiled_text(
-    accumulated(layout, mesh, mode, k, under_jit=True), sharded, sharded_batch
+    accumulated(layout, mesh, mode, k, under_jit=True, fsdp_gather=fsdp_gather),
+    sharded,
+    sharded_batch,
   )
   colls = _hlo.collectives(text)
   over_data = [c for c in colls if c.spans(layout.shape, layout.data_dims)]
   return colls, over_data
 
 
-def test_no_data_axis_collective_inside_the_loop(layout, mode):
+def test_no_data_axis_collective_inside_the_loop_when_gathered_once(layout, mode):
   mesh = layout.mesh(mode)
   counts = {}
   for k in (2, 8):
-    colls, over_data = data_collectives(layout, mesh, mode, k)
+    colls, over_data = data_collectives(layout, mesh, mode, k, "once")
     assert all(c.groups is not None for c in colls), colls
     assert [c for c in over_data if c.in_loop] == [], over_data
     counts[k] = sorted((c.op, c.executions) for c in over_data)
@@ -204,6 +211,22 @@ def test_no_data_axis_collective_inside_the_loop(layout, mode):
   ops = [op for op, _ in counts[2]]
   assert "reduce-scatter" in ops and any(op.startswith("all-gather") for op in ops)
   assert all(n == 1 for _, n in counts[2])
+
+
+def test_per_micro_batch_fsdp_reduce_scatters_in_the_loop_and_nothing_else(
+  layout, mode
+):
+  """The default: each micro-batch's FSDP gradients are reduce-scattered over
+  the FSDP axes (k times a step); nothing else over a data axis runs in the
+  loop, and replicated leaves and HSDP's replica axes are reduced once."""
+  mesh = layout.mesh(mode)
+  for k in (2, 8):
+    _, over_data = data_collectives(layout, mesh, mode, k, "per_micro_batch")
+    in_loop = [c for c in over_data if c.in_loop]
+    assert in_loop and {c.op for c in in_loop} == {"reduce-scatter"}, in_loop
+    assert all(c.executions == k for c in in_loop), in_loop
+    after = [c for c in over_data if not c.in_loop]
+    assert all(c.executions == 1 for c in after), after
 
 
 @pytest.mark.parametrize("k", [2, 8])
@@ -265,7 +288,11 @@ def test_naming_the_data_axis_in_fun_is_a_clear_error():
     return jnp.mean(h**2)
 
   fun = jaxaccum.value_and_grad(loss, 2, mesh=mesh, data_axis="data")
-  with pytest.raises(ValueError, match=r"data axes \('data',\).*manual.*typeof"):
+  with pytest.raises(
+    ValueError,
+    match=r"^fun names the data axes \('data',\) in a sharding annotation\. .*"
+    r"P\(jax\.typeof\(x\)\.sharding\.spec\[0\], \.\.\.\)",
+  ):
     fun(sharded, sharded_batch)
 
 
@@ -396,3 +423,81 @@ def test_a_raw_uint32_key_in_the_state_draws_alike_on_every_device():
       loss_with_key, 1, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
     )(params, jax.device_put((x, y), NamedSharding(mesh, P("data"))), key)
     assert len(set(np.asarray(draws).tolist())) == distinct
+
+
+# -- Small meshes and flax's own annotations (issue 18) ----------------------
+
+
+@pytest.mark.parametrize("model_size", [2, 4])
+def test_a_data_axis_of_size_one_equals_the_full_batch(model_size, mode):
+  """A (1, n) data x model mesh, the README's layout on a 2-device machine:
+  the reduction over a one-device data axis raised an XLA RET_CHECK."""
+  mesh = jax.make_mesh(
+    (1, model_size),
+    ("data", "model"),
+    axis_types=(mode, mode),
+    devices=jax.devices()[:model_size],
+  )
+  layout = dataclasses.replace(
+    LAYOUTS[1],
+    shape=(1, model_size),
+    specs={"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)},
+  )
+  params, batch = make_problem()
+  sharded, sharded_batch = place(layout, mesh, params, batch)
+  for under_jit in (False, True):
+    fun = accumulated(layout, mesh, mode, 4, under_jit=under_jit)
+    value, grads = fun(sharded, sharded_batch)
+    want = jax.value_and_grad(make_loss(LAYOUTS[0], AxisType.Auto))(params, batch)
+    chex.assert_trees_all_close((value, grads), want, rtol=1e-5, atol=1e-6)
+    assert_sharded_like(grads, sharded)
+
+
+class EmbedLM(nnx.Module):
+  """Token embedding and output projection, annotated as flax layers are:
+  ``nnx.Embed`` called with ``out_sharding=`` runs its lookup under
+  ``jax.sharding.auto_axes``."""
+
+  def __init__(self, vocab, width, *, rngs):
+    self.embed = nnx.Embed(
+      vocab,
+      width,
+      embedding_init=nnx.with_partitioning(
+        nnx.initializers.normal(1.0), (None, "model")
+      ),
+      rngs=rngs,
+    )
+    self.out = nnx.Linear(
+      width,
+      vocab,
+      kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), ("model", None)
+      ),
+      rngs=rngs,
+    )
+
+  def __call__(self, tokens):
+    batch_axis = jax.typeof(tokens).sharding.spec[0]
+    h = self.embed(tokens, out_sharding=P(batch_axis, None, "model"))
+    return self.out(h, out_sharding=P(batch_axis, None, None))
+
+
+def embed_loss(model, tokens):
+  logits = model(tokens[:, :-1])
+  return jnp.mean(
+    optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+  )
+
+
+def test_flax_embed_with_out_sharding_works_inside_the_mesh_path():
+  mesh = LAYOUTS[1].mesh(AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    model = EmbedLM(13, 8, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(2), (32, 9), 0, 13)
+  tokens = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    want = nnx.jit(nnx.value_and_grad(embed_loss))(model, tokens)
+    got = nnx.jit(
+      jaxaccum.nnx.value_and_grad(embed_loss, 2, mesh=mesh, data_axis="data")
+    )(model, tokens)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)

@@ -132,14 +132,22 @@ def test_train_step_returns_the_noise():
   chex.assert_trees_all_close(noise, expected, rtol=1e-5)
 
 
-def test_one_micro_batch_gives_no_estimate():
-  _, noise = jaxaccum.value_and_grad(loss, 1, noise_stats=True)(
-    W, sample(jax.random.key(3), M)
-  )
+def test_one_micro_batch_has_no_noise_to_measure():
+  """noise_stats with one micro-batch in total is an error (issue 18): it
+  returned an empty estimate that looked like a measurement."""
+  with pytest.raises(
+    ValueError, match="noise_stats=True needs at least 2 micro-batches"
+  ):
+    jaxaccum.value_and_grad(loss, 1, noise_stats=True)(W, sample(jax.random.key(3), M))
+
+
+def test_a_measurement_without_an_estimate_is_left_out():
+  """GradientNoise with b_small == b_big (one micro-batch) holds no estimate:
+  the tracker leaves it out, and B_simple stays infinite, never NaN."""
+  noise = jaxaccum.GradientNoise(*map(jnp.asarray, (1.0, 1.0, float(M), float(M))))
   assert not bool(noise.has_estimate())
   state = jaxaccum.noise_scale_update(jaxaccum.noise_scale_init(), noise)
   assert int(state.num_updates) == 0
-  # No estimate: infinite, as while EMA(|G|²) <= 0 (never NaN, issue 12).
   assert float(jaxaccum.critical_batch_size(state)) == np.inf
 
 

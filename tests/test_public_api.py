@@ -47,7 +47,7 @@ def describe_public_api() -> str:
   for module in (jaxaccum, jaxaccum.nnx):
     for name in sorted(vars(module)):
       obj = getattr(module, name)
-      if name.startswith("_") or inspect.ismodule(obj) and name != "nnx":
+      if name.startswith("_") or (inspect.ismodule(obj) and name != "nnx"):
         continue
       if module is jaxaccum.nnx and getattr(obj, "__module__", "") != "jaxaccum.nnx":
         continue
@@ -67,3 +67,24 @@ def test_the_public_api_is_the_snapshot():
 
 if __name__ == "__main__":
   sys.stdout.write(describe_public_api())
+
+
+def test_the_signatures_defaults_are_the_options_defaults():
+  """value_and_grad and jaxaccum.nnx.value_and_grad spell their defaults out
+  (they are the documented API); the options object holds them too, for
+  make_train_step and the rest. They must agree."""
+  import jaxaccum  # noqa: PLC0415
+  from jaxaccum import _options  # noqa: PLC0415
+
+  def fun(w, x):
+    return w
+
+  for public in (jaxaccum.value_and_grad, jaxaccum.nnx.value_and_grad):
+    defaults = {
+      name: p.default
+      for name, p in inspect.signature(public).parameters.items()
+      if p.default is not inspect.Parameter.empty
+      and name not in ("num_micro_batches", "wrt")
+    }
+    spelled = _options.create(fun, 1, **defaults)
+    assert vars(spelled) == vars(_options.create(fun, 1)), public

@@ -83,18 +83,19 @@ class GradientNoise(NamedTuple):
       ok, (self.small_sq_norm - self.big_sq_norm) / (1 / b_small - 1 / b_big), 0.0
     )
 
+  def unscaled(self, scale: jax.Array) -> GradientNoise:
+    """The measurements of gradients that were multiplied by ``scale`` (a
+    loss scale), divided back: squared norms by ``scale**2``.
 
-def sq_norm(tree: PyTree) -> jax.Array:
-  """The squared L2 norm of a pytree, accumulated in float32.
-
-  >>> import jax.numpy as jnp
-  >>> float(sq_norm({"a": jnp.array([3.0]), "b": jnp.array([[4.0]])}))
-  25.0
-  """
-  return sum(
-    (jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
-    start=jnp.zeros((), jnp.float32),
-  )
+    >>> import jax.numpy as jnp
+    >>> noise = GradientNoise(*map(jnp.asarray, (8.0, 4.0, 4.0, 16.0)))
+    >>> float(noise.unscaled(jnp.array(2.0)).small_sq_norm)
+    2.0
+    """
+    factor = jnp.asarray(scale, jnp.float32) ** 2
+    return self._replace(
+      small_sq_norm=self.small_sq_norm / factor, big_sq_norm=self.big_sq_norm / factor
+    )
 
 
 class NoiseScaleState(NamedTuple):
@@ -181,61 +182,70 @@ def critical_batch_size(state: NoiseScaleState) -> jax.Array:
 
 
 class NoiseSums(NamedTuple):
-  """Partial sums for :class:`GradientNoise`, reducible across devices.
+  """Sums toward one :class:`GradientNoise`, added up over micro-batches,
+  devices or the calls of a window: the one noise accounting of jaxaccum.
+
+  Each micro-batch contributes the squared norm of its *mean* gradient (its
+  gradient divided by what it averages over) and the examples, or units of
+  weight, it holds. A micro-batch holding none is left out.
 
   Attributes:
     sq_norm: the sum over micro-batches of the squared norm of each
       micro-batch's mean gradient; shape=(), float32.
-    num_micro_batches: the micro-batches summed (those with a positive
-      weight); shape=(), float32.
-    examples: the examples (or weight units) in them; shape=(), float32.
+    num_micro_batches: the micro-batches summed; shape=(), float32.
+    examples: the examples (or units of weight) in them; shape=(), float32.
   """
 
   sq_norm: jax.Array
   num_micro_batches: jax.Array
   examples: jax.Array
 
+  @classmethod
+  def of(
+    cls, sq_norms: jax.Array, divisors: jax.Array, examples: jax.Array
+  ) -> NoiseSums:
+    """The sums over micro-batches with gradients of squared norms
+    ``sq_norms``, each the sum over ``divisors`` of what it averages (1 for
+    a mean gradient) and holding ``examples``; any shape, one entry each.
+
+    >>> import jax.numpy as jnp
+    >>> sums = NoiseSums.of(jnp.array([4.0, 9.0]), jnp.array([2.0, 3.0]), jnp.array([2.0, 0.0]))
+    >>> [float(x) for x in sums]  # the second holds nothing and is left out
+    [1.0, 1.0, 2.0]
+    """
+    sq_norms = jnp.asarray(sq_norms, jnp.float32)
+    examples = jnp.broadcast_to(jnp.asarray(examples, jnp.float32), sq_norms.shape)
+    divisors = jnp.broadcast_to(jnp.asarray(divisors, jnp.float32), sq_norms.shape)
+    valid = examples > 0
+    safe = jnp.where(valid & (divisors != 0), divisors, 1.0)
+    return cls(
+      jnp.sum(jnp.where(valid, sq_norms / safe**2, 0.0)),
+      jnp.sum(valid.astype(jnp.float32)),
+      jnp.sum(jnp.where(valid, examples, 0.0)),
+    )
+
+  @classmethod
+  def zeros(cls) -> NoiseSums:
+    """Nothing summed yet; every field its own buffer (donatable)."""
+    return cls(*(jnp.zeros((), jnp.float32) for _ in range(3)))
+
+  def __add__(self, other: Any) -> NoiseSums:
+    return NoiseSums(*(a + b for a, b in zip(self, other, strict=True)))
+
   def finalize(self, big_sq_norm: jax.Array) -> GradientNoise:
-    """The :class:`GradientNoise` of a whole batch with this mean gradient
-    (zeros but ``big_sq_norm`` when no micro-batch was summed)."""
+    """The :class:`GradientNoise` of the whole batch, whose mean gradient has
+    the squared norm ``big_sq_norm`` (zeros but that when nothing was
+    summed)."""
     count = jnp.where(self.num_micro_batches > 0, self.num_micro_batches, 1.0)
     return GradientNoise(
       small_sq_norm=self.sq_norm / count,
-      big_sq_norm=big_sq_norm,
+      big_sq_norm=jnp.asarray(big_sq_norm, jnp.float32),
       b_small=self.examples / count,
       b_big=self.examples,
     )
 
 
-def micro_batch_noise(
-  normalize: str, sq_norms: jax.Array, weights: jax.Array, micro_batch_size: int
-) -> NoiseSums:
-  """Partial sums from per-micro-batch gradient squared norms.
-
-  Args:
-    normalize: the engine's mode. ``"mean"``: each gradient is already a
-      micro-batch mean over ``micro_batch_size`` rows. ``"sum"``: it is a sum
-      over the rows. ``"weighted"``: it is a sum over ``weight`` units (e.g.
-      tokens); micro-batches of weight 0 are left out.
-    sq_norms: ``|g_i|²`` per micro-batch; shape=(k,).
-    weights: the micro-batch weights; shape=(k,).
-    micro_batch_size: rows per micro-batch.
-  """
-  sq_norms = sq_norms.astype(jnp.float32)
-  if normalize == "weighted":
-    examples = weights.astype(jnp.float32)
-    valid = examples > 0
-    safe = jnp.where(valid, examples, 1.0)
-    mean_sq = jnp.where(valid, sq_norms / safe**2, 0.0)
-    return NoiseSums(
-      jnp.sum(mean_sq),
-      jnp.sum(valid.astype(jnp.float32)),
-      jnp.sum(jnp.where(valid, examples, 0.0)),
-    )
-  scale = 1.0 if normalize == "mean" else 1.0 / micro_batch_size**2
-  k = sq_norms.shape[0]
-  return NoiseSums(
-    jnp.sum(sq_norms) * scale,
-    jnp.asarray(k, jnp.float32),
-    jnp.asarray(k * micro_batch_size, jnp.float32),
-  )
+def no_estimate() -> GradientNoise:
+  """Zeros: no estimate (``has_estimate()`` is False), and no NaN for
+  ``jax_debug_nans`` to report; every field its own buffer."""
+  return GradientNoise(*(jnp.zeros((), jnp.float32) for _ in range(4)))

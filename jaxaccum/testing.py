@@ -1,8 +1,17 @@
-"""Reading collectives out of compiled HLO text.
+"""Reading collectives out of compiled HLO text: what a step communicates.
 
-Used to check the data-parallel contract ("no reduction over the data axes
-inside the loop") and to measure the bytes a step communicates: every
-collective's result size, times the trip counts of the while loops around it.
+For checking a data-parallel step the way jaxaccum's own tests do ("no
+reduction over the data axes inside the loop") and measuring the bytes it
+communicates: every collective's result size, times the trip counts of the
+while loops around it.
+
+>>> import jax, jax.numpy as jnp, jaxaccum
+>>> from jaxaccum import testing
+>>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+>>> text = testing.compiled_text(jaxaccum.value_and_grad(loss, 4), jnp.ones(3), jnp.ones((8, 3)))
+>>> [c.op for c in testing.collectives(text)]  # one device: nothing to say
+[]
+
 Each collective's replica groups are read too, in the three forms XLA prints
 (explicit lists, iota ``[G,S]<=[dims]T(perm)``, and named mesh axes), so that
 :meth:`Collective.spans` can say which mesh axes it communicates over.

@@ -1,0 +1,171 @@
+"""Every JAX internal jaxaccum relies on, in one module.
+
+Each use is pinned by a test in ``tests/test_compat.py`` that fails loudly
+when a JAX release moves it, instead of a silent change of behaviour
+elsewhere:
+
+- :func:`is_tracer`: whether a value is traced by an outer transformation
+  (``jax.core.Tracer``, which JAX does not promise to keep public);
+- :func:`explicit_spec`: the ``PartitionSpec`` in a value's type on Explicit
+  mesh axes (the public ``jax.typeof(x).sharding``, read with the rule for
+  which meshes make it a promise);
+- :func:`names_spmd_axis`: whether an error is JAX's refusal of a sharding
+  annotation that names a ``vmap``'s ``spmd_axis_name``, which has no API of
+  its own, so its text is matched here and nowhere else;
+- compiling for compile-only GPUs (:func:`compile_lowered`).
+
+Compile-only GPUs: XLA's compile-only GPU devices
+(``jax.experimental.topologies`` with the CUDA plugin) have no memory kinds,
+and ``NamedSharding(..., memory_kind="pinned_host")`` on them silently drops
+the kind. So a batch in host memory cannot be expressed on them through the
+public API. What works: trace and lower on CPU devices, which do have
+``pinned_host``, for the ``cuda`` platform
+(``Traced.lower(lowering_platforms=("cuda",))``), then compile that module
+with the compile-only GPU client, device for device. The lowering is public;
+the compilation is not: it reads the lowering's compile arguments and device
+assignment (``Lowered._lowering``) and JAX's rule for which shardings XLA may
+choose (``pxla.get_prop_to_input_output``), and builds the compile options
+with jaxlib's ``xla_client.CompileOptions``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jaxlib import xla_client
+
+
+@contextlib.contextmanager
+def _internals() -> Iterator[None]:
+  """Turns a moved JAX internal into an error that says what moved."""
+  try:
+    yield
+  except (AttributeError, KeyError, ImportError, TypeError) as e:
+    raise RuntimeError(
+      f"JAX {jax.__version__} changed an internal that jaxaccum uses to compile "
+      f"for compile-only GPUs (jaxaccum/_aot.py): {type(e).__name__}: {e}"
+    ) from e
+
+
+def is_tracer(x: Any) -> bool:
+  """Whether ``x`` is a tracer of a transformation (``jit``, ``vmap``, ...).
+
+  >>> is_tracer(1.0), is_tracer(jax.numpy.ones(2))
+  (False, False)
+  """
+  return isinstance(x, jax.core.Tracer)
+
+
+def explicit_spec(x: Any) -> jax.sharding.PartitionSpec | None:
+  """The ``PartitionSpec`` that ``x``'s type carries, where its mesh has
+  Explicit axes (there the type is a promise); None otherwise.
+
+  >>> explicit_spec(jax.numpy.ones(2)) is None
+  True
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if sharding is None or mesh is None or mesh.empty:
+    return None
+  if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return None
+  return sharding.spec
+
+
+def visible_spec(x: Any) -> jax.sharding.PartitionSpec | None:
+  """The ``PartitionSpec`` that ``x`` is known to have, or None if unknown.
+
+  A concrete array knows its sharding. A traced value knows it only where
+  the mesh axes are Explicit (the sharding is part of its type); under
+  ``jit`` on an Auto mesh it is unknown.
+  """
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding) and not is_tracer(x):
+    return sharding.spec
+  return explicit_spec(x)
+
+
+def names_spmd_axis(error: Exception, axes: Sequence[str]) -> bool:
+  """Whether ``error`` is JAX's refusal of a sharding annotation inside a
+  ``vmap`` whose ``spmd_axis_name`` (``axes``) the annotation names: a
+  sharding constraint naming them (a ``ValueError`` that says so), or an
+  ``out_sharding=`` that does, which the ``vmap`` turns into a spec naming
+  an axis twice (a ``DuplicateSpecError``)."""
+  from jax._src.named_sharding import DuplicateSpecError  # noqa: PLC0415
+
+  if isinstance(error, DuplicateSpecError):
+    spec = tuple(error.pspec)
+    named = [
+      n
+      for entry in spec
+      if entry is not None
+      for n in (entry if isinstance(entry, tuple) else (entry,))
+    ]
+    return any(named.count(a) > 1 for a in axes)
+  text = str(error)
+  return isinstance(error, ValueError) and "spmd_axis_name" in text and "spec" in text
+
+
+def lowering_devices(lowered: jax.stages.Lowered) -> tuple[jax.Device, ...]:
+  """The devices ``lowered`` was lowered for, in XLA's device-assignment order."""
+  with _internals():
+    device_list = lowered._lowering._device_list  # type: ignore[attr-defined]
+  if device_list is None:
+    raise ValueError("The lowered computation has no device assignment.")
+  return tuple(device_list)
+
+
+def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) -> Any:
+  """Compiles ``lowered`` for ``devices`` and returns XLA's memory statistics.
+
+  Args:
+    lowered: a computation lowered (for the platform of ``devices``) on other
+      devices, e.g. CPU devices standing in for GPUs.
+    devices: compile-only devices, one per device of ``lowered``'s device
+      assignment, in that order.
+
+  Returns:
+    The executable's ``CompiledMemoryStats`` (per device).
+  """
+  lowered_on = lowering_devices(lowered)
+  if len(devices) != len(lowered_on):
+    raise ValueError(
+      f"{len(devices)} target devices for a computation lowered on {len(lowered_on)}."
+    )
+  with _internals():
+    from jax._src.interpreters import pxla  # noqa: PLC0415
+
+    lowering: Any = lowered._lowering
+    args = lowering.compile_args
+    module = lowering.stablehlo()
+    allow_in, allow_out = pxla.get_prop_to_input_output(
+      args["in_shardings"], args["out_shardings"], len(args["ordered_effects"])
+    )
+    tuple_args = bool(args["tuple_args"])
+  # The options jax.jit would build, from jaxlib's (stable) CompileOptions
+  # rather than from JAX's private helper, whose signature changes between
+  # releases (0.10.0 and 0.10.2 differ). What is left out are tuning knobs
+  # from JAX's config (optimization effort levels); XLA_FLAGS still apply.
+  options = xla_client.CompileOptions()
+  options.num_replicas = 1
+  options.num_partitions = len(devices)
+  options.device_assignment = xla_client.DeviceAssignment.create(
+    np.array([[d.id for d in devices]])
+  )
+  options.parameter_is_tupled_arguments = tuple_args
+  build = options.executable_build_options
+  build.use_spmd_partitioning = True
+  build.use_shardy_partitioner = bool(jax.config.values["jax_use_shardy_partitioner"])
+  build.allow_spmd_sharding_propagation_to_parameters = list(allow_in)
+  build.allow_spmd_sharding_propagation_to_output = list(allow_out)
+  client = devices[0].client
+  executable = client.compile(
+    module,
+    executable_devices=xla_client.DeviceList(tuple(devices)),
+    compile_options=options,
+  )
+  return executable.get_compiled_memory_stats()

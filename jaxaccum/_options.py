@@ -1,0 +1,339 @@
+"""One validated options object for every accumulated ``value_and_grad``.
+
+The public functions (``value_and_grad``, ``grad``, ``jaxaccum.nnx``,
+``make_train_step``, ``verify_equivalence``, ``plan_micro_batches``) all take
+the same keyword arguments. They are validated once, here, into an
+:class:`Options`, and everything below reads that object, never the raw
+keywords: the defaults live in one place (the dataclass fields), and so does
+every rule about them.
+
+Argument positions are the user's. ``argnums`` may count from the end, as in
+JAX; :meth:`Options.resolve` turns them into positions once the number of
+arguments is known. An adapter that calls the engine with arguments of its own
+in front (``jaxaccum.nnx`` passes the parameter states first) shifts the
+positions with :meth:`Options.shifted`, and :class:`ArgNames` keeps naming
+them as the user numbered them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccum import _normalize
+
+PyTree = Any
+
+FSDP_MODES = ("per_micro_batch", "once")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgNames:
+  """Names argument positions in errors the way the user numbered them.
+
+  Attributes:
+    offset: engine position = the user's position + ``offset``.
+    hidden: engine positions the user never passed, with their names (the
+      parameter states that ``jaxaccum.nnx`` puts in front).
+  """
+
+  offset: int = 0
+  hidden: tuple[tuple[int, str], ...] = ()
+
+  def __call__(self, n: int) -> str:
+    """``args[i]`` for the user's argument ``i`` at engine position ``n``.
+
+    >>> ArgNames(offset=2, hidden=((0, "the model's parameters"),))(3)
+    'args[1]'
+    """
+    for position, name in self.hidden:
+      if position == n:
+        return name
+    return f"args[{n - self.offset}]"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Options:
+  """The options of one accumulated ``value_and_grad``, validated.
+
+  Attributes mirror the keyword arguments of :func:`jaxaccum.value_and_grad`,
+  except:
+
+  - ``argnums``, ``batch_argnums``: tuples; negative entries count from the
+    end until :meth:`resolve`;
+  - ``tree_grads``: ``argnums`` was a single integer, so the grads come back
+    as one tree rather than a tuple (as in ``jax.value_and_grad``);
+  - ``normalization``: the mode as a value (:mod:`jaxaccum._normalize`);
+  - ``data_axes``: ``data_axis`` as a tuple (None without a mesh);
+  - ``names``: how errors name argument positions.
+  """
+
+  num_micro_batches: int | None = None
+  micro_batch_size: int | None = None
+  argnums: tuple[int, ...] = (0,)
+  batch_argnums: tuple[int, ...] = (1,)
+  has_aux: bool = False
+  normalize: str = "mean"
+  accum_dtype: Any = jnp.float32
+  rng_argnum: int | None = None
+  state_argnum: int | None = None
+  remat: bool | Callable[..., Any] = False
+  mesh: jax.sharding.Mesh | None = None
+  data_axes: tuple[str, ...] | None = None
+  param_specs: PyTree | None = None
+  fsdp_gather: str = "per_micro_batch"
+  noise_stats: bool = False
+  value_checks: bool = False
+  tree_grads: bool = True
+  names: ArgNames = ArgNames()
+
+  @property
+  def normalization(self) -> _normalize.Normalization:
+    return _normalize.get(self.normalize)
+
+  @property
+  def array_argnums(self) -> tuple[int, ...]:
+    """The positions whose leaves are arrays (differentiated, split, key and
+    state arguments); Python values elsewhere stay Python values."""
+    extra = tuple(n for n in (self.rng_argnum, self.state_argnum) if n is not None)
+    return self.argnums + self.batch_argnums + extra
+
+  @property
+  def data_devices(self) -> int:
+    """Devices the batch is split over: the product of the data axes' sizes
+    (1 without a mesh)."""
+    if self.mesh is None or self.data_axes is None:
+      return 1
+    return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+  def replace(self, **changes: Any) -> Options:
+    return dataclasses.replace(self, **changes)
+
+  # -- call time --------------------------------------------------------------
+
+  def resolve(self, num_args: int) -> Options:
+    """The options with every position counted from the front, checked
+    against the ``num_args`` positional arguments of the call."""
+
+    def one(n: int) -> int:
+      return n + num_args if n < 0 else n
+
+    resolved = self.replace(
+      argnums=tuple(map(one, self.argnums)),
+      batch_argnums=tuple(map(one, self.batch_argnums)),
+      rng_argnum=None if self.rng_argnum is None else one(self.rng_argnum),
+      state_argnum=None if self.state_argnum is None else one(self.state_argnum),
+    )
+    used = resolved.array_argnums
+    if max(used) >= num_args or min(used) < 0:
+      user = self.shifted(-self.names.offset)
+      raise ValueError(
+        f"The function was called with {num_args - self.names.offset} "
+        f"positional arguments, but argnums={user.argnums}, "
+        f"batch_argnums={user.batch_argnums}, rng_argnum={user.rng_argnum} "
+        f"and state_argnum={user.state_argnum} refer to more."
+      )
+    _check_positions(resolved)
+    return resolved
+
+  def shifted(self, offset: int, **changes: Any) -> Options:
+    """For an adapter that puts ``offset`` arguments of its own in front:
+    every position moves by ``offset``, and errors keep naming the user's."""
+    bump = lambda n: None if n is None else n + offset  # noqa: E731
+    return self.replace(
+      argnums=tuple(n + offset for n in self.argnums),
+      batch_argnums=tuple(n + offset for n in self.batch_argnums),
+      rng_argnum=bump(self.rng_argnum),
+      state_argnum=bump(self.state_argnum),
+      names=ArgNames(self.names.offset + offset, changes.pop("hidden", ())),
+      **changes,
+    )
+
+
+# The keyword arguments of jaxaccum.value_and_grad.
+KEYWORDS = frozenset(
+  {f.name for f in dataclasses.fields(Options)} - {"data_axes", "tree_grads", "names"}
+) | {"data_axis"}
+
+
+def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Options:
+  """Validates the keyword arguments of :func:`jaxaccum.value_and_grad`.
+
+  Unknown keywords are a ``TypeError`` naming them; bad values a
+  ``ValueError`` or ``TypeError`` naming the argument, at definition time.
+  Defaults are the :class:`Options` fields'.
+  """
+  unknown = sorted(set(kwargs) - KEYWORDS)
+  if unknown:
+    raise TypeError(
+      f"Unknown option(s) {unknown}; the options are those of "
+      f"jaxaccum.value_and_grad: {sorted(KEYWORDS | {'num_micro_batches'})}."
+    )
+  if fun is not None and not callable(fun):
+    raise TypeError(f"fun must be callable, got {fun!r}.")
+  defaults = Options()
+  get = lambda name: kwargs.get(name, getattr(defaults, name))  # noqa: E731
+  micro_batch_size = get("micro_batch_size")
+  check_split_sizes(num_micro_batches, micro_batch_size)
+  argnums = kwargs.get("argnums", 0)  # as in jax.value_and_grad: one tree
+  diff = _as_tuple(argnums, "argnums")
+  batch = _as_tuple(kwargs.get("batch_argnums", 1), "batch_argnums")
+  rng_argnum = _one_position("rng_argnum", get("rng_argnum"))
+  state_argnum = _one_position("state_argnum", get("state_argnum"))
+  has_aux = bool(get("has_aux"))
+  if state_argnum is not None and not has_aux:
+    raise ValueError(
+      "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
+    )
+  normalize = get("normalize")
+  _normalize.get(normalize)
+  accum_dtype = get("accum_dtype")
+  _normalize.check_accum_dtype(accum_dtype)
+  fsdp_gather = get("fsdp_gather")
+  if fsdp_gather not in FSDP_MODES:
+    raise ValueError(f"Unknown {fsdp_gather=}; choose one of {list(FSDP_MODES)}.")
+  mesh, data_axes = _mesh_and_axes(get("mesh"), kwargs.get("data_axis"))
+  if get("param_specs") is not None and mesh is None:
+    raise ValueError("param_specs is for the data-parallel path; pass mesh= too.")
+  options = Options(
+    num_micro_batches=None if num_micro_batches is None else int(num_micro_batches),
+    micro_batch_size=None if micro_batch_size is None else int(micro_batch_size),
+    argnums=diff,
+    batch_argnums=batch,
+    has_aux=has_aux,
+    normalize=normalize,
+    accum_dtype=jnp.dtype(accum_dtype),
+    rng_argnum=rng_argnum,
+    state_argnum=state_argnum,
+    remat=_check_remat(get("remat")),
+    mesh=mesh,
+    data_axes=data_axes,
+    param_specs=get("param_specs"),
+    fsdp_gather=fsdp_gather,
+    noise_stats=bool(get("noise_stats")),
+    value_checks=bool(get("value_checks")),
+    tree_grads=isinstance(argnums, numbers.Integral),
+  )
+  # Positions that are all counted from the front can be checked now.
+  if all(n >= 0 for n in options.array_argnums):
+    _check_positions(options)
+  return options
+
+
+def check_split_sizes(num_micro_batches: Any, micro_batch_size: Any) -> None:
+  """Raises unless exactly one positive integer split size is given."""
+  if (num_micro_batches is None) == (micro_batch_size is None):
+    raise ValueError(
+      "Give exactly one of num_micro_batches and micro_batch_size, got "
+      f"{num_micro_batches=} and {micro_batch_size=}."
+    )
+  for name, size in (
+    ("num_micro_batches", num_micro_batches),
+    ("micro_batch_size", micro_batch_size),
+  ):
+    if size is None:
+      continue
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+      raise TypeError(
+        f"{name} must be an integer (a Python or numpy int), got {size!r} "
+        f"of type {type(size).__name__}."
+      )
+    if size <= 0:
+      raise ValueError(f"{name} must be positive, got {name}={size}.")
+
+
+def _check_positions(options: Options) -> None:
+  """The argument numbers do not overlap (all counted from the front)."""
+  diff, batch = options.argnums, options.batch_argnums
+  rng_argnum, state_argnum = options.rng_argnum, options.state_argnum
+  if set(diff) & set(batch):
+    raise ValueError(
+      f"argnums={_show(diff)} and batch_argnums={_show(batch)} overlap: the "
+      "differentiated arguments are not split."
+    )
+  for name, n in (("rng_argnum", rng_argnum), ("state_argnum", state_argnum)):
+    if n is not None and n in diff + batch:
+      raise ValueError(f"{name}={n} is also in argnums or batch_argnums.")
+  if rng_argnum is not None and rng_argnum == state_argnum:
+    raise ValueError(f"{rng_argnum=} and {state_argnum=} are the same argument.")
+
+
+def _show(nums: tuple[int, ...]) -> Any:
+  return nums[0] if len(nums) == 1 else nums
+
+
+def _as_tuple(argnums: Any, name: str) -> tuple[int, ...]:
+  nums = (argnums,) if isinstance(argnums, numbers.Integral) else tuple(argnums)
+  if not nums or not all(
+    isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in nums
+  ):
+    raise TypeError(f"{name} must be an int or a non-empty tuple of ints.")
+  nums = tuple(int(n) for n in nums)
+  if len(set(nums)) != len(nums):
+    raise ValueError(f"{name}={argnums} repeats an argument.")
+  return nums
+
+
+def _one_position(name: str, n: Any) -> int | None:
+  if n is None:
+    return None
+  return _as_tuple(n, name)[0]
+
+
+def _check_remat(remat: Any) -> bool | Callable[..., Any]:
+  if isinstance(remat, bool) or (callable(remat) and not isinstance(remat, type)):
+    return remat
+  raise TypeError(
+    "remat must be a bool or a jax.checkpoint_policies policy (a callable), "
+    f"got {remat!r}."
+  )
+
+
+def _mesh_and_axes(
+  mesh: Any, data_axis: Any
+) -> tuple[jax.sharding.Mesh | None, tuple[str, ...] | None]:
+  """``mesh`` checked, and ``data_axis`` as a tuple of its axis names."""
+  if mesh is None and data_axis is None:
+    return None, None
+  if mesh is None:
+    raise ValueError(f"{data_axis=} needs mesh=, the mesh that holds that axis.")
+  if data_axis is None:
+    raise ValueError("mesh= needs data_axis=, the name of the mesh's data axis.")
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}.")
+  return mesh, data_axes(mesh, data_axis)
+
+
+def data_axes(mesh: jax.sharding.Mesh, data_axis: Any) -> tuple[str, ...]:
+  """``data_axis`` (a name or a tuple of names) checked against ``mesh``.
+
+  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> data_axes(mesh, "data")
+  ('data',)
+  """
+  axes = (data_axis,) if isinstance(data_axis, str) else data_axis
+  if (
+    not isinstance(axes, Sequence)
+    or isinstance(axes, str)
+    or not axes
+    or not all(isinstance(a, str) for a in axes)
+  ):
+    raise TypeError(
+      "data_axis must be a mesh axis name or a non-empty tuple of them, got "
+      f"{data_axis!r}."
+    )
+  axes = tuple(axes)
+  for a in axes:
+    if a not in mesh.axis_names:
+      raise ValueError(
+        f"data_axis {a!r} is not an axis of the mesh, whose axes are {mesh.axis_names}."
+      )
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"data_axis={data_axis!r} repeats an axis.")
+  return axes

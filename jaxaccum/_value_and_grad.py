@@ -1,0 +1,269 @@
+"""``value_and_grad`` and ``grad``: the public face of the scan engine.
+
+These validate their options once (:mod:`jaxaccum._options`) and run the
+engine (:mod:`jaxaccum._engine`) on one device, or its data-parallel form
+(:mod:`jaxaccum._parallel`) with ``mesh=``. Called outside ``jit``, the step
+is compiled once per configuration and kept (:mod:`jaxaccum._calls`), and the
+arguments are validated once per configuration, so an eager call costs what
+an eager ``jax.value_and_grad`` call costs; under an outer transformation it
+is traced inline.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccum import _calls, _compat, _engine, _options, _parallel, _split
+
+PyTree = Any
+
+
+def value_and_grad(
+  fun: Callable[..., Any],
+  num_micro_batches: int | None = None,
+  *,
+  micro_batch_size: int | None = None,
+  argnums: int | Sequence[int] = 0,
+  batch_argnums: int | Sequence[int] = 1,
+  has_aux: bool = False,
+  normalize: str = "mean",
+  accum_dtype: Any = jnp.float32,
+  rng_argnum: int | None = None,
+  state_argnum: int | None = None,
+  remat: bool | Callable[..., Any] = False,
+  mesh: jax.sharding.Mesh | None = None,
+  data_axis: str | tuple[str, ...] | None = None,
+  param_specs: PyTree | None = None,
+  fsdp_gather: str = "per_micro_batch",
+  noise_stats: bool = False,
+  value_checks: bool = False,
+) -> Callable[..., Any]:
+  """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
+
+  The arguments in ``batch_argnums`` are split along their leading axis into
+  ``k`` micro-batches. On one device micro-batch ``i`` holds rows
+  ``i*m .. (i+1)*m - 1``; for a batch sharded over devices, the ``i``-th
+  slice of every device's rows, so that no row moves (see
+  :func:`jaxaccum.merge_micro_batches`). A ``lax.scan`` runs ``fun`` forward
+  and backward on each and adds the gradients into a float32 accumulator, so
+  only one micro-batch's activations are alive at a time. The sums are
+  normalized once.
+
+  Args:
+    fun: the loss, ``fun(*args, **kwargs)``. Its value is a scalar, or the pair
+      ``(loss_sum, weight)`` with ``normalize="weighted"``; with ``has_aux``
+      it returns ``(value, aux)``.
+    num_micro_batches: ``k``, the number of micro-batches. Give this or
+      ``micro_batch_size``.
+    micro_batch_size: ``m``, the rows per micro-batch.
+    argnums: the argument(s) to differentiate, as in ``jax.value_and_grad``
+      (negative numbers count from the end).
+    batch_argnums: the argument(s) to split: pytrees whose leaves share one
+      leading batch axis. Other arguments reach every micro-batch unchanged.
+    has_aux: ``fun`` returns ``(value, aux)``. The aux comes back stacked, with
+      a leading axis of length ``k``.
+    normalize: ``"mean"`` (``fun`` returns a micro-batch mean; the result is
+      the mean over micro-batches), ``"sum"`` (the results are summed) or
+      ``"weighted"`` (``fun`` returns ``(loss_sum, weight)``; the result is
+      ``sum(loss_sum) / sum(weight)`` over the whole batch: zero when the
+      total weight is zero, not finite when it is not finite).
+    accum_dtype: the dtype of the sums; a gradient wider than it (float64) is
+      summed in its own dtype. The grads come back in the parameters' dtype.
+    rng_argnum: a PRNG key argument; micro-batch ``i`` receives
+      ``jax.random.fold_in(key, i)``. With one micro-batch in total the key
+      reaches ``fun`` unchanged: at ``k = 1`` jaxaccum is your own step.
+    state_argnum: a mutable state argument (e.g. BatchNorm statistics). ``fun``
+      must use ``has_aux=True`` and return ``(value, (aux, new_state))``;
+      micro-batch ``i + 1`` sees the state micro-batch ``i`` produced, and the
+      aux comes back as ``(stacked_aux, final_state)``. Each state leaf keeps
+      its dtype (a Python number takes it); another dtype is an error.
+    noise_stats: also measure the gradient noise scale (McCandlish et al.
+      2018) from the micro-batch gradients, at the cost of one squared norm
+      per micro-batch. The function then returns ``(output, noise)``, with
+      ``output`` as without it and ``noise`` a :class:`GradientNoise`
+      (``|G_small|²``, ``|G_big|²``, ``B_small``, ``B_big``); feed it to
+      :func:`noise_scale_update`. Needs two micro-batches in total.
+    value_checks: emit value-level normalization checks (every weight finite
+      and non-negative; a zero total weight gives zero grads), which raise
+      when the step runs under ``chex.chexify``. Off by default: even unused,
+      they would take a jitted step off JAX's fast dispatch path.
+    remat: wrap each micro-batch's computation (forward and backward) in
+      ``jax.checkpoint``; ``True``, or a ``jax.checkpoint_policies`` policy.
+      This matters when you differentiate *through* the accumulated gradient
+      (meta-gradients, gradient penalties): the outer backward pass then
+      recomputes each micro-batch instead of storing ``k`` micro-batches of
+      residuals. A first-order step already holds only one micro-batch's
+      activations, and remat leaves its peak unchanged; to go below that,
+      checkpoint layers inside the model (``nnx.remat``, ``nn.remat``).
+    mesh: a ``jax.sharding.Mesh`` for data parallelism. Each device splits
+      its own shard of the batch into ``k`` micro-batches (or micro-batches of
+      ``micro_batch_size`` rows) and accumulates its own gradient; ONE
+      reduction of the gradients runs after the loop. ``fun`` sees one
+      device's micro-batch, and the mesh as under plain ``jit``: annotations
+      on the other mesh axes work as there. The micro-batch index folded into
+      the key is global (``d * k + i`` on device ``d``). Each device threads
+      its own copy of the state; after the loop floating-point state is
+      averaged over devices, integers take their maximum, and a typed PRNG
+      key (``jax.random.key``; a raw ``uint32`` key counts as integers) that
+      ``fun`` advanced comes from device 0.
+    data_axis: the mesh axis that the batch is sharded along, or a tuple of
+      them (HSDP: ``("replica", "fsdp")``).
+    param_specs: ``PartitionSpec``s of the differentiated arguments (a tree
+      prefix per entry of ``argnums``). Only needed inside ``jit`` with an
+      Auto mesh, where shardings are not visible at trace time; outside
+      ``jit`` and with Explicit meshes they are read from the arrays.
+      Gradients of parameters sharded along ``data_axis`` (FSDP) are
+      reduce-scattered to that sharding.
+    fsdp_gather: how parameters sharded along ``data_axis`` (FSDP) are
+      handled; replicated parameters are always reduced once, after the
+      loop. ``"per_micro_batch"`` (the default, for memory): each
+      micro-batch's forward uses the weights gathered where they are needed,
+      as the full-batch step does, and its gradient is reduce-scattered into
+      a float32 accumulator sharded like the parameter (``P / D`` per
+      device); HSDP's replica axes are reduced once, after the loop.
+      ``"once"`` (for communication): the weights are gathered before the
+      loop, the full gradient accumulated per device, and reduce-scattered
+      once after it, with no collective inside the loop; it holds a
+      full-size float32 accumulator per device. Choose ``"once"`` when the
+      step is communication-bound and the memory is there.
+
+  Returns:
+    A function of the same arguments as ``fun`` that returns
+    ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``.
+
+  Raises:
+    ValueError: at definition time for bad static arguments, and at trace time
+      for a batch that does not split, naming the sizes.
+
+  >>> import jax, jax.numpy as jnp, jaxaccum
+  >>> def loss(w, batch):
+  ...   x, y = batch
+  ...   return jnp.mean((x @ w - y) ** 2)
+  >>> x = jnp.arange(16.0).reshape(8, 2) / 10
+  >>> y = x @ jnp.array([1.0, -1.0])
+  >>> w = jnp.zeros(2)
+  >>> value, grads = jaxaccum.value_and_grad(loss, num_micro_batches=4)(w, (x, y))
+  >>> full_value, full_grads = jax.value_and_grad(loss)(w, (x, y))
+  >>> bool(jnp.allclose(value, full_value)), bool(jnp.allclose(grads, full_grads))
+  (True, True)
+  """
+  # Every parameter above is an option: validated once, in one place.
+  options = _options.create(**locals())
+  step = Step(fun, options)
+
+  @functools.wraps(fun)
+  def accumulated(*args, **kwargs):
+    return step(*args, **kwargs).arranged(options)
+
+  return accumulated
+
+
+def grad(
+  fun: Callable[..., Any],
+  num_micro_batches: int | None = None,
+  **kwargs: Any,
+) -> Callable[..., Any]:
+  """Like ``jax.grad``, accumulated over micro-batches; see ``value_and_grad``.
+
+  Takes the same arguments as :func:`value_and_grad` and returns a function
+  that gives ``grads``, or ``(grads, aux)`` with ``has_aux=True``; with
+  ``noise_stats=True``, ``(that, noise)``.
+
+  >>> import jax.numpy as jnp, jaxaccum
+  >>> loss = lambda w, x: jnp.mean((x * w) ** 2)
+  >>> g = jaxaccum.grad(loss, micro_batch_size=2)(jnp.array(1.0), jnp.arange(4.0))
+  >>> float(g)  # d/dw mean(x^2 w^2) = 2 w mean(x^2) = 2 * 3.5
+  7.0
+  """
+  options = _options.create(fun, num_micro_batches, **kwargs)
+  step = Step(fun, options)
+
+  @functools.wraps(fun)
+  def accumulated_grad(*args, **call_kwargs):
+    return grad_only(step(*args, **call_kwargs).arranged(options), options)
+
+  return accumulated_grad
+
+
+def grad_only(output: Any, options: _options.Options) -> Any:
+  """``value_and_grad``'s output as ``grad`` gives it: ``grads``, or ``(grads,
+  aux)`` with ``has_aux``; ``(that, noise)`` with ``noise_stats``."""
+  (value, grads), noise = output if options.noise_stats else (output, None)
+  result = (grads, value[1]) if options.has_aux else grads
+  return (result, noise) if options.noise_stats else result
+
+
+class Step:
+  """``fun``'s whole accumulated step, on one device or data-parallel.
+
+  ``step(*args, **kwargs)`` returns the :class:`~jaxaccum._engine.Result`.
+  Called eagerly it validates the arguments once per configuration and runs
+  one compiled program per configuration; under an outer transformation it
+  is traced inline.
+  """
+
+  def __init__(self, fun: Callable[..., Any], options: _options.Options):
+    self.fun = fun
+    self.options = options
+    self.parallel = None if options.mesh is None else _parallel.DataParallel(options)
+    self._engines: dict[int, _engine.Engine] = {}
+    self._validated: set[Any] = set()
+    self._compiled = _calls.Compiled(
+      self.traced, static_positions=self.static_positions, checked=options.value_checks
+    )
+
+  def engine(self, num_args: int) -> _engine.Engine:
+    """The engine, its positions resolved for ``num_args`` arguments."""
+    engine = self._engines.get(num_args)
+    if engine is None:
+      engine = _engine.Engine(self.fun, self.options.resolve(num_args))
+      self._engines[num_args] = engine
+    return engine
+
+  def static_positions(self, num_args: int) -> list[int]:
+    """Positions whose Python values ``fun`` gets as they are (not traced)."""
+    used = self.engine(num_args).options.array_argnums
+    return [n for n in range(num_args) if n not in used]
+
+  def layout(self, args: tuple[Any, ...]) -> Any:
+    """What the compiled program depends on besides static values: the
+    parameters' shardings on the data-parallel path."""
+    if self.parallel is None:
+      return None
+    return self.parallel.layout(self.engine(len(args)).options, args)
+
+  def traced(self, layout: Any, /, *args: Any, **kwargs: Any) -> _engine.Result:
+    engine = self.engine(len(args))
+    if self.parallel is not None:
+      return self.parallel(engine, layout, args, kwargs)
+    return engine.local(args, kwargs)
+
+  def validate(self, args: tuple[Any, ...]) -> None:
+    """The checks that must precede ``jit`` (a string in the batch would
+    otherwise fail inside it, unexplained), once per configuration."""
+    leaves, treedef = jax.tree.flatten(args)
+    key = (treedef, tuple(type(x) for x in leaves))
+    if key in self._validated:
+      return
+    engine = self.engine(len(args))
+    engine.check_args(args)
+    o = engine.options
+    _split.leading_batch_size({o.names(i): args[i] for i in o.batch_argnums})
+    self._validated.add(key)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> _engine.Result:
+    if any(map(_compat.is_tracer, jax.tree.leaves((args, kwargs)))):
+      return self.traced(self.layout(args), *args, **kwargs)
+    self.validate(args)
+    with _parallel.mesh_context(self.options.mesh):
+      return self._compiled(self.layout(args), *args, **kwargs)
+
+  def lower(self, *args: Any, **kwargs: Any) -> Any:
+    """``jax.jit(...).lower`` of the program these arguments call."""
+    with _parallel.mesh_context(self.options.mesh):
+      return self._compiled.lower(self.layout(args), *args, **kwargs)
