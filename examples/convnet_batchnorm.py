@@ -28,18 +28,80 @@ Run: ``python examples/convnet_batchnorm.py [--steps 200] [--out-dir outputs]``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import _cli  # examples/_cli.py
+from _digits import TRAIN_ROWS  # examples/_digits.py
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+  """``main``'s keyword arguments from the command line (``sys.argv`` if None)."""
+  parser = _cli.parser(__doc__)
+  add = parser.add_argument
+  count = _cli.positive_int
+  add("--steps", type=count, default=200, metavar="N", help="optimizer steps")
+  add(
+    "--batch-size",
+    type=count,
+    default=256,
+    metavar="N",
+    help=f"images per optimizer step, the full batch (at most {TRAIN_ROWS})",
+  )
+  add(
+    "--num-micro-batches",
+    type=count,
+    default=8,
+    metavar="K",
+    help="micro-batches per optimizer step; must divide the batch size",
+  )
+  add(
+    "--learning-rate",
+    type=_cli.positive_float,
+    default=3e-3,
+    metavar="LR",
+    help="Adam's learning rate",
+  )
+  add(
+    "--eval-every",
+    type=count,
+    default=20,
+    metavar="N",
+    help="measure the test accuracy every N optimizer steps",
+  )
+  _cli.add_run_options(
+    parser,
+    outputs="the plot, convnet_batchnorm.png",
+    seed_help="seeds the initialization, dropout and shuffling (the split is fixed)",
+  )
+  args = parser.parse_args(argv)
+  if args.batch_size > TRAIN_ROWS:
+    parser.error(
+      f"--batch-size {args.batch_size} is more than the {TRAIN_ROWS} training images"
+    )
+  if args.batch_size % args.num_micro_batches:
+    parser.error(
+      f"--batch-size {args.batch_size} does not split into "
+      f"--num-micro-batches {args.num_micro_batches} equal micro-batches"
+    )
+  return _cli.keyword_arguments(args)
+
+
+if __name__ == "__main__":
+  # First thing: --help and a bad flag answer before JAX is imported (seconds).
+  ARGS = parse_args()
+
 import pathlib
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _cli import command_line  # examples/_cli.py
 from _digits import digits_split  # examples/_digits.py
+from _plots import log_axis  # examples/_plots.py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from tqdm import tqdm
@@ -222,11 +284,17 @@ def main(
     losses_np, train_acc_np, eval_steps, test_accs, k=num_micro_batches, m=m, png=png
   )
   bn_mean = np.asarray(state.batch_stats["BatchNorm_0"]["mean"])
-  print(f"batch {batch_size} = {num_micro_batches} micro-batches x {m} images")
+  print(
+    f"batch of {batch_size} images = {num_micro_batches} micro-batches of {m}, "
+    f"{steps} optimizer steps"
+  )
   print(
     f"loss: first step {losses_np[0]:.4f}, last 10 steps {losses_np[-10:].mean():.4f}"
   )
-  print(f"test accuracy (train=False, running averages): {test_accs[-1]:.4f}")
+  print(
+    "test accuracy (BatchNorm on its running averages, dropout off): "
+    f"{test_accs[-1]:.4f}"
+  )
   print(f"training time: {seconds:.1f} s ({steps} steps); plot: {png}")
   return {
     "losses": losses_np,
@@ -248,10 +316,10 @@ def plot(losses, train_acc, eval_steps, test_accs, *, k, m, png: pathlib.Path) -
   steps = np.arange(1, len(losses) + 1)
   ax_loss.plot(steps, losses, lw=1)
   ax_loss.set(xlabel="optimizer step", ylabel="training loss (batch mean)")
-  ax_loss.set_yscale("log")
-  ax_loss.set_title(f"Linen convnet, BatchNorm + Dropout, k={k} x {m}")
+  log_axis(ax_loss, losses)
+  ax_loss.set_title(f"Linen convnet, BatchNorm + Dropout, {k} micro-batches of {m}")
   ax_acc.plot(steps, train_acc, lw=0.8, alpha=0.6, label="train batch (dropout on)")
-  ax_acc.plot(eval_steps, test_accs, "o-", label="test (train=False)")
+  ax_acc.plot(eval_steps, test_accs, "o-", label="test (running averages)")
   ax_acc.set(xlabel="optimizer step", ylabel="accuracy", ylim=(0.0, 1.02))
   ax_acc.legend(loc="lower right")
   png.parent.mkdir(parents=True, exist_ok=True)
@@ -259,4 +327,4 @@ def plot(losses, train_acc, eval_steps, test_accs, *, k, m, png: pathlib.Path) -
 
 
 if __name__ == "__main__":
-  command_line(main, __doc__)
+  main(**ARGS)

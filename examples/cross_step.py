@@ -35,6 +35,77 @@ Run: ``python examples/cross_step.py [--epochs 12] [--out-dir outputs]``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import _cli  # examples/_cli.py
+from _digits import TRAIN_ROWS  # examples/_digits.py
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+  """``main``'s keyword arguments from the command line (``sys.argv`` if None)."""
+  parser = _cli.parser(__doc__)
+  add = parser.add_argument
+  count = _cli.positive_int
+  add(
+    "--epochs",
+    type=count,
+    default=12,
+    metavar="N",
+    help=f"passes over the {TRAIN_ROWS} training images",
+  )
+  add(
+    "--micro-batch-size",
+    type=count,
+    default=20,
+    metavar="N",
+    help="rows per micro-batch; an epoch's last one holds the remainder",
+  )
+  add(
+    "--every-k",
+    type=count,
+    default=8,
+    metavar="K",
+    help="micro-batches per optimizer step (the window)",
+  )
+  add("--hidden", type=count, default=128, metavar="N", help="hidden layer width")
+  add(
+    "--learning-rate",
+    type=_cli.positive_float,
+    default=3e-3,
+    metavar="LR",
+    help="Adam's learning rate",
+  )
+  add(
+    "--no-flush-at-epoch-end",
+    dest="flush_at_epoch_end",
+    action="store_false",
+    help="let windows run on across epochs, instead of ending the window at "
+    "each epoch's last micro-batch",
+  )
+  _cli.add_run_options(
+    parser,
+    outputs="the plot, cross_step.png",
+    seed_help="seeds the initialization and the shuffling (the split is fixed)",
+  )
+  args = parser.parse_args(argv)
+  if args.micro_batch_size > TRAIN_ROWS:
+    parser.error(
+      f"--micro-batch-size {args.micro_batch_size} is more than the {TRAIN_ROWS} "
+      "training images"
+    )
+  micro_batches = args.epochs * -(-TRAIN_ROWS // args.micro_batch_size)
+  if not args.flush_at_epoch_end and micro_batches < args.every_k:
+    parser.error(
+      f"{micro_batches} micro-batches in all never complete a window of "
+      f"--every-k {args.every_k}"
+    )
+  return _cli.keyword_arguments(args)
+
+
+if __name__ == "__main__":
+  # First thing: --help and a bad flag answer before JAX is imported (seconds).
+  ARGS = parse_args()
+
 import math
 import pathlib
 import time
@@ -44,11 +115,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _cli import command_line  # examples/_cli.py
 from _digits import digits_split  # examples/_digits.py
+from _plots import log_axis  # examples/_plots.py
 from flax import nnx
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from tqdm import tqdm
 
 import jaxaccum
@@ -205,19 +277,22 @@ def main(
   plot(result, every_k, png)
   result["png"] = str(png)
 
+  last_rows = len(x_train) - (per_epoch - 1) * micro_batch_size
+  full_windows = len(window_sizes) - result["flushed_windows"]
   print(
-    f"{result['micro_steps']} micro-steps of {micro_batch_size} rows "
-    f"({per_epoch} per epoch, the last with {len(x_train) - (per_epoch - 1) * micro_batch_size} rows)"
+    f"{result['micro_steps']} micro-batches of {micro_batch_size} rows, one "
+    f"optimizer.update call each ({per_epoch} per epoch, the last with "
+    f"{last_rows} rows)"
   )
-  print(f"nnx.Optimizer.step (update calls):       {result['update_calls']}")
-  print(f"AccumulateState.step (optimizer steps): {result['optimizer_steps']}")
-  print(f"Adam's own count:                       {result['adam_count']}")
+  print(f"optimizer.update calls (nnx.Optimizer.step):    {result['update_calls']}")
+  print(f"optimizer steps (AccumulateState.step):         {result['optimizer_steps']}")
+  print(f"Adam updates (Adam's own count):                {result['adam_count']}")
   print(
-    f"windows of {every_k} micro-batches: {len(window_sizes) - result['flushed_windows']}, "
-    f"flushed early: {result['flushed_windows']} "
-    f"(sizes {sorted(set(window_sizes))}, rows {sorted(set(window_rows))})"
+    f"windows: {full_windows} of {every_k} micro-batches, "
+    f"{result['flushed_windows']} ended early at an epoch's end (micro-batches "
+    f"per window: {sorted(set(window_sizes))}; rows: {sorted(set(window_rows))})"
   )
-  print(f"loss: first window {losses[0]:.4f}, last window {losses[-1]:.4f}")
+  print(f"training loss: first optimizer step {losses[0]:.4f}, last {losses[-1]:.4f}")
   print(f"test accuracy: {result['test_accuracy']:.4f}")
   print(f"training time: {seconds:.1f} s; plot: {png}")
   return result
@@ -234,7 +309,9 @@ def plot(result: dict, every_k: int, png: pathlib.Path) -> None:
   ax_loss.plot(
     steps[flushed], result["losses"][flushed], "o", ms=3, label="flushed window"
   )
-  ax_loss.set(xlabel="optimizer step", ylabel="training loss", yscale="log")
+  ax_loss.set(xlabel="optimizer step", ylabel="training loss (window mean)")
+  ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))
+  log_axis(ax_loss, result["losses"])
   ax_loss.set_title("Loss per optimizer step")
   ax_loss.legend()
   inner = result["inner_step_per_micro_step"]
@@ -246,7 +323,7 @@ def plot(result: dict, every_k: int, png: pathlib.Path) -> None:
     micro[shown] / every_k,
     ":",
     color="gray",
-    label=f"micro-step / {every_k}",
+    label=f"micro-batches / {every_k}",
   )
   for epoch_end in range(
     result["micro_steps_per_epoch"],
@@ -254,7 +331,11 @@ def plot(result: dict, every_k: int, png: pathlib.Path) -> None:
     result["micro_steps_per_epoch"],
   ):
     ax_step.axvline(epoch_end, color="tab:red", lw=0.6, alpha=0.5)
-  ax_step.set(xlabel="micro-step (red: end of epoch, flush)", ylabel="Adam steps")
+  ax_step.set(
+    xlabel="micro-batch (red: an epoch's end, which flushes the window)",
+    ylabel="Adam updates (optimizer steps)",
+  )
+  ax_step.yaxis.set_major_locator(MaxNLocator(integer=True))
   ax_step.set_title(f"Adam runs once per {every_k} micro-batches")
   ax_step.legend()
   png.parent.mkdir(parents=True, exist_ok=True)
@@ -262,4 +343,4 @@ def plot(result: dict, every_k: int, png: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-  command_line(main, __doc__)
+  main(**ARGS)

@@ -6,7 +6,7 @@ optimizer step takes a global batch of ``batch_size`` rows, sharded along the
 mesh=mesh, data_axis="data")`` splits each device's shard into ``k``
 micro-batches, accumulates their gradients locally inside ``shard_map`` and
 all-reduces them ONCE, after the loop: the compiled step has no collective
-inside its while loop (the script prints the count from ``jaxaccum._hlo``).
+inside its while loop (the script prints the count from ``jaxaccum.testing``).
 The result is the full-batch gradient, up to float32 rounding.
 
 Single host (8 fake CPU devices, unless ``XLA_FLAGS`` already sets a device
@@ -40,31 +40,122 @@ The mesh, the ``NamedSharding`` of the batch and the training step do not
 change.
 """
 
-import os
-import sys
-
-if __name__ == "__main__" and "--worker" not in sys.argv:
-  # Before jax is imported, and only if the user chose no device count.
-  os.environ.setdefault("XLA_FLAGS", "")
-  if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+from __future__ import annotations
 
 import argparse
+import os
+from typing import Any
+
+import _cli  # examples/_cli.py
+
+TRAIN_ROWS = 1347  # training rows of the digits; the other 450 are the test set
+SINGLE_PROCESS_STEPS = 300  # the default of --steps
+MULTIPROCESS_STEPS = 100  # the --multiprocess default: gloo steps are slower
+MULTIPROCESS_DEVICES = 8  # 2 processes x 4 CPU devices
+# The flags with which the launcher starts each process of a --multiprocess run.
+WORKER_FLAGS = ("worker", "coordinator", "num_processes", "process_id", "result")
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+  """``main``'s keyword arguments from the command line (``sys.argv`` if None).
+
+  And the internal ``WORKER_FLAGS`` (hidden from ``--help``), which the
+  launcher of a multi-process run passes to each process it starts.
+  """
+  parser = _cli.parser(__doc__)
+  add = parser.add_argument
+  count = _cli.positive_int
+  add(
+    "--steps",
+    type=count,
+    metavar="N",
+    help=f"optimizer steps (default: {SINGLE_PROCESS_STEPS}, or "
+    f"{MULTIPROCESS_STEPS} with --multiprocess)",
+  )
+  add(
+    "--batch-size",
+    type=count,
+    default=256,
+    metavar="N",
+    help=f"rows per optimizer step over all devices, the global batch (at most "
+    f"{TRAIN_ROWS})",
+  )
+  add(
+    "--num-micro-batches",
+    type=count,
+    default=4,
+    metavar="K",
+    help="micro-batches per device per optimizer step; the batch must divide "
+    "by K (by 8 K with --multiprocess)",
+  )
+  add("--hidden", type=count, default=128, metavar="N", help="hidden layer width")
+  add(
+    "--learning-rate",
+    type=_cli.positive_float,
+    default=3e-3,
+    metavar="LR",
+    help="Adam's learning rate",
+  )
+  add(
+    "--multiprocess",
+    action="store_true",
+    help="also train in 2 local processes of 4 CPU devices each (jax.distributed)"
+    " and compare with one process",
+  )
+  _cli.add_run_options(
+    parser,
+    outputs="the plot data_parallel.png (and, with --multiprocess, "
+    "data_parallel_multiprocess.json)",
+    seed_help="seeds the initialization and the order of the batches",
+  )
+  hidden = argparse.SUPPRESS
+  add("--worker", action="store_true", help=hidden)
+  add("--coordinator", help=hidden)
+  add("--num-processes", type=count, help=hidden)
+  add("--process-id", type=_cli.non_negative_int, help=hidden)
+  add("--result", help=hidden)
+  args = parser.parse_args(argv)
+  if args.steps is None:  # fewer steps by default across processes
+    args.steps = MULTIPROCESS_STEPS if args.multiprocess else SINGLE_PROCESS_STEPS
+  if args.batch_size > TRAIN_ROWS:
+    parser.error(
+      f"--batch-size {args.batch_size} is more than the {TRAIN_ROWS} training rows"
+    )
+  devices = MULTIPROCESS_DEVICES if args.multiprocess else 1
+  if args.batch_size % (devices * args.num_micro_batches):
+    parser.error(
+      f"--batch-size {args.batch_size} does not split into {devices} device(s) x "
+      f"--num-micro-batches {args.num_micro_batches} equal micro-batches"
+    )
+  return _cli.keyword_arguments(args)
+
+
+if __name__ == "__main__":
+  # First thing: --help and a bad flag answer before JAX is imported (seconds).
+  ARGS = parse_args()
+  WORKER = {name: ARGS.pop(name) for name in WORKER_FLAGS}
+  if not WORKER["worker"]:
+    # Before jax is imported, and only if the user chose no device count.
+    os.environ.setdefault("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+      os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
 import dataclasses
 import itertools
 import json
 import pathlib
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from _digits import digits_split  # examples/_digits.py
+from _plots import log_axis  # examples/_plots.py
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -72,10 +163,9 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum import testing
 
 PyTree = Any
-MULTIPROCESS_STEPS = 100  # the --multiprocess default: gloo steps are slower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +181,7 @@ class Config:
     seed: seeds the initialization and the order of the batches.
   """
 
-  steps: int = 300
+  steps: int = SINGLE_PROCESS_STEPS
   batch_size: int = 256
   num_micro_batches: int = 4
   hidden: int = 128
@@ -197,7 +287,7 @@ def train(config: Config, *, progress: bool = True, desc: str = "train") -> dict
   process runs this same function (single-controller on one host; one
   controller per process with ``jax.distributed``).
   """
-  x_train, y_train, x_test, y_test = digits_split(train_rows=1347)  # and 450 test rows
+  x_train, y_train, x_test, y_test = digits_split(TRAIN_ROWS)
   num_devices = data_axis_size(config, jax.device_count())
   if jax.process_count() > 1 and num_devices != jax.device_count():
     raise ValueError(
@@ -234,7 +324,7 @@ def train(config: Config, *, progress: bool = True, desc: str = "train") -> dict
   jitted: Any = step  # make_train_step returns a jax.jit function
   compiled = jitted.lower(params, opt_state, global_batch(0)).compile()
   compile_seconds = time.perf_counter() - start
-  collectives = _hlo.collectives(compiled.as_text())
+  collectives = testing.collectives(compiled.as_text())
   in_loop = [c for c in collectives if c.in_loop]
 
   step_losses = []
@@ -257,7 +347,7 @@ def train(config: Config, *, progress: bool = True, desc: str = "train") -> dict
     "test_accuracy": float(accuracy(final, x_test, y_test)),
     "loop_collectives": len(in_loop),
     "collectives": [c._asdict() for c in collectives],
-    "bytes_per_step": _hlo.bytes_communicated(compiled.as_text()),
+    "bytes_per_step": testing.bytes_communicated(compiled.as_text()),
     "grad_bytes": sum(int(p.size) * p.dtype.itemsize for p in jax.tree.leaves(final)),
     "num_devices": int(devices.size),
     "num_processes": jax.process_count(),
@@ -307,7 +397,8 @@ def plot(curves: dict[str, np.ndarray], title: str, png: pathlib.Path) -> None:
       )
     else:
       ax.plot(steps, losses, "--", label=label, lw=1.2)
-  ax.set(xlabel="optimizer step", ylabel="training loss (global batch)", yscale="log")
+  ax.set(xlabel="optimizer step", ylabel="training loss (global batch mean)")
+  log_axis(ax, *curves.values())
   ax.set_title(title)
   ax.legend()
   png.parent.mkdir(parents=True, exist_ok=True)
@@ -421,7 +512,7 @@ def worker(
 
 def main(
   *,
-  steps: int = 300,
+  steps: int = SINGLE_PROCESS_STEPS,
   batch_size: int = 256,
   num_micro_batches: int = 4,
   hidden: int = 128,
@@ -460,7 +551,11 @@ def main(
     result = train(config, progress=progress, desc="data parallel")
     report(result, config)
     plot(
-      {f"{result['num_devices']} devices, k={num_micro_batches}": result["losses"]},
+      {
+        f"{result['num_devices']} devices, {num_micro_batches} micro-batches each": (
+          result["losses"]
+        )
+      },
       f"digits MLP, global batch {batch_size}; test accuracy "
       f"{result['test_accuracy']:.3f}",
       png,
@@ -499,50 +594,21 @@ def main(
   return {**result, "multiprocess": multi, "max_loss_diff": max_diff, "png": str(png)}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  """The command line; ``--worker`` and what follows it are internal."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  defaults = Config()
-  for field in dataclasses.fields(Config):
-    parser.add_argument(
-      f"--{field.name.replace('_', '-')}",
-      type=type(getattr(defaults, field.name)),
-      default=None if field.name == "steps" else getattr(defaults, field.name),
-    )
-  parser.add_argument("--multiprocess", action="store_true")
-  parser.add_argument("--out-dir", default="outputs")
-  parser.add_argument("--no-progress", action="store_true")
-  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--coordinator", help=argparse.SUPPRESS)
-  parser.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)
-  parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
-  parser.add_argument("--result", help=argparse.SUPPRESS)
-  return parser.parse_args(argv)
-
-
 if __name__ == "__main__":
-  args = parse_args()
-  if args.steps is None:  # fewer steps by default across processes
-    args.steps = MULTIPROCESS_STEPS if args.multiprocess else Config.steps
-  config = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
-  if args.worker:
+  if WORKER["worker"]:
+    config = Config(**{f.name: ARGS[f.name] for f in dataclasses.fields(Config)})
     result = worker(
       config,
-      args.coordinator,
-      args.num_processes,
-      args.process_id,
-      progress=not args.no_progress,
+      WORKER["coordinator"],
+      WORKER["num_processes"],
+      WORKER["process_id"],
+      progress=ARGS["progress"],
     )
-    if args.process_id == 0:
+    if WORKER["process_id"] == 0:
       report(result, config, prefix="[process 0] ")
       losses = ", ".join(f"{v:.6f}" for v in result["losses"][:5])
       print(f"[process 0] losses of the first steps: {losses}, ...")
       result["losses"] = result["losses"].tolist()
-      pathlib.Path(args.result).write_text(json.dumps(result))
+      pathlib.Path(WORKER["result"]).write_text(json.dumps(result))
   else:
-    main(
-      **dataclasses.asdict(config),
-      multiprocess=args.multiprocess,
-      out_dir=args.out_dir,
-      progress=not args.no_progress,
-    )
+    main(**ARGS)

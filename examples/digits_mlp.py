@@ -35,6 +35,71 @@ Run: ``python examples/digits_mlp.py [--steps 150] [--out-dir outputs]``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import _cli  # examples/_cli.py
+from _digits import MIN_SPLIT_ROWS, ROWS  # examples/_digits.py
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+  """``main``'s keyword arguments from the command line (``sys.argv`` if None)."""
+  parser = _cli.parser(__doc__)
+  add = parser.add_argument
+  count = _cli.positive_int
+  add(
+    "--steps",
+    type=count,
+    default=150,
+    metavar="N",
+    help="optimizer steps of each run; every step uses the whole training set",
+  )
+  add(
+    "--num-micro-batches",
+    type=count,
+    default=8,
+    metavar="K",
+    help="micro-batches of the accumulated run; the training set is padded "
+    "to a multiple of it",
+  )
+  add(
+    "--train-rows",
+    type=count,
+    default=1350,
+    metavar="N",
+    help=f"training images, the full batch (the rest of the {ROWS} are the test "
+    "set); need not divide by K",
+  )
+  add("--hidden", type=count, default=128, metavar="N", help="hidden layer width")
+  add(
+    "--learning-rate",
+    type=_cli.positive_float,
+    default=3e-3,
+    metavar="LR",
+    help="Adam's learning rate, the same in both runs",
+  )
+  _cli.add_run_options(
+    parser,
+    outputs="the plot, digits_mlp.png",
+    seed_help="seeds the initialization (the data split is fixed)",
+  )
+  args = parser.parse_args(argv)
+  if not MIN_SPLIT_ROWS <= args.train_rows <= ROWS - MIN_SPLIT_ROWS:
+    parser.error(
+      f"--train-rows must be between {MIN_SPLIT_ROWS} and {ROWS - MIN_SPLIT_ROWS} "
+      f"(both sets need every digit), got {args.train_rows}"
+    )
+  if args.num_micro_batches > args.train_rows:
+    parser.error(
+      f"--num-micro-batches {args.num_micro_batches} is more than the "
+      f"{args.train_rows} training rows"
+    )
+  return _cli.keyword_arguments(args)
+
+
+if __name__ == "__main__":
+  # First thing: --help and a bad flag answer before JAX is imported (seconds).
+  ARGS = parse_args()
+
 import pathlib
 import time
 
@@ -42,8 +107,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _cli import command_line  # examples/_cli.py
 from _digits import digits_split  # examples/_digits.py
+from _plots import log_axis  # examples/_plots.py
 from flax import nnx
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -188,8 +253,8 @@ def main(
 
   m = len(mask) // num_micro_batches
   print(
-    f"effective batch: {train_rows} rows; accumulated as {num_micro_batches} x {m} "
-    f"({len(mask) - train_rows} padding rows, weight 0)"
+    f"full batch: {train_rows} rows; accumulated as {num_micro_batches} "
+    f"micro-batches of {m} ({len(mask) - train_rows} padding rows, weight 0)"
   )
   print(
     f"final loss: full batch {curve_full[-1]:.6f}, accumulated {curve_accum[-1]:.6f}"
@@ -200,7 +265,10 @@ def main(
   )
   print(f"max |parameter difference| after training: {max_param_diff:.3g}")
   print(f"test accuracy: full batch {acc_full:.4f}, accumulated {acc_accum:.4f}")
-  print(f"training accuracy of the last step (merged aux): {train_acc_accum:.4f}")
+  print(
+    "training accuracy of the last step (its per-row predictions, merged back "
+    f"from the micro-batches): {train_acc_accum:.4f}"
+  )
   print(f"training time, both runs: {seconds:.1f} s; plot: {png}")
   return {
     "losses_full": curve_full,
@@ -227,8 +295,9 @@ def plot(
   steps = np.arange(len(curve_full))
   ax_loss.plot(steps, curve_full, lw=3, alpha=0.5, label="full batch (nnx)")
   ax_loss.plot(steps, curve_accum, "--", lw=1.2, label=f"jaxaccum, k={k}")
-  ax_loss.set(xlabel="optimizer step", ylabel="training loss", yscale="log")
-  ax_loss.set_title("Same init, same effective batch")
+  ax_loss.set(xlabel="optimizer step", ylabel="training loss (cross-entropy)")
+  log_axis(ax_loss, curve_full, curve_accum)
+  ax_loss.set_title("Same initialization, same full batch")
   ax_loss.legend()
   rel = np.abs(curve_full - curve_accum) / curve_full
   equal = int(np.sum(rel == 0))
@@ -243,4 +312,4 @@ def plot(
 
 
 if __name__ == "__main__":
-  command_line(main, __doc__)
+  main(**ARGS)

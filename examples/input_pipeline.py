@@ -51,13 +51,139 @@ same way (run the script once with each placement). On this CPU-only
 machine "device" and "pinned_host" memory are both the same RAM, so the
 difference shows the streaming's own overhead, not a PCIe transfer.
 
-It prints the test accuracy and a JSON summary line, and saves a plot of
-augmented examples, the loss curve and the measurements.
+It prints the test accuracy and the measurements, writes them all to
+``input_pipeline.json``, and saves a plot of augmented examples, the loss
+curve and the measurements.
 
 Run: ``python examples/input_pipeline.py [--steps 300] [--out-dir outputs]``.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import _cli  # examples/_cli.py
+from _digits import TRAIN_ROWS  # examples/_digits.py
+
+AUGMENT = ("batch", "example", "none")  # the choices of --augment
+SOURCES = ("rows", "batches")  # of --source
+PLACEMENTS = ("device", "pinned_host")  # of --placement
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+  """``main``'s keyword arguments from the command line (``sys.argv`` if None)."""
+  parser = _cli.parser(__doc__)
+  add = parser.add_argument
+  count = _cli.positive_int
+  add(
+    "--steps",
+    type=count,
+    default=300,
+    metavar="N",
+    help="optimizer steps of the training run",
+  )
+  add(
+    "--batch-size",
+    type=count,
+    default=192,
+    metavar="N",
+    help=f"rows per optimizer step; must divide the {TRAIN_ROWS} training rows",
+  )
+  add(
+    "--num-micro-batches",
+    type=count,
+    default=8,
+    metavar="K",
+    help="micro-batches per optimizer step; must divide the batch size",
+  )
+  add(
+    "--learning-rate",
+    type=_cli.positive_float,
+    default=3e-3,
+    metavar="LR",
+    help="Adam's learning rate",
+  )
+  add(
+    "--augment",
+    choices=AUGMENT,
+    default="batch",
+    help="the training run's augmentation: once per batch (vectorized), once "
+    "per example, or none",
+  )
+  add(
+    "--source",
+    choices=SOURCES,
+    default="rows",
+    help="what Grain reads: rows (it shuffles and batches them) or whole "
+    "shuffled batches (needs --augment batch or none)",
+  )
+  add(
+    "--placement",
+    choices=PLACEMENTS,
+    default="device",
+    help="where batches are prefetched: device memory, or pinned host memory "
+    "that jaxaccum streams one micro-batch at a time",
+  )
+  add(
+    "--workers",
+    type=_cli.non_negative_int,
+    default=0,
+    metavar="N",
+    help="Grain worker processes of the training run (0: none)",
+  )
+  add(
+    "--loss-every",
+    type=count,
+    default=25,
+    metavar="N",
+    help="read the loss (which waits for the step) every N steps",
+  )
+  add(
+    "--measure-steps",
+    type=_cli.non_negative_int,
+    default=50,
+    metavar="N",
+    help="timed steps (or batches) per measurement; 0 skips the measurements",
+  )
+  add(
+    "--repeats",
+    type=count,
+    default=3,
+    metavar="N",
+    help="timed loops per measurement; the median is reported",
+  )
+  add(
+    "--measure-workers",
+    type=count,
+    nargs="*",
+    default=(1, 2),
+    metavar="N",
+    help="Grain worker process counts to measure besides 0 (none: skip them)",
+  )
+  _cli.add_run_options(
+    parser,
+    outputs="the plot input_pipeline.png and the numbers input_pipeline.json",
+    seed_help="seeds the initialization, the shuffle and the augmentation",
+  )
+  args = parser.parse_args(argv)
+  if TRAIN_ROWS % args.batch_size:
+    parser.error(
+      f"--batch-size {args.batch_size} does not divide the {TRAIN_ROWS} training "
+      "rows (try 64, 96, 192 or 448)"
+    )
+  if args.batch_size % args.num_micro_batches:
+    parser.error(
+      f"--batch-size {args.batch_size} does not split into "
+      f"--num-micro-batches {args.num_micro_batches} equal micro-batches"
+    )
+  if args.source == "batches" and args.augment == "example":
+    parser.error("--source batches makes whole batches: use --augment batch or none")
+  return _cli.keyword_arguments(args)
+
+
+if __name__ == "__main__":
+  # First thing: --help and a bad flag answer before JAX is imported (seconds).
+  ARGS = parse_args()
 
 import contextlib
 import functools
@@ -66,16 +192,16 @@ import json
 import os
 import pathlib
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _cli import command_line  # examples/_cli.py
 from _digits import digits_split  # examples/_digits.py
 from _pipeline import (  # examples/_pipeline.py: importable by Grain's workers
   DigitsSource,
@@ -83,6 +209,7 @@ from _pipeline import (  # examples/_pipeline.py: importable by Grain's workers
   augment_batch,
   augment_example,
 )
+from _plots import log_axis  # examples/_plots.py
 from absl import flags
 from flax import nnx
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -359,6 +486,34 @@ class Measured(NamedTuple):
   spread: dict[str, tuple[float, float]]  # (min, max); pipelines: pipeline_*
 
 
+# What each measurement's name means, in the words of the README's table.
+LABELS = {
+  # the step fed in each way, steps/s
+  "resident": "batches already in memory, cycled",
+  "grain": "Grain, rows as the source",
+  "grain_batches_source": "Grain, whole batches as the source",
+  "python_loop": "a plain Python loop, no prefetching",
+  "grain_default_read_threads": "Grain, rows, default read options",
+  "resident_loss_every_step": "batches in memory, loss read every step",
+  "python_loop_loss_every_step": "Python loop, loss read every step",
+  "grain_per_example_{}w": "Grain, rows, per-example augmentation, {} workers",
+  "grain_{}w": "Grain, rows, {} worker processes",
+  # the pipelines alone, batches/s
+  "rows_no_augment": "rows, no augmentation",
+  "rows_per_batch": "rows, per-batch augmentation",
+  "batches_per_batch": "whole batches, per-batch augmentation",
+  "rows_per_example_{}w": "rows, per-example augmentation, {} workers",
+}
+
+
+def label(name: str) -> str:
+  """A measurement's name in words: ``"grain_2w"`` is Grain with 2 workers."""
+  head, _, tail = name.rpartition("_")
+  if tail.endswith("w") and tail[:-1].isdigit():
+    return LABELS[head + "_{}w"].format(tail[:-1])
+  return LABELS[name]
+
+
 def measure(
   setup: Setup,
   *,
@@ -481,7 +636,8 @@ def main(
     repeats: timed loops per measurement, interleaved; the median is
       reported.
     measure_workers: worker counts, besides 0, to measure.
-    out_dir: where the plot ``input_pipeline.png`` goes.
+    out_dir: where the plot ``input_pipeline.png`` and the summary
+      ``input_pipeline.json`` go.
     progress: show a tqdm progress bar.
     seed: the initialization, shuffle and augmentation seed.
 
@@ -489,8 +645,10 @@ def main(
     A dict with ``losses`` (float32, shape ``(steps,)``), ``indices`` (the
     training rows in the order the steps saw them, int32 of shape
     ``(steps * batch_size,)``), ``test_accuracy``, ``train_steps_per_s``,
-    ``batch_memory_kind`` (where the step found its batches), ``measured`` (a :class:`Measured`; empty dicts without measurements),
-    ``summary`` (what the JSON line holds) and ``png``.
+    ``batch_memory_kind`` (where the step found its batches), ``measured``
+    (a :class:`Measured`; empty dicts without measurements),
+    ``summary`` (the numbers written to ``json``, ``input_pipeline.json``),
+    ``json`` and ``png``.
   """
   sharding = check_placement(placement)
   x_train, y_train, x_test, y_test = digits_split(images=True)
@@ -572,30 +730,40 @@ def main(
     "batches_per_s": measured.batches_per_s,
     "first_batch_s": measured.first_batch_s,
   }
+  json_path = pathlib.Path(out_dir) / "input_pipeline.json"
+  json_path.parent.mkdir(parents=True, exist_ok=True)
+  json_path.write_text(json.dumps(summary, indent=1) + "\n")
+
   m = batch_size // num_micro_batches
+  memory = {"device": "device memory", "pinned_host": "pinned host memory"}
+  per = {"batch": "per batch", "example": "per example", "none": "none"}
+  reads = {"rows": "rows", "batches": "whole batches"}
   print(
-    f"{steps} steps of {batch_size} rows ({num_micro_batches} x {m}), "
-    f"augment={augment}, source={source}, placement={placement}, workers={workers}"
+    f"{steps} optimizer steps of {batch_size} rows ({num_micro_batches} "
+    f"micro-batches of {m}); augmentation: {per[augment]}; Grain reads "
+    f"{reads[source]}, {workers} worker processes; batches prefetched into "
+    f"{memory[placement]}"
   )
   print(
     f"training run: {run['steps_per_s']:.1f} steps/s; loss {losses[0]:.3f} -> "
     f"{summary['final_loss']:.3f}; test accuracy {test_accuracy:.4f}"
   )
-  if measure_steps:
-    print(f"median of {repeats} x {measure_steps} steps (min .. max):")
   spread = measured.spread
+  if measure_steps:
+    print(
+      f"the same step fed in different ways, steps/s (median of {repeats} timed "
+      f"loops of {measure_steps} steps; slowest .. fastest):"
+    )
   for name, value in measured.steps_per_s.items():
     low, high = spread[name]
-    print(f"  {name:30s} {value:7.1f} steps/s   ({low:.1f} .. {high:.1f})")
+    print(f"  {label(name):52s} {value:7.1f}  ({low:.1f} .. {high:.1f})")
+  if measure_steps:
+    print("the pipelines alone, no training, batches/s (and time to the 1st batch):")
   for name, value in measured.batches_per_s.items():
     low, high = spread[f"pipeline_{name}"]
-    print(
-      f"  pipeline alone, {name:20s} {value:6.1f} batches/s ({low:.1f} .. {high:.1f})"
-    )
-  for name, value in measured.first_batch_s.items():
-    print(f"  pipeline alone, {name:20s} {value:6.2f} s to the first batch")
-  print(f"plot: {png}")
-  print(json.dumps(summary))
+    first = measured.first_batch_s[name]
+    print(f"  {label(name):44s} {value:7.1f}  ({low:.1f} .. {high:.1f})  {first:.3f} s")
+  print(f"plot: {png}; all numbers: {json_path}")
   return {
     "losses": losses,
     "indices": run["indices"],
@@ -604,6 +772,7 @@ def main(
     "batch_memory_kind": run["memory_kind"],
     "measured": measured,
     "summary": summary,
+    "json": str(json_path),
     "png": str(png),
   }
 
@@ -616,10 +785,16 @@ def plot(
   measured: Measured,
   png: pathlib.Path,
 ) -> None:
-  """Originals and augmented copies; the loss; the measurements."""
-  fig = Figure(figsize=(16, 4.5), layout="constrained")
+  """Originals and augmented copies; the loss; the measurements, if any."""
+  tables = [
+    (measured.steps_per_s, "", "steps/s", f"The step fed ({os.cpu_count()} cores)"),
+    (measured.batches_per_s, "pipeline_", "batches/s", "The pipelines alone"),
+  ]
+  tables = [table for table in tables if table[0]]
+  widths = [0.8, 1, 1.3, 1.3][: 2 + len(tables)]
+  fig = Figure(figsize=(4 * sum(widths), 4.5), layout="constrained")
   FigureCanvasAgg(fig)
-  panels = fig.subfigures(1, 4, width_ratios=[0.8, 1, 1.3, 1.1])
+  panels = fig.subfigures(1, len(widths), width_ratios=widths)
   images, rows = shown
   axes = panels[0].subplots(4, 4)
   for j, row in enumerate(rows[:8]):
@@ -631,27 +806,23 @@ def plot(
   panels[0].suptitle("Training rows over their augmented\ncopies in the first batch")
   ax = panels[1].subplots()
   ax.plot(np.arange(1, len(losses) + 1), losses, lw=1)
-  ax.set(xlabel="optimizer step", ylabel="training loss", yscale="log")
+  ax.set(xlabel="optimizer step", ylabel="training loss (batch mean)")
+  log_axis(ax, losses)
   ax.set_title("The accumulated step, fed by Grain")
-  cores = os.cpu_count()
-  for panel, table, title, prefix in (
-    (panels[2], measured.steps_per_s, f"The step fed, steps/s ({cores} cores)", ""),
-    (panels[3], measured.batches_per_s, "Pipelines alone, batches/s", "pipeline_"),
-  ):
-    if not table:
-      continue
+  for panel, (table, prefix, unit, title) in zip(panels[2:], tables, strict=True):
     ax = panel.subplots()
-    names = list(table)[::-1]
+    names = list(table)[::-1]  # the first measurement on top
     values = np.array([table[n] for n in names])
     low, high = np.array([measured.spread[prefix + n] for n in names]).T
-    ax.barh(names, values, xerr=[values - low, high - values], alpha=0.8)
-    ax.set(xlabel="median; bars: min..max")
+    labels = [textwrap.fill(label(n), 24) for n in names]
+    ax.barh(labels, values, xerr=[values - low, high - values], alpha=0.8)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set(xlabel=f"{unit}: median; whiskers: slowest to fastest")
     ax.set_title(title)
-    if prefix:
-      ax.set_xscale("log")
+    log_axis(ax, values, low, high, axis="x")
   png.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(png, dpi=110)
 
 
 if __name__ == "__main__":
-  command_line(main, __doc__)
+  main(**ARGS)

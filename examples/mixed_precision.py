@@ -46,6 +46,98 @@ Run: ``python examples/mixed_precision.py [--steps-bf16 200] [--steps-fp16 300]`
 
 from __future__ import annotations
 
+from typing import Any
+
+import _cli  # examples/_cli.py
+from _digits import TRAIN_ROWS  # examples/_digits.py
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+  """``main``'s keyword arguments from the command line (``sys.argv`` if None)."""
+  parser = _cli.parser(__doc__)
+  add = parser.add_argument
+  count = _cli.positive_int
+  add(
+    "--steps-bf16",
+    type=count,
+    default=200,
+    metavar="N",
+    help="optimizer steps of part (a)",
+  )
+  add(
+    "--steps-fp16",
+    type=count,
+    default=300,
+    metavar="N",
+    help="optimizer steps of part (b)",
+  )
+  add(
+    "--num-micro-batches",
+    type=count,
+    default=8,
+    metavar="K",
+    help="micro-batches per optimizer step, in both parts",
+  )
+  add(
+    "--micro-batch-size",
+    type=count,
+    default=32,
+    metavar="M",
+    help=f"rows per micro-batch; a step draws K x M of the {TRAIN_ROWS} training rows",
+  )
+  add("--hidden", type=count, default=128, metavar="N", help="hidden layer width")
+  add(
+    "--learning-rate",
+    type=_cli.positive_float,
+    default=3e-3,
+    metavar="LR",
+    help="Adam's learning rate, in both parts",
+  )
+  add(
+    "--compare-ks",
+    type=_cli.int_at_least(2),
+    nargs="+",
+    default=(8, 64),
+    metavar="K",
+    help="micro-batch counts of part (a)'s gradient comparison on the whole "
+    f"training set; each at least 2 and a divisor of {TRAIN_ROWS}",
+  )
+  add(
+    "--initial-scale",
+    type=_cli.positive_float,
+    default=2.0**15,
+    metavar="S",
+    help="the first loss scale of part (b)",
+  )
+  add(
+    "--growth-interval",
+    type=count,
+    default=25,
+    metavar="N",
+    help="steps without overflow before the loss scale doubles",
+  )
+  _cli.add_run_options(
+    parser,
+    outputs="the plot, mixed_precision.png",
+    seed_help="seeds the initialization and the batch sampling",
+  )
+  args = parser.parse_args(argv)
+  batch_size = args.num_micro_batches * args.micro_batch_size
+  if batch_size > TRAIN_ROWS:
+    parser.error(
+      f"the batch of {args.num_micro_batches} x {args.micro_batch_size} = "
+      f"{batch_size} rows is more than the {TRAIN_ROWS} training images"
+    )
+  for k in args.compare_ks:
+    if TRAIN_ROWS % k:
+      parser.error(f"--compare-ks: {k} does not divide the {TRAIN_ROWS} rows")
+  return _cli.keyword_arguments(args)
+
+
+if __name__ == "__main__":
+  # First thing: --help and a bad flag answer before JAX is imported (seconds).
+  ARGS = parse_args()
+
 import functools
 import math
 import pathlib
@@ -55,9 +147,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _cli import command_line  # examples/_cli.py
-from _digits import TRAIN_ROWS, digits_split  # examples/_digits.py
+from _digits import digits_split  # examples/_digits.py
 from _mlp import init_mlp, mlp  # examples/_mlp.py
+from _plots import log_axis  # examples/_plots.py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from tqdm import tqdm
@@ -347,6 +439,10 @@ def main(
     total = "  ".join(f"{row[f'{m}_vs_f32']:9.2e}" for m in methods)
     added = "  ".join(f"{row[f'{m}_vs_exact']:9.2e}" for m in methods)
     print(f"    {row['k']:3d} {total} | {added}")
+  print(
+    "    (k: micro-batches; jaxaccum: its float32 sum, as trained; bf16-params: "
+    "jaxaccum on a bf16 copy of the parameters; bf16-sum: a bf16 running sum)"
+  )
   tolerance = 2 * BF16_EPS
   worst = max(row["jaxaccum_vs_f32"] for row in grad_check)
   assert worst < tolerance, (worst, tolerance)
@@ -360,9 +456,9 @@ def main(
     "sum adds its own error, growing with k."
   )
   print(
-    f"    trained {steps_bf16} steps of {batch_size} rows ({num_micro_batches} x "
-    f"{micro_batch_size}): loss {losses_bf16[0]:.3f} -> {losses_bf16[-1]:.4f}, "
-    f"test accuracy {accuracy_bf16:.4f}"
+    f"    trained {steps_bf16} steps of {batch_size} rows ({num_micro_batches} "
+    f"micro-batches of {micro_batch_size}): loss {losses_bf16[0]:.3f} -> "
+    f"{losses_bf16[-1]:.4f}, test accuracy {accuracy_bf16:.4f}"
   )
   print("(b) float16 compute with dynamic loss scaling, float32 master weights")
   changes = [s for s in range(1, len(scales)) if scales[s] != scales[s - 1]]
@@ -437,14 +533,21 @@ def plot(
   ax_err.set_xticks(
     positions + 0.4 - width / 2, [f"k = {row['k']}" for row in grad_check]
   )
-  ax_err.set(ylabel="relative gradient error", yscale="log")
+  ax_err.set(
+    xlabel="micro-batches (whole training set)",
+    ylabel="relative gradient error",
+    yscale="log",
+  )
+  bottom, top = ax_err.get_ylim()
+  ax_err.set_ylim(bottom, top * (top / bottom) ** 0.3)  # room for the legend
   ax_err.set_title("(a) bf16 gradients, vs float32 / vs exact sum")
-  ax_err.legend(fontsize=7)
+  ax_err.legend(fontsize=7, ncol=2, loc="upper center")
 
   ax_loss.plot(np.arange(len(losses_bf16)), losses_bf16, lw=0.8, label="(a) bf16")
   fp16 = np.where(np.isfinite(losses_fp16), losses_fp16, np.nan)
   ax_loss.plot(np.arange(len(fp16)), fp16, lw=0.8, label="(b) float16 + loss scale")
-  ax_loss.set(xlabel="optimizer step", ylabel="training loss (batch)", yscale="log")
+  ax_loss.set(xlabel="optimizer step", ylabel="training loss (batch mean)")
+  log_axis(ax_loss, losses_bf16, fp16)
   ax_loss.set_title("Training loss, float32 master weights")
   ax_loss.legend()
 
@@ -466,4 +569,4 @@ def plot(
 
 
 if __name__ == "__main__":
-  command_line(main, __doc__)
+  main(**ARGS)

@@ -44,6 +44,67 @@ Run: ``python examples/noise_scale.py [--steps 400] [--out-dir outputs]``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import _cli  # examples/_cli.py
+from _digits import TRAIN_ROWS  # examples/_digits.py
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+  """``main``'s keyword arguments from the command line (``sys.argv`` if None)."""
+  parser = _cli.parser(__doc__)
+  add = parser.add_argument
+  count = _cli.positive_int
+  add("--steps", type=count, default=400, metavar="N", help="optimizer steps")
+  add(
+    "--num-micro-batches",
+    type=_cli.int_at_least(2),
+    default=8,
+    metavar="K",
+    help="micro-batches per optimizer step, at least 2 (the estimate compares "
+    "micro-batch gradients with their mean)",
+  )
+  add(
+    "--micro-batch-size",
+    type=count,
+    default=16,
+    metavar="M",
+    help=f"rows per micro-batch; the batch, K x M rows, is at most {TRAIN_ROWS}",
+  )
+  add("--hidden", type=count, default=128, metavar="N", help="hidden layer width")
+  add(
+    "--learning-rate",
+    type=_cli.positive_float,
+    default=0.05,
+    metavar="LR",
+    help="SGD's learning rate (momentum 0.9)",
+  )
+  add(
+    "--decay",
+    type=_cli.decay_rate,
+    default=0.98,
+    metavar="D",
+    help="decay of the moving averages behind B_simple (between 0 and 1)",
+  )
+  _cli.add_run_options(
+    parser,
+    outputs="the plot, noise_scale.png",
+    seed_help="seeds the initialization and the batch sampling",
+  )
+  args = parser.parse_args(argv)
+  batch_size = args.num_micro_batches * args.micro_batch_size
+  if batch_size > TRAIN_ROWS:
+    parser.error(
+      f"the batch of {args.num_micro_batches} x {args.micro_batch_size} = "
+      f"{batch_size} rows is more than the {TRAIN_ROWS} training images"
+    )
+  return _cli.keyword_arguments(args)
+
+
+if __name__ == "__main__":
+  # First thing: --help and a bad flag answer before JAX is imported (seconds).
+  ARGS = parse_args()
+
 import pathlib
 import time
 
@@ -51,12 +112,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _cli import command_line  # examples/_cli.py
-from _digits import TRAIN_ROWS, digits_split  # examples/_digits.py
+from _digits import digits_split  # examples/_digits.py
 from _mlp import init_mlp, mlp  # examples/_mlp.py
+from _plots import log_axis  # examples/_plots.py
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 from tqdm import tqdm
 
 import jaxaccum
@@ -194,11 +254,11 @@ def main(
   )
 
   print(
-    f"effective batch B = {batch_size} rows = {num_micro_batches} micro-batches "
-    f"of {micro_batch_size}; SGD with momentum, {steps} steps"
+    f"batch B = {batch_size} rows = {num_micro_batches} micro-batches of "
+    f"{micro_batch_size}; SGD with momentum, {steps} optimizer steps"
   )
   marks = sorted({0, steps // 10, steps // 4, steps // 2, (3 * steps) // 4, steps - 1})
-  print("B_simple over training (EMA ratio, examples):")
+  print("B_simple (the critical batch, in examples; moving averages) over training:")
   for s in marks:
     print(f"  step {s:4d}: loss {losses[s]:.4f}  B_simple {b_simple[s]:8.1f}")
   for line in interpret(final_b_simple, batch_size):
@@ -243,10 +303,8 @@ def plot(
   FigureCanvasAgg(fig)
   ax_b, ax_loss = fig.subplots(1, 2)
   steps = np.arange(len(b_simple))
-  ax_b.plot(steps, b_simple, label="B_simple (EMA ratio)")
-  ax_b.axhline(
-    batch_size, color="C3", ls="--", label=f"effective batch B = {batch_size}"
-  )
+  ax_b.plot(steps, b_simple, label="B_simple (ratio of moving averages)")
+  ax_b.axhline(batch_size, color="C3", ls="--", label=f"batch B = {batch_size}")
   ax_b.axhline(
     micro_batch_size, color="gray", ls=":", label=f"micro-batch m = {micro_batch_size}"
   )
@@ -268,18 +326,17 @@ def plot(
     alpha=0.1,
     label="B > B_simple: examples partly wasted",
   )
-  ax_b.set(xlabel="optimizer step", ylabel="examples", yscale="log")
-  ax_b.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-  ax_b.yaxis.set_major_formatter(ScalarFormatter())
-  ax_b.yaxis.set_minor_formatter(NullFormatter())
-  ax_b.set_title("Gradient noise scale vs. effective batch")
+  ax_b.set(xlabel="optimizer step", ylabel="batch size (examples)")
+  log_axis(ax_b, b_simple, batch_size, micro_batch_size)
+  ax_b.set_title("Gradient noise scale B_simple vs. the batch")
   ax_b.legend(loc="lower right", fontsize=8)
   ax_loss.plot(steps, losses, lw=0.8)
-  ax_loss.set(xlabel="optimizer step", ylabel="training loss (batch)", yscale="log")
+  ax_loss.set(xlabel="optimizer step", ylabel="training loss (batch mean)")
+  log_axis(ax_loss, losses)
   ax_loss.set_title(f"Training loss (test accuracy {accuracy:.3f})")
   png.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(png, dpi=110)
 
 
 if __name__ == "__main__":
-  command_line(main, __doc__)
+  main(**ARGS)

@@ -25,7 +25,12 @@ What it demonstrates, in order:
    each one gets its own mask. An ``nnx.Optimizer`` (AdamW, warmup + cosine decay)
    takes one update per batch inside an ``@nnx.jit`` step.
 4. **Results.** The loss curve is saved as a PNG, real tokens per second are
-   measured after compilation, and the model writes a short text sample.
+   measured after compilation, and the model writes a short text sample. After
+   the default 500 steps (about two passes over the text) the loss is near 2.2
+   nats per character and the sample is character soup with some real words
+   ("the", "of", "and", "code") and bits of Python-doc markup such as
+   ``"__()"``, not sentences: expect that from a 0.4M-parameter model trained
+   for a minute or two on a CPU.
 
 The data is ``pydoc_data.topics``, which ships with CPython: the topics of the
 Python reference (79 documents, about 465k characters, in CPython 3.11).
@@ -34,19 +39,99 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
+from typing import Any
+
+import _cli  # examples/_cli.py
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+  """``main``'s keyword arguments from the command line (``sys.argv`` if None)."""
+  parser = _cli.parser(__doc__)
+  add = parser.add_argument
+  count, rate = _cli.positive_int, _cli.positive_float
+  add("--steps", type=count, default=500, metavar="N", help="optimizer steps")
+  add(
+    "--batch-size",
+    type=count,
+    default=32,
+    metavar="N",
+    help="sequences per optimizer step (the full batch)",
+  )
+  add(
+    "--seq-len",
+    type=count,
+    default=64,
+    metavar="N",
+    help="characters per sequence, the model's context",
+  )
+  add(
+    "--num-micro-batches",
+    type=count,
+    default=8,
+    metavar="K",
+    help="micro-batches per optimizer step; must divide the batch size",
+  )
+  add("--width", type=count, default=128, metavar="N", help="the model's width")
+  add("--layers", type=count, default=2, metavar="N", help="transformer blocks")
+  add(
+    "--heads",
+    type=count,
+    default=4,
+    metavar="N",
+    help="attention heads; must divide the width",
+  )
+  add(
+    "--dropout",
+    type=_cli.probability,
+    default=0.1,
+    metavar="P",
+    help="dropout rate while training",
+  )
+  add(
+    "--learning-rate",
+    type=rate,
+    default=3e-3,
+    metavar="LR",
+    help="AdamW's peak learning rate (warmup, then cosine decay)",
+  )
+  add(
+    "--sample-length",
+    type=_cli.non_negative_int,
+    default=200,
+    metavar="N",
+    help="characters to generate after training",
+  )
+  _cli.add_run_options(
+    parser,
+    outputs="the loss curve, quickstart_loss.png",
+    seed_help="seeds the initialization, dropout and batch order",
+  )
+  args = parser.parse_args(argv)
+  if args.batch_size % args.num_micro_batches:
+    parser.error(
+      f"--batch-size {args.batch_size} does not split into "
+      f"--num-micro-batches {args.num_micro_batches} equal micro-batches"
+    )
+  if args.width % args.heads:
+    parser.error(f"--width {args.width} does not split into --heads {args.heads}")
+  return _cli.keyword_arguments(args)
+
+
+if __name__ == "__main__":
+  # First thing: --help and a bad flag answer before JAX is imported (seconds).
+  ARGS = parse_args()
+
 import math
 import re
 import time
 from pathlib import Path
 from pydoc_data.topics import topics
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-from _cli import command_line  # examples/_cli.py
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -582,7 +667,11 @@ def main(
   sample = generate(
     model, data, "The ", length=sample_length, seq_len=seq_len, seed=seed
   )
-  print("\n4. Sample (temperature 0.6, prompt 'The '):\n")
+  print("\n4. Sample (temperature 0.6, prompt 'The ')")
+  print(
+    "   After the default 500 steps expect character soup with some real words, "
+    "not sentences: the model is small and has seen the text about twice.\n"
+  )
   print("   " + sample.replace("\n", "\n   "))
 
   return {
@@ -604,4 +693,4 @@ def main(
 
 
 if __name__ == "__main__":
-  command_line(main, __doc__)
+  main(**ARGS)

@@ -138,7 +138,14 @@ def test_main_trains_from_the_pipeline_and_reports(device_run):
   assert losses.shape == (2 * PER_EPOCH,) and np.all(np.isfinite(losses))
   assert np.mean(losses[-3:]) < 0.75 * losses[0]  # 2.3 (chance) -> about 1.4
   assert result["test_accuracy"] > 0.5  # chance is 0.1
-  summary = json.loads(stdout.strip().splitlines()[-1])
+  # A summary in words, ending with where the numbers went; no JSON dump.
+  last = stdout.strip().splitlines()[-1]
+  assert last.startswith("plot: ") and last.endswith("input_pipeline.json")
+  assert "{" not in stdout
+  assert "batches already in memory, cycled" in stdout
+  assert "rows, per-example augmentation, 0 workers" in stdout
+  summary = json.loads(pathlib.Path(result["json"]).read_text())
+  assert summary == json.loads(json.dumps(result["summary"]))
   assert summary["test_accuracy"] == pytest.approx(result["test_accuracy"])
   assert summary["train_steps_per_s"] > 0
   expected = {

@@ -98,24 +98,6 @@ def test_mixed_precision_bf16_and_loss_scaled_fp16_train(tmp_path):
   assert pathlib.Path(result["png"]).is_file()
 
 
-def test_command_line_flags_come_from_main_signature(monkeypatch):
-  """Every example's ``python examples/NAME.py --flag`` maps onto ``main``."""
-  cli = load_example("_cli")
-
-  def main(*, steps: int = 3, rate: float = 0.5, ks: tuple = (8, 64), progress=True):
-    return steps, rate, ks, progress
-
-  monkeypatch.setattr("sys.argv", ["x.py"])
-  assert cli.command_line(main, "doc") == (3, 0.5, (8, 64), True)
-  monkeypatch.setattr(
-    "sys.argv", ["x.py", "--steps", "7", "--ks", "2", "4", "--no-progress"]
-  )
-  assert cli.command_line(main, "doc") == (7, 0.5, (2, 4), False)
-  with pytest.raises(SystemExit):
-    monkeypatch.setattr("sys.argv", ["x.py", "--stpes", "7"])
-    cli.command_line(main, "doc")
-
-
 def capture_gradients():
   """An "optimizer" whose state is the last gradient it got and whose updates
   are zeros: the example's own jitted step then hands its gradients back."""
