@@ -17,7 +17,7 @@ three ways of computing the accumulated ``(loss, grads)`` are compiled:
 (c) a hand-written ``lax.scan`` over a C-order split ``batch.reshape(k, B // k,
     ...)`` under plain ``jax.jit``.
 
-What is measured, from the optimized HLO (``jaxaccum._hlo``): every collective
+What is measured, from the optimized HLO (``jaxaccum.testing``): every collective
 (all-reduce, reduce-scatter, all-gather, ...) counts the size of its result,
 per device, times the trip counts of the while loops around it. That sum is
 the "bytes per step". It is divided by the gradient size (the parameters'
@@ -82,7 +82,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum import testing
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -206,7 +206,7 @@ def compile_step(fun: LossAndGrads, params: PyTree, batch: PyTree) -> tuple[Any,
   return compiled, time.perf_counter() - start
 
 
-def collective_summary(colls: Sequence[_hlo.Collective]) -> dict[str, Any]:
+def collective_summary(colls: Sequence[testing.Collective]) -> dict[str, Any]:
   """Bytes per step of ``colls``, by opcode, and how many run in the loop."""
   by_op: dict[str, int] = {}
   for c in colls:
@@ -247,7 +247,7 @@ def measure(
 ) -> dict[str, Any]:
   """Compiles ``jit(fun)`` once; its collectives, compute estimate and accuracy."""
   compiled, compile_seconds = compile_step(fun, params, batch)
-  colls = _hlo.collectives(compiled.as_text() or "")
+  colls = testing.collectives(compiled.as_text() or "")
   summary = collective_summary(colls)
   flops = xla_flops(compiled)
   return {

@@ -3,17 +3,14 @@
 Run: ``python benchmarks/eager_calls.py [--calls 30] [--out benchmarks/results]``.
 
 ``jax.value_and_grad(loss)(params, batch)`` called outside ``jit`` runs op by
-op. ``jaxaccum.value_and_grad(loss, 4)`` called the same way used to trace
-its ``lax.scan`` again on every call; it now compiles its step once per
-configuration and keeps it (``jaxaccum/_calls.py``). Side by side, in one run
-and interleaved call by call, on each benchmark model (``_models.py``):
+op. ``jaxaccum.value_and_grad(loss, 4)`` called the same way compiles its
+step once per configuration and keeps it (``jaxaccum/_calls.py``), and
+validates its arguments once per configuration. Side by side, in one run and
+interleaved call by call, on each benchmark model (``_models.py``):
 
 - ``jax``: eager ``jax.value_and_grad(loss)``, the reference a drop-in is
   compared with;
 - ``jaxaccum``: eager ``jaxaccum.value_and_grad(loss, k)``;
-- ``retraced``: the same step without the kept program, i.e. what every
-  eager call cost before (the engine's traced step called eagerly, so its
-  scan is traced again each time);
 - ``jit``: ``jax.jit(jax.value_and_grad(loss))``, for scale.
 
 The first call of each (compilation) is left out; the medians of the rest
@@ -41,7 +38,6 @@ import _models
 import jax
 
 import jaxaccum
-from jaxaccum import _accumulate, _engine
 
 
 def _timed(fun: Callable[[], Any]) -> float:
@@ -50,32 +46,10 @@ def _timed(fun: Callable[[], Any]) -> float:
   return time.perf_counter() - start
 
 
-def retraced(loss: Callable[..., Any], k: int) -> Callable[..., Any]:
-  """The accumulated step called eagerly without a kept program."""
-  engine = _engine.make(
-    loss,
-    num_micro_batches=k,
-    micro_batch_size=None,
-    argnums=0,
-    batch_argnums=1,
-    has_aux=False,
-    normalize="mean",
-    accum_dtype="float32",
-    rng_argnum=None,
-    state_argnum=None,
-    remat=False,
-    noise_stats=False,
-    value_checks=False,
-  )
-  step = _accumulate.Step(engine, None, None, None)
-  return lambda params, batch: step.traced(None, params, batch)
-
-
 def measure(model: _models.Model, k: int, calls: int) -> dict[str, Any]:
   approaches = {
     "jax": jax.value_and_grad(model.loss),
     "jaxaccum": jaxaccum.value_and_grad(model.loss, k),
-    "retraced": retraced(model.loss, k),
     "jit": jax.jit(jax.value_and_grad(model.loss)),
   }
   samples: dict[str, list[float]] = {name: [] for name in approaches}

@@ -29,7 +29,7 @@ parameters' shardings (as a training step that updates them in place):
 
 What is measured, per device, from the compiled step: the bytes of every
 collective (its result size times the trip counts of the loops around it,
-``jaxaccum._hlo``), split by the mesh axes its replica groups span (data
+``jaxaccum.testing``), split by the mesh axes its replica groups span (data
 axes only, model axis only, both); the peak memory of XLA's compiled memory
 analysis, ``argument + output + temp - alias``
 (``jaxaccum.compiled_memory``); XLA's flops times ``k`` over the full batch's
@@ -112,7 +112,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum import testing
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -242,7 +242,7 @@ def make_loss(model_axis: str, explicit: bool) -> Callable[..., jax.Array]:
   return loss
 
 
-def axes_spanned(c: _hlo.Collective, layout: Layout) -> str:
+def axes_spanned(c: testing.Collective, layout: Layout) -> str:
   """``data``, ``model``, ``data+model`` or ``none``: the mesh axes that a
   collective's replica groups communicate over."""
   data = c.spans(layout.shape, layout.dims(layout.data_axes))
@@ -297,7 +297,7 @@ def measure(
     start = time.perf_counter()
     outputs = jax.block_until_ready(compiled(params, batch))
     run_seconds = time.perf_counter() - start
-  colls = _hlo.collectives(compiled.as_text() or "")
+  colls = testing.collectives(compiled.as_text() or "")
   spanned = [axes_spanned(c, layout) for c in colls]
   by_axes = {name: 0 for name in ("data", "model", "data+model", "none")}
   for c, axes in zip(colls, spanned, strict=True):
