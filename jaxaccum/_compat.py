@@ -119,8 +119,27 @@ def lowering_devices(lowered: jax.stages.Lowered) -> tuple[jax.Device, ...]:
   return tuple(device_list)
 
 
-def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) -> Any:
-  """Compiles ``lowered`` for ``devices`` and returns XLA's memory statistics.
+class CompiledForTarget:
+  """A program compiled for compile-only devices, read like a
+  ``jax.stages.Compiled``: its memory analysis and its optimized HLO."""
+
+  def __init__(self, executable: Any):
+    self._executable = executable
+
+  def memory_analysis(self) -> Any:
+    """XLA's ``CompiledMemoryStats``, per device."""
+    return self._executable.get_compiled_memory_stats()
+
+  def as_text(self) -> str:
+    """The optimized HLO module's text."""
+    with _internals():
+      return self._executable.hlo_modules()[0].to_string()
+
+
+def compile_lowered(
+  lowered: jax.stages.Lowered, devices: Sequence[jax.Device]
+) -> CompiledForTarget:
+  """Compiles ``lowered`` for ``devices``: its memory and HLO text.
 
   Args:
     lowered: a computation lowered (for the platform of ``devices``) on other
@@ -129,7 +148,7 @@ def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) 
       assignment, in that order.
 
   Returns:
-    The executable's ``CompiledMemoryStats`` (per device).
+    The compiled program (:class:`CompiledForTarget`).
   """
   lowered_on = lowering_devices(lowered)
   if len(devices) != len(lowered_on):
@@ -168,4 +187,4 @@ def compile_lowered(lowered: jax.stages.Lowered, devices: Sequence[jax.Device]) 
     executable_devices=xla_client.DeviceList(tuple(devices)),
     compile_options=options,
   )
-  return executable.get_compiled_memory_stats()
+  return CompiledForTarget(executable)

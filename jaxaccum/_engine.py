@@ -157,7 +157,7 @@ class Engine:
     batch = {o.names(i): args[i] for i in o.batch_argnums}
     size = _split.leading_batch_size(batch)
     if devices is None:
-      shards = _split.batch_shards(list(batch.values()))
+      shards = _split.batch_devices(list(batch.values()))
       return _split.plan_split(size, o.num_micro_batches, o.micro_batch_size, shards)
     where = f"the {devices} devices of data axes {o.data_axes}"
     if size % devices:

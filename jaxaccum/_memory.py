@@ -18,6 +18,7 @@ H100 or a TPU slice, and the numbers are that accelerator's, per device.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -148,16 +149,31 @@ def compiled_memory(
   >>> stats.argument_bytes, stats.host_bytes
   (0, 1048576)
   """
+  return _memory_of(compile_for(fun, args, kwargs, target), target)
+
+
+def compile_for(
+  fun: Callable[..., Any],
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  target: CompileTarget | None,
+) -> Any:
+  """``fun(*args, **kwargs)`` compiled, for ``target`` or the default
+  backend: an object with ``memory_analysis()`` and ``as_text()``."""
   if target is not None:
-    return _from_analysis(target._memory_analysis(fun, args, kwargs), target.platform)
+    return target._compile(fun, args, kwargs)
   jitted = fun if hasattr(fun, "lower") else jax.jit(fun)
-  compiled = jitted.lower(*args, **kwargs).compile()
+  return jitted.lower(*args, **kwargs).compile()
+
+
+def _memory_of(compiled: Any, target: CompileTarget | None) -> MemoryStats:
   analysis = compiled.memory_analysis()
   if analysis is None:  # some backends do not report
     raise RuntimeError(
       f"The {jax.default_backend()} backend reports no memory analysis."
     )
-  return _from_analysis(analysis, _platform(compiled))
+  platform = target.platform if target is not None else _platform(compiled)
+  return _from_analysis(analysis, platform)
 
 
 def memory_report(
@@ -195,6 +211,9 @@ class Candidate(NamedTuple):
       step beyond the chip's memory).
     fits: whether ``memory.peak_bytes <= memory_limit_bytes``.
     seconds: how long the compilation took.
+    fsdp_gather: the FSDP mode compiled (None where it was not searched).
+    collective_bytes: the bytes the step communicates (collective results
+      times loop trips, from the compiled HLO); None without ``mesh``.
   """
 
   num_micro_batches: int
@@ -202,6 +221,8 @@ class Candidate(NamedTuple):
   memory: MemoryStats | None
   fits: bool
   seconds: float = 0.0
+  fsdp_gather: str | None = None
+  collective_bytes: int | None = None
 
 
 class MicroBatchPlan(NamedTuple):
@@ -210,25 +231,42 @@ class MicroBatchPlan(NamedTuple):
   Attributes:
     num_micro_batches: the smallest ``k`` (largest micro-batch) that fits.
     peak_bytes: the peak of that compiled step.
-    table: every candidate compiled, by increasing ``k``.
+    table: every candidate compiled, by increasing ``k`` (and FSDP mode).
     memory_limit_bytes: the budget the candidates were held to.
+    fsdp_gather: the FSDP mode chosen, where both were searched (parameters
+      sharded over the data axes); pass it on with ``k``.
+    reason: why this plan, in words.
   """
 
   num_micro_batches: int
   peak_bytes: int
   table: tuple[Candidate, ...]
   memory_limit_bytes: int = 0
+  fsdp_gather: str | None = None
+  reason: str = ""
 
   def __str__(self) -> str:
-    lines = [f"{'k':>6} {'micro-batch':>12} {'peak':>12}  fits"]
+    modes = any(row.fsdp_gather for row in self.table)
+    head = f"{'k':>6} {'micro-batch':>12} {'peak':>12}"
+    head += f" {'fsdp_gather':>16} {'collectives':>12}" if modes else ""
+    lines = [head + "  fits"]
     for row in self.table:
       mark = "yes" if row.fits else "no"
-      if row.num_micro_batches == self.num_micro_batches:
+      if (row.num_micro_batches, row.fsdp_gather) == (
+        self.num_micro_batches,
+        self.fsdp_gather,
+      ):
         mark += "  <- chosen"
       peak = "> device" if row.memory is None else format_bytes(row.memory.peak_bytes)
-      lines.append(
-        f"{row.num_micro_batches:>6} {row.micro_batch_size:>12} {peak:>12}  {mark}"
-      )
+      line = f"{row.num_micro_batches:>6} {row.micro_batch_size:>12} {peak:>12}"
+      if modes:
+        moved = (
+          "?" if row.collective_bytes is None else format_bytes(row.collective_bytes)
+        )
+        line += f" {row.fsdp_gather or '':>16} {moved:>12}"
+      lines.append(f"{line}  {mark}")
+    if self.reason:
+      lines.append(self.reason)
     return "\n".join(lines)
 
 
@@ -368,32 +406,96 @@ def plan_micro_batches(
   if not candidates:
     raise ValueError("No candidate num_micro_batches to try.")
 
-  def compile_one(k: int) -> Candidate:
-    start = time.perf_counter()
+  def compile_one(k: int, mode: str | None) -> Candidate:
+    kwargs = dict(value_and_grad_kwargs)
+    if mode is not None:
+      kwargs["fsdp_gather"] = mode
     if builder:
-      step = fun(num_micro_batches=k, **value_and_grad_kwargs)
+      step = fun(num_micro_batches=k, **kwargs)
     else:
-      step = _value_and_grad.value_and_grad(fun, k, **value_and_grad_kwargs)
-    try:
-      with _parallel.mesh_context(options.mesh):
-        memory: MemoryStats | None = compiled_memory(step, *args, target=target)
-    except jax.errors.JaxRuntimeError as e:
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      memory = None  # the compiler itself found the step too large
-    fits = memory is not None and memory.peak_bytes <= memory_limit_bytes
-    row = Candidate(k, batch_size // k, memory, fits, time.perf_counter() - start)
+      step = _value_and_grad.value_and_grad(fun, k, **kwargs)
+    row = _measure(step, args, target, options, memory_limit_bytes)
+    row = row._replace(num_micro_batches=k, micro_batch_size=batch_size // k)
+    row = row._replace(fsdp_gather=mode)
     if print_fn is not None:
-      peak = "> device" if memory is None else format_bytes(memory.peak_bytes)
-      print_fn(
-        f"plan_micro_batches: k={k} peak={peak} "
-        f"({'fits' if fits else 'over budget'}) compiled in {row.seconds:.1f} s"
-      )
+      print_fn(_progress_line(row))
     return row
 
-  table = _bisect(sorted(set(candidates)), compile_one)
-  fitting = [row for row in table if row.fits]
-  if not fitting:
+  modes = _fsdp_modes(options, value_and_grad_kwargs, args, builder)
+  tables = {
+    mode: _bisect(sorted(set(candidates)), functools.partial(compile_one, mode=mode))
+    for mode in modes
+  }
+  return _choose(tables, memory_limit_bytes)
+
+
+def _measure(
+  step: Callable[..., Any],
+  args: Sequence[Any],
+  target: CompileTarget | None,
+  options: _options.Options,
+  memory_limit_bytes: int,
+) -> Candidate:
+  """One candidate compiled: its memory, whether it fits, and (with a mesh)
+  the bytes it communicates."""
+  start = time.perf_counter()
+  moved = None
+  try:
+    with _parallel.mesh_context(options.mesh):
+      compiled = compile_for(step, args, {}, target)
+    memory: MemoryStats | None = _memory_of(compiled, target)
+    if options.mesh is not None:
+      from jaxaccum import testing  # noqa: PLC0415
+
+      moved = testing.bytes_communicated(compiled.as_text())
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    memory = None  # the compiler itself found the step too large
+  fits = memory is not None and memory.peak_bytes <= memory_limit_bytes
+  return Candidate(0, 0, memory, fits, time.perf_counter() - start, None, moved)
+
+
+def _progress_line(row: Candidate) -> str:
+  peak = "> device" if row.memory is None else format_bytes(row.memory.peak_bytes)
+  mode = f" fsdp_gather={row.fsdp_gather}" if row.fsdp_gather else ""
+  return (
+    f"plan_micro_batches: k={row.num_micro_batches}{mode} peak={peak} "
+    f"({'fits' if row.fits else 'over budget'}) compiled in {row.seconds:.1f} s"
+  )
+
+
+def _fsdp_modes(
+  options: _options.Options,
+  kwargs: dict[str, Any],
+  args: Sequence[Any],
+  builder: bool,
+) -> tuple[str | None, ...]:
+  """The FSDP modes to search: both where parameters are sharded over the
+  data axes and no mode was given; otherwise the one given (or None: the
+  option is left out)."""
+  if "fsdp_gather" in kwargs or options.mesh is None:
+    return (kwargs.get("fsdp_gather"),)
+  params = options.replace(argnums=(0,)) if builder else options
+  params = params.resolve(len(args))
+  layout = _parallel.DataParallel(params).layout(params, tuple(args))
+  if not any(s is not None and s.sharded_dims() for s in layout):
+    return (None,)
+  return _options.FSDP_MODES
+
+
+def _choose(
+  tables: dict[str | None, list[Candidate]], memory_limit_bytes: int
+) -> MicroBatchPlan:
+  """Per mode the smallest ``k`` that fits; of those, the plan that moves the
+  fewest bytes (then the smaller ``k``)."""
+  table = [row for rows in tables.values() for row in rows]
+  best = [
+    next(row for row in rows if row.fits)
+    for rows in tables.values()
+    if any(r.fits for r in rows)
+  ]
+  if not best:
     peaks = [row.memory.peak_bytes for row in table if row.memory is not None]
     smallest = (
       f"the smallest compiled peak is {min(peaks)} bytes ({format_bytes(min(peaks))})"
@@ -402,12 +504,29 @@ def plan_micro_batches(
     )
     raise ValueError(
       f"No candidate fits {memory_limit_bytes=} ({format_bytes(memory_limit_bytes)}); "
-      f"{smallest} among num_micro_batches={[row.num_micro_batches for row in table]}."
+      f"{smallest} among num_micro_batches="
+      f"{sorted({row.num_micro_batches for row in table})}."
     )
-  chosen = fitting[0]
+  chosen = min(best, key=lambda r: (r.collective_bytes or 0, r.num_micro_batches))
   assert chosen.memory is not None
+  reason = ""
+  if len(best) > 1:
+    each = "; ".join(
+      f"fsdp_gather={r.fsdp_gather!r} fits at k={r.num_micro_batches} and moves "
+      f"{format_bytes(r.collective_bytes or 0)} per step"
+      for r in best
+    )
+    reason = f"{each}: the plan that moves the fewest bytes is chosen."
+  elif len(tables) > 1:
+    reason = f"Only fsdp_gather={chosen.fsdp_gather!r} fits the budget."
+  table.sort(key=lambda r: (r.num_micro_batches, r.fsdp_gather or ""))
   return MicroBatchPlan(
-    chosen.num_micro_batches, chosen.memory.peak_bytes, tuple(table), memory_limit_bytes
+    chosen.num_micro_batches,
+    chosen.memory.peak_bytes,
+    tuple(table),
+    memory_limit_bytes,
+    chosen.fsdp_gather,
+    reason,
   )
 
 

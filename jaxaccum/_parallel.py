@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,11 @@ from jaxaccum._options import Options
 
 PyTree = Any
 Layout = tuple["_sharding.SplitSpec | None", ...]
+
+
+class HiddenShardingWarning(UserWarning):
+  """The parameters' shardings are not visible to ``mesh=`` (under ``jit`` on
+  Auto axes, without ``param_specs``), and they are treated as replicated."""
 
 
 class DataParallel:
@@ -90,7 +96,7 @@ class DataParallel:
       if given is not None:
         leaf_specs = _broadcast_specs(given[j], arg, o.names(n))
       else:
-        leaf_specs = [_compat.visible_spec(x) for x in jax.tree.leaves(arg)]
+        leaf_specs = [_known_spec(x) for x in jax.tree.leaves(arg)]
       for (path, x), spec in zip(
         jax.tree_util.tree_leaves_with_path(arg), leaf_specs, strict=True
       ):
@@ -102,6 +108,42 @@ class DataParallel:
         )
     return tuple(specs)
 
+  def _warn_if_hidden(self, o: Options, layout: Layout, args: tuple[Any, ...]) -> None:
+    """Warns, once per traced step, where the parameters' shardings are not
+    visible (under ``jit`` on Auto axes, without ``param_specs``) and they
+    may well be sharded over the data axes: the mesh has devices beyond the
+    data axes, or a parameter is large. Silent where the user cannot do
+    better: small parameters on a mesh of data axes only."""
+    unknown = [
+      (path, x)
+      for n in o.argnums
+      for path, x in jax.tree_util.tree_leaves_with_path(args[n])
+    ]
+    unknown = [pair for pair, s in zip(unknown, layout, strict=True) if s is None]
+    if not unknown:
+      return
+    large = [
+      (path, x) for path, x in unknown if jnp.size(x) * jnp.dtype(x).itemsize >= 2**20
+    ]
+    if self.mesh.size == self.devices and not large:
+      return
+    path, _ = (large or unknown)[0]
+    name = f"{o.names(o.argnums[0])}{jax.tree_util.keystr(path)}"
+    more = f" and {len(unknown) - 1} more leaves" if len(unknown) > 1 else ""
+    warnings.warn(
+      f"jaxaccum: under jit on a mesh with Auto axes the parameters' shardings "
+      f"are not visible, so {name}{more} count as replicated over the data "
+      f"axes {self.axes}: a parameter sharded over them (FSDP) is gathered "
+      "whole and its gradient comes back replicated. Pass "
+      "param_specs=jax.tree.map(lambda x: x.sharding.spec, params), computed "
+      "outside jit (or a tree prefix of PartitionSpecs), or use a mesh with "
+      "Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)). "
+      "If they are replicated, param_specs=jax.sharding.PartitionSpec() says so "
+      "and silences this.",
+      HiddenShardingWarning,
+      stacklevel=2,
+    )
+
   # -- the traced step --------------------------------------------------------
 
   def __call__(
@@ -111,6 +153,7 @@ class DataParallel:
     with _mesh_context(self.mesh):
       o = engine.options
       engine.check_args(args)
+      self._warn_if_hidden(o, layout, args)
       split = engine.plan(args, devices=self.devices)
       _engine.check_noise_estimable(o, self.devices * split.num_micro_batches)
       diff_args = tuple(args[n] for n in o.argnums)
@@ -208,15 +251,42 @@ class DataParallel:
     )
 
     def step(diff_args, micro, index, state):
-      if self.explicit:
-        diff_args = _map_leaves(
-          lambda x, s: self._constrain(x, s.other_spec()) if _fsdp(s) else x,
-          diff_args,
-          layout,
-        )
+      diff_args = self._gathered_per_micro_batch(diff_args, layout, index)
       return vmapped(diff_args, micro, offsets + index, state)
 
     return step
+
+  def _gathered_per_micro_batch(
+    self, diff_args: Any, layout: Layout, index: jax.Array
+  ) -> Any:
+    """FSDP leaves as each micro-batch's forward takes them.
+
+    In ``"per_micro_batch"`` mode they pass an optimization barrier with the
+    micro-batch index first: otherwise XLA sees a loop-invariant gather and
+    hoists it out of the loop, holding every full weight through it (1.6x
+    the full batch's peak on a parameter-dominated model). On Explicit axes
+    they are then gathered (a ``vmap`` over the data axes refuses an
+    unmapped value sharded along them); on Auto axes the partitioner gathers
+    each where it is used, as in the full-batch step.
+    """
+    if not any(map(_fsdp, layout)):
+      return diff_args
+    if self.options.fsdp_gather == "per_micro_batch":
+      leaves, treedef = jax.tree.flatten(diff_args)
+      fsdp = [x for x, s in zip(leaves, layout, strict=True) if _fsdp(s)]
+      fsdp, _ = jax.lax.optimization_barrier((fsdp, index))
+      it = iter(fsdp)
+      leaves = [
+        next(it) if _fsdp(s) else x for x, s in zip(leaves, layout, strict=True)
+      ]
+      diff_args = jax.tree.unflatten(treedef, leaves)
+    if self.explicit:
+      diff_args = _map_leaves(
+        lambda x, s: self._constrain(x, s.other_spec()) if _fsdp(s) else x,
+        diff_args,
+        layout,
+      )
+    return diff_args
 
   def _accumulator(self, options: Options, splits: Any) -> _engine.Accumulator:
     """Per leaf: a gradient per device, ``(D, *shape)``; or, for an FSDP
@@ -379,6 +449,16 @@ def _entry(names: tuple[str, ...]) -> Any:
   if not names:
     return None
   return names[0] if len(names) == 1 else names
+
+
+def _known_spec(x: Any) -> P | None:
+  """``x``'s ``PartitionSpec`` where it can be known: its type or sharding;
+  ``P()`` for a concrete array not sharded over a mesh; None for a value
+  traced on Auto axes, whose sharding is hidden."""
+  spec = _compat.visible_spec(x)
+  if spec is None and not _compat.is_tracer(x):
+    return P()
+  return spec
 
 
 def _fsdp(s: _sharding.SplitSpec | None) -> bool:

@@ -39,8 +39,9 @@ class MicroBatching(NamedTuple):
     micro_batch_size: ``m``, rows per micro-batch.
     shards: ``S``, the blocks the batch is laid out in: micro-batch ``i``
       holds the ``i``-th slice of ``m / S`` rows of every block. 1 on one
-      device (contiguous micro-batches); the number of devices holding the
-      batch otherwise, so that no row leaves its device.
+      device (contiguous micro-batches); for a batch on ``N`` devices
+      ``gcd(m, N)``, so that no row leaves its device; in the data-parallel
+      path the data devices, one block each.
   """
 
   batch_size: int
@@ -134,8 +135,8 @@ def plan_split(
     batch_size: rows in the (local) batch.
     num_micro_batches: ``k``; give this or ``micro_batch_size``.
     micro_batch_size: ``m``; give this or ``num_micro_batches``.
-    shards: the blocks the batch is laid out in (see :class:`MicroBatching`);
-      reduced to the largest divisor of ``m`` that divides it.
+    shards: the devices the batch lives on, ``N``; the batch is laid out in
+      ``gcd(m, N)`` blocks (see :class:`MicroBatching`).
 
   Returns:
     The ``MicroBatching`` with ``batch_size == k * m``.
@@ -172,39 +173,28 @@ def plan_split(
   return MicroBatching(batch_size, k, m, math.gcd(m, shards))
 
 
-def batch_shards(batch: PyTree) -> int:
-  """The number of blocks the batch's leading axis is laid out in.
+def batch_devices(batch: PyTree) -> int:
+  """The number of devices the batch lives on: its sharding's devices (a
+  concrete array), or its mesh's (a traced one); 1 on one device.
 
-  What is visible is used: a concrete array's sharding, or a traced value's
-  type on Explicit mesh axes. Under ``jit`` on Auto axes the layout is not
-  visible; then the batch may be sharded over any of the devices of its mesh,
-  and every device count is covered by the number of those devices (the
-  split reduces it to a divisor of the micro-batch size). On one device, 1.
+  The split lays a batch on ``N`` devices out in ``S = gcd(m, N)`` blocks
+  (:func:`plan_split`), whatever axes the batch is sharded over, so that no
+  row leaves its device: under ``jit`` on Auto axes the layout is not
+  visible, and every even sharding over the mesh's devices is covered.
 
   >>> import jax.numpy as jnp
-  >>> batch_shards({"x": jnp.ones((8, 2))})
+  >>> batch_devices({"x": jnp.ones((8, 2))})
   1
   """
-  shards = 1
-  for x in jax.tree.leaves(batch):
-    shards = math.lcm(shards, _leading_shards(x))
-  return shards
+  return max((_devices(x) for x in jax.tree.leaves(batch)), default=1)
 
 
-def _leading_shards(x: Any) -> int:
+def _devices(x: Any) -> int:
   sharding = getattr(x, "sharding", None)
-  if sharding is not None and not _compat.is_tracer(x) and jnp.ndim(x) > 0:
-    return int(x.shape[0] // sharding.shard_shape(x.shape)[0])
-  aval_sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(aval_sharding, "mesh", None)
-  if aval_sharding is None or mesh is None or mesh.empty or jnp.ndim(x) == 0:
-    return 1
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  entry = aval_sharding.spec[0] if len(aval_sharding.spec) else None
-  names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-  if all(types[a] == jax.sharding.AxisType.Explicit for a in mesh.axis_names):
-    return math.prod(mesh.shape[a] for a in names)
-  return math.prod(mesh.shape.values())
+  if sharding is not None and not _compat.is_tracer(x):
+    return len(sharding.device_set)
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  return 1 if mesh is None or mesh.empty else int(mesh.size)
 
 
 def _reshape_leading(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -372,19 +362,31 @@ def pad_batch(
   return jax.tree.map(pad, batch), mask
 
 
-def merge_micro_batches(tree: PyTree) -> PyTree:
+def merge_micro_batches(tree: PyTree, *, shards: int = 1) -> PyTree:
   """Merges the micro-batch axis back into the batch axis: ``(k, m, ...)``
-  becomes ``(k * m, ...)``.
+  becomes ``(k * m, ...)``, in the batch's own row order.
 
   The stacked aux of :func:`jaxaccum.value_and_grad` has a leading axis of
-  length ``k`` (one entry per micro-batch); per-example aux (logits, per-row
-  losses) merged this way is in the batch's own row order, also under
-  ``mesh=`` (there the leading axis is ``devices * k``).
+  length ``k`` (one entry per micro-batch); merge per-example aux (logits,
+  per-row losses) with this function. On one device micro-batch ``i`` holds
+  rows ``i*m .. (i+1)*m - 1`` and a reshape restores the order. Under
+  ``mesh=`` the leading axis is ``devices * k`` (device ``d``'s micro-batches
+  first), and the same holds.
+
+  Under plain ``jit`` with a batch on ``N`` devices (sharded over a mesh),
+  micro-batch ``i`` holds the ``i``-th slice of every one of ``S = gcd(m,
+  N)`` equal blocks of the batch, so that no row moves between devices;
+  pass ``shards=S`` to restore the order then.
 
   >>> import jax.numpy as jnp, jaxaccum
   >>> jaxaccum.merge_micro_batches(jnp.arange(6).reshape(3, 2)).tolist()
   [0, 1, 2, 3, 4, 5]
+  >>> rows = jnp.array([[0, 1, 4, 5], [2, 3, 6, 7]])  # k = 2, in 2 blocks
+  >>> jaxaccum.merge_micro_batches(rows, shards=2).tolist()
+  [0, 1, 2, 3, 4, 5, 6, 7]
   """
+  if isinstance(shards, bool) or not isinstance(shards, numbers.Integral) or shards < 1:
+    raise ValueError(f"shards must be a positive integer, got {shards!r}.")
 
   def merge(x):
     if jnp.ndim(x) < 2:
@@ -392,6 +394,13 @@ def merge_micro_batches(tree: PyTree) -> PyTree:
         f"merge_micro_batches needs leaves of shape (k, m, ...), got shape={jnp.shape(x)}: "
         "a per-micro-batch scalar has no rows to merge."
       )
-    return x.reshape((x.shape[0] * x.shape[1], *x.shape[2:]))
+    k, m, rest = x.shape[0], x.shape[1], x.shape[2:]
+    if m % shards:
+      raise ValueError(
+        f"merge_micro_batches: micro-batches of m={m} rows do not split into "
+        f"{shards=} blocks."
+      )
+    blocks = x.reshape((k, shards, m // shards, *rest))
+    return jnp.swapaxes(blocks, 0, 1).reshape((k * m, *rest))
 
   return jax.tree.map(merge, tree)

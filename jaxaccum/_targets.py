@@ -205,10 +205,11 @@ class CompileTarget:
 
     return jax.tree.map(leaf, tree)
 
-  def _memory_analysis(
+  def _compile(
     self, fun: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
   ) -> Any:
-    """Compiles ``fun(*args, **kwargs)`` for the target; XLA's memory analysis."""
+    """Compiles ``fun(*args, **kwargs)`` for the target: an object with
+    ``memory_analysis()`` and ``as_text()``, like ``jax.stages.Compiled``."""
     jitted: Any = fun if hasattr(fun, "trace") else jax.jit(fun)
     args, kwargs = self._on_target((tuple(args), kwargs))
     if self.platform == "tpu":
@@ -217,7 +218,7 @@ class CompileTarget:
         # cannot read them back (no client to load them on): it warns, then
         # compiles again. The numbers are unaffected.
         warnings.filterwarnings("ignore", "Error reading persistent compilation cache")
-        return jitted.lower(*args, **kwargs).compile().memory_analysis()
+        return jitted.lower(*args, **kwargs).compile()
     lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(self.platform,))
     index = {d: i for i, d in enumerate(self._sharding_devices)}
     try:

@@ -23,7 +23,6 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 COLLECTIVES = (
@@ -281,10 +280,18 @@ def collectives(hlo_text: str) -> list[Collective]:
   return found
 
 
-def compiled_text(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
-  """The optimized HLO of ``jit(fun)(*args, **kwargs)``; nothing runs."""
-  jitted = fun if hasattr(fun, "lower") else jax.jit(fun)
-  return jitted.lower(*args, **kwargs).compile().as_text()
+def compiled_text(
+  fun: Callable[..., Any], *args: Any, target: Any = None, **kwargs: Any
+) -> str:
+  """The optimized HLO of ``jit(fun)(*args, **kwargs)``; nothing runs.
+
+  With ``target`` (:func:`jaxaccum.compile_target`), the HLO that XLA's
+  compiler for that accelerator makes, as :func:`jaxaccum.compiled_memory`
+  compiles it.
+  """
+  from jaxaccum._memory import compile_for  # noqa: PLC0415
+
+  return compile_for(fun, args, kwargs, target).as_text()
 
 
 def bytes_communicated(hlo_text: str) -> int:

@@ -1,0 +1,325 @@
+"""FSDP through ``mesh=`` (issue 19): weights sharded over the data axes.
+
+- ``fsdp_gather="per_micro_batch"`` (the default) reduce-scatters each
+  micro-batch's gradient into an accumulator sharded like the parameter;
+  ``"once"`` gathers before the loop and reduce-scatters after it. Both give
+  the full batch's gradients, sharded like the parameters.
+- On a parameter-dominated model the default's per-device peak stays near
+  the full-batch step's, where gathering once held every weight and a
+  full-size accumulator (twice the full batch's peak).
+- Under ``jit`` on Auto axes, where the parameters' shardings are hidden, a
+  warning says so where it matters, and only there.
+"""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+
+LAYERS, WIDTH, BATCH = 6, 1024, 64
+MESHES = {
+  "fsdp": ((8,), ("data",), "data", P("data", None)),
+  "hsdp": ((2, 4), ("replica", "fsdp"), ("replica", "fsdp"), P("fsdp", None)),
+  "fsdp_tp": ((4, 2), ("data", "model"), "data", P("data", "model")),
+}
+
+
+def deep_loss(params, batch):
+  x, y = batch
+  h = x
+  for w in params:
+    h = jnp.tanh(h @ w)
+  return jnp.mean((h - y) ** 2)
+
+
+def explicit_loss(params, batch):
+  """The same model as a user writes it on Explicit axes: each weight
+  gathered over the data axes where it is used (reshard), the contraction
+  over "model" naming its output."""
+  x, y = batch
+  h = x
+  for w in params:
+    spec = jax.typeof(w).sharding.spec
+    model = spec[1] if len(spec) > 1 else None
+    gathered = jax.sharding.reshard(w, P(None, model))
+    batch_axis = jax.typeof(h).sharding.spec[0]
+    h = jnp.tanh(
+      jnp.einsum("bi,io->bo", h, gathered, out_sharding=P(batch_axis, model))
+    )
+  return jnp.mean((h - y) ** 2)
+
+
+def setup(name, mode, layers=LAYERS, width=WIDTH):
+  shape, axis_names, data_axis, spec = MESHES[name]
+  mesh = jax.make_mesh(shape, axis_names, axis_types=(mode,) * len(shape))
+  keys = jax.random.split(jax.random.key(0), layers + 1)
+  params = [
+    jax.device_put(
+      jax.random.normal(k, (width, width)) / width**0.5, NamedSharding(mesh, spec)
+    )
+    for k in keys[:-1]
+  ]
+  x = jax.random.normal(keys[-1], (BATCH, width))
+  batch = jax.device_put((x, jnp.sin(x)), NamedSharding(mesh, P(data_axis)))
+  loss = deep_loss if mode == AxisType.Auto else explicit_loss
+  return mesh, data_axis, spec, params, batch, loss
+
+
+def abstract(tree):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+  )
+
+
+@pytest.mark.parametrize("gather", ["per_micro_batch", "once"])
+@pytest.mark.parametrize("name", sorted(MESHES))
+@pytest.mark.parametrize(
+  "mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
+)
+def test_fsdp_grads_equal_the_full_batch_sharded_like_the_parameters(
+  name, mode, gather
+):
+  mesh, data_axis, spec, params, batch, loss = setup(name, mode, layers=2, width=64)
+  fun = jax.jit(
+    jaxaccum.value_and_grad(
+      loss,
+      4,
+      mesh=mesh,
+      data_axis=data_axis,
+      param_specs=[spec] * 2 if mode == AxisType.Auto else None,
+      fsdp_gather=gather,
+    )
+  )
+  with jax.set_mesh(mesh):
+    value, grads = fun(params, batch)
+    want = jax.jit(jax.value_and_grad(loss))(params, batch)
+  chex.assert_trees_all_close((value, grads), want, rtol=1e-5, atol=1e-6)
+  for g, p in zip(grads, params, strict=True):
+    assert g.sharding.is_equivalent_to(p.sharding, 2), (g.sharding, p.sharding)
+
+
+def train_step_peaks(name, mode, ks, gather="per_micro_batch"):
+  mesh, data_axis, spec, params, batch, loss = setup(name, mode)
+  tx = optax.adam(1e-3)
+  opt_state = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, spec if x.ndim == 2 else P())
+    ),
+    jax.eval_shape(tx.init, params),
+  )
+  args = (abstract(params), opt_state, abstract(batch))
+
+  def full_step(p, s, b):
+    value, grads = jax.value_and_grad(loss)(p, b)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s, value
+
+  with jax.set_mesh(mesh):
+    full = jaxaccum.compiled_memory(jax.jit(full_step, donate_argnums=(0, 1)), *args)
+    peaks = {}
+    for k in ks:
+      step = jaxaccum.make_train_step(
+        loss,
+        tx,
+        k,
+        mesh=mesh,
+        data_axis=data_axis,
+        param_specs=[spec] * LAYERS if mode == AxisType.Auto else None,
+        fsdp_gather=gather,
+        skip_nonfinite=False,
+      )
+      peaks[k] = jaxaccum.compiled_memory(step, *args).peak_bytes
+  return full.peak_bytes, peaks
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+@pytest.mark.parametrize(
+  "mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
+)
+def test_per_micro_batch_fsdp_does_not_double_the_memory(name, mode):
+  """A parameter-dominated model: 6 layers of 1024 x 1024 weights, 64 rows.
+  Gathering once held every weight gathered and a full-size float32
+  accumulator per device: about twice the full batch's peak. The default
+  keeps the accumulator sharded like the parameters (P / D float32 per
+  device) and gathers each micro-batch's weights where it uses them: below
+  gathering once, and at or below the full batch for every k >= 2, except
+  on the one-axis Auto mesh. There the full-batch step is the leanest (XLA
+  frees each gathered weight after its last use and all-reduces the
+  gradients in place), while the loop adds what no full-batch step holds:
+  the P / D accumulator, copies of the parameter shards in the loop's
+  carry, and a transposed copy of one layer's gradient before its
+  reduce-scatter (XLA's buffer assignment); on this model the activations
+  that micro-batches save are far smaller than that. The bound there is
+  1.25x (1.22x measured; the same model on 8 H100s: 1.17x)."""
+  full, peaks = train_step_peaks(name, mode, (2, 8))
+  _, once = train_step_peaks(name, mode, (2,), gather="once")
+  bound = 1.25 if (name, mode) == ("fsdp", AxisType.Auto) else 1.0
+  for k, peak in peaks.items():
+    assert peak < once[2], (k, peak / 2**20, once[2] / 2**20)
+    assert peak <= bound * full, (k, peak / 2**20, full / 2**20)
+
+
+def test_nnx_fsdp_with_partitioning_trains_like_the_full_batch():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", None))
+      self.up = nnx.Linear(16, 32, kernel_init=init, rngs=rngs)
+      self.down = nnx.Linear(32, 16, kernel_init=init, rngs=rngs)
+
+    def __call__(self, x):
+      up = jax.sharding.reshard(self.up.kernel[...], P())
+      down = jax.sharding.reshard(self.down.kernel[...], P())
+      h = jnp.tanh(x @ up + self.up.bias[...][None])
+      return h @ down + self.down.bias[...][None]
+
+  def loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+  with jax.set_mesh(mesh):
+    model, reference = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (64, 16))
+    batch = jax.device_put((x, jnp.sin(x)), NamedSharding(mesh, P("data")))
+    got = nnx.jit(jaxaccum.nnx.value_and_grad(loss, 4, mesh=mesh, data_axis="data"))(
+      model, batch
+    )
+    want = nnx.jit(nnx.value_and_grad(loss))(reference, batch)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  kernel = got[1]["up"]["kernel"][...]
+  assert kernel.sharding.spec == P("data", None)
+
+
+def test_host_batches_stream_in_fsdp_mode():
+  mesh, data_axis, _, params, (x, y), loss = setup("fsdp", AxisType.Auto, 2, 64)
+  host = jax.device_put(
+    (x, y), NamedSharding(mesh, P(data_axis), memory_kind="pinned_host")
+  )
+  fun = jaxaccum.value_and_grad(loss, 2, mesh=mesh, data_axis=data_axis)
+  want = jax.value_and_grad(loss)(params, (x, y))
+  chex.assert_trees_all_close(fun(params, host), want, rtol=1e-5, atol=1e-6)
+
+
+# -- the warning on hidden shardings (both directions) ----------------------
+
+
+def hidden_warnings(mesh_shape, axis_names, width, **options):
+  mesh = jax.make_mesh(
+    mesh_shape, axis_names, axis_types=(AxisType.Auto,) * len(mesh_shape)
+  )
+  w = jax.device_put(jnp.ones((width, width)), NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((16, width)), NamedSharding(mesh, P("data")))
+
+  def loss(w, x):
+    return jnp.mean((x @ w) ** 2)
+
+  fun = jaxaccum.value_and_grad(loss, 2, mesh=mesh, data_axis="data", **options)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.jit(fun).lower(w, x)  # traced: the shardings are hidden
+    fun(w, x)  # eager: visible, never warns
+  return [str(c.message) for c in caught if "not visible" in str(c.message)]
+
+
+def test_hidden_shardings_warn_on_a_mesh_with_more_axes_than_data():
+  (message,) = hidden_warnings((4, 2), ("data", "model"), 8)
+  assert "count as replicated over the data axes ('data',)" in message
+  assert "param_specs=" in message and "Explicit" in message
+
+
+def test_hidden_shardings_warn_for_a_large_parameter_on_a_data_mesh():
+  (message,) = hidden_warnings((8,), ("data",), 512)  # 1 MiB of float32
+  assert "args[0]" in message
+
+
+@pytest.mark.parametrize(
+  ("shape", "names", "width", "options"),
+  [
+    ((8,), ("data",), 8, {}),  # small weights on a mesh of data axes only
+    ((4, 2), ("data", "model"), 8, {"param_specs": P()}),  # said replicated
+  ],
+  ids=["small_on_a_data_mesh", "param_specs_given"],
+)
+def test_hidden_shardings_stay_silent_where_nothing_is_better(
+  shape, names, width, options
+):
+  assert hidden_warnings(shape, names, width, **options) == []
+
+
+# -- the planner weighs the two modes (issue 19) -----------------------------
+
+
+def planner_problem():
+  mesh, data_axis, _, params, batch, loss = setup("fsdp", AxisType.Explicit, 4, 256)
+  return mesh, data_axis, abstract(params), abstract(batch), loss
+
+
+def test_the_planner_picks_the_mode_that_fits_when_one_does():
+  mesh, data_axis, params, batch, loss = planner_problem()
+  peaks = {}
+  with jax.set_mesh(mesh):
+    for mode in ("per_micro_batch", "once"):
+      step = jaxaccum.value_and_grad(
+        loss, 2, mesh=mesh, data_axis=data_axis, fsdp_gather=mode
+      )
+      peaks[mode] = jaxaccum.compiled_memory(step, params, batch).peak_bytes
+  assert peaks["per_micro_batch"] < peaks["once"]
+  plan = jaxaccum.plan_micro_batches(
+    loss,
+    (params, batch),
+    memory_limit_bytes=(peaks["per_micro_batch"] + peaks["once"]) // 2,
+    candidates=[2],
+    mesh=mesh,
+    data_axis=data_axis,
+    print_fn=None,
+  )
+  assert (plan.num_micro_batches, plan.fsdp_gather) == (2, "per_micro_batch")
+  assert {row.fsdp_gather for row in plan.table} == {"per_micro_batch", "once"}
+  assert "Only fsdp_gather='per_micro_batch' fits" in plan.reason
+
+
+def test_the_planner_picks_the_mode_that_moves_fewer_bytes_when_both_fit():
+  mesh, data_axis, params, batch, loss = planner_problem()
+  plan = jaxaccum.plan_micro_batches(
+    loss,
+    (params, batch),
+    memory_limit_bytes=2**40,
+    candidates=[4],
+    mesh=mesh,
+    data_axis=data_axis,
+    print_fn=None,
+  )
+  rows = {row.fsdp_gather: row for row in plan.table}
+  # Gathering once moves each weight and gradient once; per micro-batch, a
+  # reduce-scatter of every gradient per micro-batch (4 here).
+  assert rows["once"].collective_bytes < rows["per_micro_batch"].collective_bytes
+  assert plan.fsdp_gather == "once"
+  assert "moves the fewest bytes" in plan.reason and "per step" in plan.reason
+  assert "<- chosen" in str(plan)
+
+
+def test_the_planner_searches_one_mode_without_fsdp_leaves():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  w = jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct(
+    (64, 16), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+  )
+  plan = jaxaccum.plan_micro_batches(
+    lambda w, x: jnp.mean((x @ w) ** 2),
+    (w, x),
+    memory_limit_bytes=2**40,
+    candidates=[1, 2],
+    mesh=mesh,
+    data_axis="data",
+    print_fn=None,
+  )
+  assert plan.fsdp_gather is None and {r.fsdp_gather for r in plan.table} == {None}
