@@ -6,8 +6,10 @@ The public surface:
   and ``jax.grad`` that split the batch into micro-batches and accumulate
   inside one ``lax.scan``. :mod:`jaxaccum.nnx` adapts them to Flax NNX.
 - :func:`accumulate`: an optax transformation that accumulates across calls
-  and runs the inner optimizer once per window; :func:`has_updated` and
-  :func:`inner_step` read its state from inside any optimizer state.
+  and runs the inner optimizer once per window; :func:`has_updated`,
+  :func:`inner_step` and :func:`window_size` read its state from inside any
+  optimizer state; :func:`auto_k`, the batch-size autopilot, sets each
+  window's length from the measured critical batch size.
 - :func:`make_train_step`: a jitted, donated step with one optimizer update.
 - :func:`verify_equivalence`: checks accumulation against the full batch.
 - :func:`pad_batch`: pads a ragged batch and masks the padding;
@@ -26,6 +28,7 @@ The public surface:
 from jaxaccum import nnx as nnx
 from jaxaccum._accumulate import AccumulateState as AccumulateState
 from jaxaccum._accumulate import accumulate as accumulate
+from jaxaccum._autopilot import auto_k as auto_k
 from jaxaccum._equivalence import Deviation as Deviation
 from jaxaccum._equivalence import verify_equivalence as verify_equivalence
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
@@ -42,6 +45,7 @@ from jaxaccum._noise import noise_scale_init as noise_scale_init
 from jaxaccum._noise import noise_scale_update as noise_scale_update
 from jaxaccum._opt_state import has_updated as has_updated
 from jaxaccum._opt_state import inner_step as inner_step
+from jaxaccum._opt_state import window_size as window_size
 from jaxaccum._scaling import AdamHyperparams as AdamHyperparams
 from jaxaccum._scaling import kappa as kappa
 from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt

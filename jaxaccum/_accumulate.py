@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _compat, _noise, _normalize, _tree
+from jaxaccum import _autopilot, _compat, _noise, _normalize, _tree
 from jaxaccum._loss_scale import DynamicLossScale
 
 PyTree = Any
@@ -60,6 +60,11 @@ class AccumulateState(NamedTuple):
     updated: the last ``update`` ran the inner optimizer; shape=(), bool.
       Read it with :func:`jaxaccum.has_updated`, also from inside a chain,
       a ``TrainState`` or an ``nnx.Optimizer``.
+    window_size: the current window's length, in micro-batches; shape=(),
+      int32. Read it with :func:`jaxaccum.window_size`.
+    autopilot: with ``every_k=jaxaccum.auto_k(...)``, its
+      :class:`~jaxaccum._autopilot.AutoKState` (the smoothed ``B_simple``,
+      the learning-rate factor); None otherwise.
   """
 
   micro_step: jax.Array
@@ -72,23 +77,59 @@ class AccumulateState(NamedTuple):
   loss_scale: DynamicLossScale | None
   window_finite: jax.Array
   updated: jax.Array
+  window_size: jax.Array
+  autopilot: _autopilot.AutoKState | None
 
 
-def _window_size(
-  every_k: int | Callable[[jax.Array], Any],
-) -> Callable[[jax.Array], jax.Array]:
-  """``every_k`` as a function of the optimizer step. A callable is checked
-  at step 0, where it gives a concrete number: 0 or less is the same error
-  as the integer; traced values it gives later are held at 1 or more."""
+def _check_window_rule(every_k: Any) -> None:
+  """Raises for an ``every_k`` that is not a positive int, a callable or an
+  :func:`jaxaccum.auto_k`. A callable is checked at step 0, where it gives
+  a concrete number: 0 or less is the same error as the integer; traced
+  values it gives later are held at 1 or more."""
+  if _autopilot.is_auto(every_k):
+    return
   if callable(every_k):
     first = every_k(jnp.zeros((), jnp.int32))
     if not _compat.is_tracer(first) and int(first) <= 0:
       _check_every_k(int(first))
-    return lambda step: jnp.maximum(jnp.asarray(every_k(step), jnp.int32), 1)
+    return
   if isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral):
-    raise TypeError(f"every_k must be an int or a callable, got {every_k!r}.")
+    raise TypeError(
+      f"every_k must be an int, a callable or jaxaccum.auto_k(...), got {every_k!r}."
+    )
   _check_every_k(int(every_k))
-  return lambda step: jnp.asarray(every_k, jnp.int32)
+
+
+def _first_window(every_k: Any) -> jax.Array:
+  """The first window's length."""
+  if _autopilot.is_auto(every_k):
+    return _scalar(every_k.min_k, jnp.int32)
+  if callable(every_k):
+    return jnp.maximum(jnp.asarray(every_k(_scalar(0, jnp.int32)), jnp.int32), 1)
+  return _scalar(int(every_k), jnp.int32)
+
+
+def _next_window(
+  every_k: Any,
+  state: AccumulateState,
+  done: jax.Array,
+  applied: jax.Array,
+  noise: _noise.GradientNoise,
+) -> tuple[jax.Array, _autopilot.AutoKState | None]:
+  """The next window's length (and the autopilot's state) where the window
+  ended; the current ones otherwise. ``state`` is the state after the call
+  (its ``step`` counts the window if it was applied)."""
+  step = state.step
+  k, autopilot = state.window_size, state.autopilot
+  if _autopilot.is_auto(every_k):
+    assert autopilot is not None
+    k_next, auto_next = every_k.next_window(autopilot, k, noise, applied)
+    autopilot = jax.tree.map(lambda n, o: jnp.where(done, n, o), auto_next, autopilot)
+  elif callable(every_k):
+    k_next = jnp.maximum(jnp.asarray(every_k(step), jnp.int32), 1)
+  else:
+    k_next = k
+  return jnp.where(done, k_next, k).astype(jnp.int32), autopilot
 
 
 def _check_every_k(every_k: int) -> None:
@@ -133,6 +174,7 @@ def _init_state(
   params: PyTree,
   accum_dtype: Any,
   loss_scale: DynamicLossScale | None,
+  every_k: Any,
 ) -> AccumulateState:
   return AccumulateState(
     micro_step=_scalar(0, jnp.int32),
@@ -148,6 +190,8 @@ def _init_state(
     loss_scale=None if loss_scale is None else jax.tree.map(jnp.copy, loss_scale),
     window_finite=_scalar(True, jnp.bool_),
     updated=_scalar(False, jnp.bool_),
+    window_size=_first_window(every_k),
+    autopilot=every_k.init() if _autopilot.is_auto(every_k) else None,
   )
 
 
@@ -232,7 +276,7 @@ def _add_micro_batch(
 
 def accumulate(
   inner: optax.GradientTransformation,
-  every_k: int | Callable[[jax.Array], Any],
+  every_k: int | Callable[[jax.Array], Any] | _autopilot.AutoK,
   *,
   accum_dtype: Any = jnp.float32,
   skip_nonfinite: bool = True,
@@ -255,8 +299,11 @@ def accumulate(
 
   Args:
     inner: the optimizer to run once per window, e.g. ``optax.adam(1e-3)``.
-    every_k: micro-batches per window: an int, or a callable from the
-      optimizer step (``state.step``) to an int, for a batch-size ramp.
+    every_k: micro-batches per window: an int; a callable from the
+      optimizer step (``state.step``) to an int, for a batch-size ramp of
+      your own; or :func:`jaxaccum.auto_k`, which follows the measured
+      critical batch size (and turns ``noise_stats`` on). Each window's
+      length is fixed when it starts; :func:`jaxaccum.window_size` reads it.
     accum_dtype: the dtype of the sums (float32 by default, also for bf16
       gradients); a wider gradient dtype is kept.
     skip_nonfinite: drop a micro-batch whose gradient or weight contains NaN
@@ -306,11 +353,13 @@ def accumulate(
   ([-2.0, -3.0], 1)
   """
   inner = optax.with_extra_args_support(inner)
-  window_size = _window_size(every_k)
+  _check_window_rule(every_k)
   _normalize.check_accum_dtype(accum_dtype)
+  auto = _autopilot.is_auto(every_k)
+  noise_stats = noise_stats or auto  # the autopilot steers by the noise
 
   def init_fn(params):
-    return _init_state(inner, params, accum_dtype, loss_scale)
+    return _init_state(inner, params, accum_dtype, loss_scale, every_k)
 
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
     weight = _check_update_args(grads, state, weight)
@@ -324,7 +373,7 @@ def accumulate(
       noise_stats=noise_stats,
     )
     micro_step = state.micro_step + 1
-    done = (micro_step >= window_size(state.step)) | jnp.asarray(flush)
+    done = (micro_step >= state.window_size) | jnp.asarray(flush)
     apply = done & (window.acc_weight > 0)
     if scale is not None:
       apply = apply & window.window_finite
@@ -341,6 +390,10 @@ def accumulate(
       )
       # The state keeps its dtypes, whatever the gradients' dtype promoted it to.
       new_inner_state = _tree.cast_like(new_inner_state, inner_state)
+      if isinstance(every_k, _autopilot.AutoK) and every_k.power:
+        # The learning rate follows the batch.
+        factor = state.autopilot.lr_factor
+        updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
       if noise_stats:
         noise = noise._replace(last=noise.window.finalize(_tree.sq_norm(mean)))
       return updates, new_inner_state, noise
@@ -359,7 +412,9 @@ def accumulate(
       state.inner_state,
       window.noise,
     )
-    return updates, _next_state(state, window, done, apply, (inner_state, noise))
+    new_state = _next_state(state, window, done, apply, (inner_state, noise))
+    window_size, autopilot = _next_window(every_k, new_state, done, apply, noise.last)
+    return updates, new_state._replace(window_size=window_size, autopilot=autopilot)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -395,4 +450,6 @@ def _next_state(
     loss_scale=loss_scale,
     window_finite=done | window.window_finite,
     updated=apply,
+    window_size=state.window_size,
+    autopilot=state.autopilot,
   )

@@ -129,6 +129,33 @@ def inner_step(opt_state: PyTree) -> jax.Array:
   return _value(find_accumulate_state(opt_state).step)
 
 
+def window_size(opt_state: PyTree) -> jax.Array:
+  """The current window's length, in micro-batches: ``every_k`` of
+  :func:`jaxaccum.accumulate`, the ramp's value, or what
+  :func:`jaxaccum.auto_k` chose.
+
+  Args:
+    opt_state: as for :func:`has_updated`.
+
+  Returns:
+    An int32 array of shape ().
+
+  Raises:
+    ValueError: if ``opt_state`` holds no accumulate state, or several.
+
+  >>> import jax.numpy as jnp, optax, jaxaccum
+  >>> tx = optax.chain(optax.clip(1.0), jaxaccum.accumulate(optax.sgd(0.1), lambda step: 2 + step))
+  >>> state = tx.init(jnp.zeros(2))
+  >>> sizes = []
+  >>> for _ in range(5):
+  ...   _, state = tx.update(jnp.ones(2), state, jnp.zeros(2))
+  ...   sizes.append(int(jaxaccum.window_size(state)))
+  >>> sizes  # a window of 2, then one of 3
+  [2, 3, 3, 3, 4]
+  """
+  return _value(find_accumulate_state(opt_state).window_size)
+
+
 def find_loss_scale(opt_state: PyTree) -> DynamicLossScale | None:
   """The loss scale of the ``accumulate(..., loss_scale=...)`` that sees the
   gradients first: ``tx`` itself or the first link of an ``optax.chain``
