@@ -4,6 +4,7 @@
 import time; pytest imports conftest.py before any test module.
 """
 
+import gc
 import os
 import tempfile
 
@@ -37,3 +38,59 @@ def _doctest_namespace(doctest_namespace):
   import jaxaccum  # noqa: PLC0415
 
   doctest_namespace.update(jax=jax, jnp=jnp, jaxaccum=jaxaccum)
+
+
+try:  # chex's registry of chexify waits (see _inspect_chexify_checks)
+  from chex._src.asserts_internal import CHEXIFY_STORAGE as _CHEXIFY_STORAGE
+except ImportError:  # a chex that moved it: its warning at exit will say so
+  _CHEXIFY_STORAGE = None
+
+
+@pytest.fixture(autouse=True)
+def _inspect_chexify_checks():
+  """Waits for the value checks of every ``chex.chexify`` made so far, then
+  drops them from chex's registry.
+
+  ``chex.chexify`` appends a wait function to a module-level list for every
+  function it wraps, even with ``async_check=False`` where there is nothing
+  to wait for, and nothing ever removes it; at exit chex logs "[Chex] Some of
+  chexify assertion statuses were not inspected due to async exec" whenever
+  that list is not empty (chex/_src/asserts_chexify.py: ``chexify`` and
+  ``_check_if_hanging_assertions``). Waiting here makes a failed asynchronous
+  check an error of the test that made it, and the emptied list keeps the
+  end of the run quiet.
+  """
+  yield
+  if _CHEXIFY_STORAGE is None:
+    return
+  waits = list(_CHEXIFY_STORAGE.wait_fns)
+  _CHEXIFY_STORAGE.wait_fns.clear()
+  for wait in waits:
+    wait()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+  """In a pytest-xdist worker, collects the garbage while the tests' time
+  still runs, and freezes what survives.
+
+  Once every worker has reported its session finished, the controller shuts
+  the workers down, and execnet gives a worker's code 5 seconds to return
+  before it sends the worker a SIGINT (execnet/gateway_base.py,
+  ``WorkerGateway._terminate_execution``). What a worker still runs then is
+  pytest's unconfigure, which collects garbage twice over the whole heap
+  (_pytest/unraisableexception.py): with JAX's caches after a few hundred
+  tests, on a busy machine, that can take longer. The SIGINT then raised
+  KeyboardInterrupt in the first Python code to run, hypothesis's
+  ``gc_callback`` (hypothesis/internal/conjecture/junkdrawer.py, first in
+  ``gc.callbacks``), where it is unraisable, and pytest printed it as a
+  PytestUnraisableExceptionWarning after the summary. Here, before xdist
+  reports the session finished (its hook wraps this one), one collection
+  finds the garbage (an unraisable exception from a finalizer is still
+  reported), and ``gc.freeze()`` moves the survivors out of reach of the
+  collections after it, which then take milliseconds.
+  """
+  del session
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    gc.collect()
+    gc.freeze()

@@ -1,5 +1,7 @@
 """accumulate(): cross-call accumulation as an optax transformation."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -315,3 +317,306 @@ def test_extra_arguments_reach_the_inner_optimizer():
     ref_scales.append(float(ref_state[1].scale))
   assert scales == ref_scales
   assert scales[0] == 1.0 and scales[-1] < 1.0
+
+
+# The tests below were written for mutants that survived mutmut (issue 13),
+# each watched failing on them; the comment above each names the mutated
+# function. They use a smaller problem: one weight vector of SMALL_F
+# features, and SMALL_K micro-batches of SMALL_M rows.
+
+SMALL_K, SMALL_M, SMALL_F = 2, 3, 4
+
+
+def small_problem(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  w = jax.random.normal(keys[0], (SMALL_F,))
+  x = jax.random.normal(keys[1], (SMALL_K * SMALL_M, SMALL_F))
+  y = jax.random.normal(keys[2], (SMALL_K * SMALL_M,))
+  return w, (x, y)
+
+
+def mse(w, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+
+def small_micro(batch, i, m=SMALL_M):
+  return jax.tree.map(lambda b: b[i * m : (i + 1) * m], batch)
+
+
+def weak_counter():
+  """An inner transformation whose init makes a weak-typed leaf."""
+
+  def update(updates, state, params=None):
+    del params
+    return updates, {"n": state["n"] + 1}
+
+  return optax.GradientTransformation(lambda params: {"n": jnp.asarray(0)}, update)
+
+
+def avals(tree):
+  return jax.tree.map(jax.typeof, tree)
+
+
+# mutmut: _accumulate._scalar, _tree.cast_like, _accumulate.accumulate
+@pytest.mark.parametrize("inner", ["sgd", "weak_counter"])
+def test_accumulate_state_is_strongly_typed_and_updates_keep_its_types(inner):
+  """_accumulate._scalar: weak-typed fields; _tree.cast_like: an inner
+  state leaf left weak; _accumulate.accumulate: micro_step, step and
+  num_skipped not int32."""
+  w, batch = small_problem()
+  tx = jaxaccum.accumulate(
+    optax.sgd(0.1) if inner == "sgd" else weak_counter(), SMALL_K
+  )
+  state = tx.init(w)
+  assert not any(jax.typeof(x).weak_type for x in jax.tree.leaves(state))
+  assert state.micro_step.dtype == state.step.dtype == jnp.int32
+  assert state.num_skipped.dtype == jnp.int32 and state.acc_weight.dtype == jnp.float32
+  grads = jax.grad(mse)(w, batch)
+  for _ in range(SMALL_K):  # a window: both branches of the lax.cond
+    _, new_state = jax.jit(tx.update)(grads, state, w)
+    assert avals(new_state) == avals(state)
+    state = new_state
+
+
+# mutmut: _tree.cast_like
+def test_float32_gradients_on_bfloat16_params_keep_the_inner_state_dtypes():
+  """_tree.cast_like: adam's promoted moments not cast back."""
+  w, batch = small_problem()
+  w16 = w.astype(jnp.bfloat16)
+  inner = optax.adam(0.1)
+  tx = jaxaccum.accumulate(inner, SMALL_K)
+  state = tx.init(w16)
+  grads = [jax.grad(mse)(w, small_micro(batch, i)) for i in range(SMALL_K)]  # float32
+  for g in grads:
+    updates, state = tx.update(g, state, w16)
+
+  want, want_state = inner.update(sum(grads) / SMALL_K, inner.init(w16), w16)
+  assert want_state[0].mu.dtype == jnp.float32  # the premise: promoted
+  chex.assert_trees_all_equal_dtypes(state.inner_state, inner.init(w16))
+  chex.assert_trees_all_close(updates, want, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(
+    state.inner_state,
+    jax.tree.map(lambda n, o: n.astype(o.dtype), want_state, inner.init(w16)),
+    rtol=1e-2,
+    atol=1e-3,
+  )
+
+
+def promoting_ema():
+  """An inner transformation whose state starts in the parameters' dtype and
+  comes out of ``update`` in float32 (a strong float32 factor promotes it);
+  it checks the gradients' shape and needs the parameters."""
+
+  def update(updates, state, params=None):
+    chex.assert_equal_shape((updates, state["ema"]))
+    ema = jnp.float32(0.5) * state["ema"] + jnp.float32(0.5) * updates
+    ema = ema + jnp.float32(0.01) * params  # weight decay: needs the params
+    return ema, {"ema": ema}
+
+  return optax.GradientTransformation(
+    lambda params: {"ema": jnp.zeros_like(params)}, update
+  )
+
+
+# mutmut: _accumulate._inner_init
+def test_inner_state_takes_the_dtypes_of_one_inner_update():
+  """_accumulate._inner_init: the inner state keeps inner.init's dtypes where
+  one update changes them."""
+  w, batch = small_problem()
+  w16 = w.astype(jnp.bfloat16)
+  inner = promoting_ema()
+  _, after = inner.update(jax.grad(mse)(w16, batch), inner.init(w16), w16)
+  assert inner.init(w16)["ema"].dtype == jnp.bfloat16  # the premise
+  assert after["ema"].dtype == jnp.float32
+  tx = jaxaccum.accumulate(inner, SMALL_K)
+  state = tx.init(w16)
+  chex.assert_trees_all_equal_dtypes(state.inner_state, after)
+  grads = [jax.grad(mse)(w16, small_micro(batch, i)) for i in range(SMALL_K)]
+  for g in grads:
+    updates, state = tx.update(g, state, w16)
+  want, want_state = inner.update(sum(grads) / SMALL_K, inner.init(w16), w16)
+  chex.assert_trees_all_equal_dtypes(state.inner_state, want_state)
+  chex.assert_trees_all_close(
+    (updates, state.inner_state), (want, want_state), rtol=1e-2, atol=1e-3
+  )
+
+
+# mutmut: _accumulate._window_size
+def test_window_schedule_values_are_clamped_and_truncated_to_ints():
+  """_accumulate._window_size: a float window size kept, or clamped to 2, not
+  1."""
+  w, batch = small_problem()
+  # Like an optax schedule: float values, and a 0 at step 1 (a traced value,
+  # held at 1; a concrete 0 at step 0 is an error, tests/test_errors.py).
+  tx = jaxaccum.accumulate(optax.sgd(0.1), lambda step: jnp.where(step == 1, 0.0, 2.7))
+  state = tx.init(w)
+  grads = jax.grad(mse)(w, batch)
+  steps = []
+  for _ in range(5):
+    _, state = tx.update(grads, state, w)
+    steps.append(int(state.step))
+  assert steps == [0, 1, 2, 2, 3]  # a window of 2, one of 1, one of 2
+
+
+# mutmut: _noise.no_estimate, _accumulate.accumulate
+@pytest.mark.parametrize("noise_stats", [False, True])
+def test_noise_before_the_first_window_is_no_estimate(noise_stats):
+  """_noise.no_estimate: ones instead of zeros; _accumulate.accumulate:
+  window sums that do not start at 0."""
+  w, _ = small_problem()
+  tx = jaxaccum.accumulate(optax.sgd(0.1), SMALL_K, noise_stats=noise_stats)
+  state = tx.init(w)
+  chex.assert_trees_all_equal(state.noise, jax.tree.map(jnp.zeros_like, state.noise))
+  assert not bool(state.noise.last.has_estimate())
+
+
+# mutmut: _accumulate.accumulate
+def test_accumulate_without_noise_stats_measures_nothing():
+  """_accumulate.accumulate: noise_stats on by default."""
+  w, batch = small_problem()
+  tx = jaxaccum.accumulate(optax.sgd(0.1), SMALL_K)
+  state = tx.init(w)
+  for i in range(SMALL_K):
+    _, state = tx.update(jax.grad(mse)(w, small_micro(batch, i)), state, w)
+  assert int(state.step) == 1
+  chex.assert_trees_all_equal(state.noise, jax.tree.map(jnp.zeros_like, state.noise))
+
+
+# mutmut: _accumulate.accumulate, _normalize.check_accum_dtype
+def test_accumulate_with_an_integer_accum_dtype_is_a_clear_error():
+  """_accumulate.accumulate: the accum_dtype check (_normalize.check_accum_dtype)
+  skipped, or its message."""
+  with pytest.raises(
+    ValueError, match=r"^accum_dtype must be a floating dtype, got int32\.$"
+  ):
+    jaxaccum.accumulate(optax.sgd(0.1), SMALL_K, accum_dtype=jnp.int32)
+
+
+# mutmut: _accumulate.accumulate
+def test_accumulator_has_the_accum_dtype():
+  """_accumulate.accumulate: a float32 accumulator whatever accum_dtype says."""
+  w, batch = small_problem()
+  w16 = w.astype(jnp.float16)
+  tx = jaxaccum.accumulate(optax.sgd(0.1), SMALL_K, accum_dtype=jnp.float16)
+  state = tx.init(w16)
+  assert state.acc_grads.dtype == jnp.float16
+  g = jax.grad(mse)(w16, small_micro(batch, 0))
+  _, state = tx.update(g, state, w16)
+  assert state.acc_grads.dtype == jnp.float16
+  np.testing.assert_array_equal(state.acc_grads, g)
+
+
+# mutmut: _accumulate.accumulate
+def test_a_fresh_state_has_not_updated():
+  """_accumulate.accumulate: ``updated`` starts True."""
+  w, _ = small_problem()
+  state = jaxaccum.accumulate(optax.sgd(0.1), SMALL_K).init(w)
+  assert not bool(jaxaccum.has_updated(state))
+  assert state.updated.dtype == jnp.bool_
+
+
+# mutmut: _accumulate.accumulate
+@pytest.mark.parametrize("case", ["weight", "structure", "shape"])
+def test_accumulate_update_errors_name_what_is_wrong(case):
+  """_accumulate.accumulate: the weight, structure and shape messages."""
+  w, batch = small_problem()
+  tx = jaxaccum.accumulate(optax.sgd(0.1), SMALL_K)
+  state = tx.init({"w": w})
+  grads = {"w": jax.grad(mse)(w, batch)}
+  if case == "weight":
+    want = "weight must be a scalar, got shape=(2,)."
+    call = lambda: tx.update(grads, state, weight=jnp.ones(2))  # noqa: E731
+  elif case == "structure":
+    want = "grads do not have the structure of the parameters accumulate() was "
+    want += "initialized with: "
+    call = lambda: tx.update({"v": grads["w"]}, state)  # noqa: E731
+  else:
+    want = "The gradient leaf grads['w'] has shape=(3,), but accumulate() was "
+    want += "initialized with parameters whose leaf there has shape=(4,)."
+    call = lambda: tx.update({"w": grads["w"][:3]}, state)  # noqa: E731
+  with pytest.raises(ValueError, match=f"^{re.escape(want)}"):
+    call()
+
+
+# mutmut: _accumulate.accumulate
+def test_zero_and_fractional_weights_are_not_skipped():
+  """_accumulate.accumulate: a weight of 0, or below 1, skipped."""
+  w, batch = small_problem()
+  tx = jaxaccum.accumulate(optax.sgd(1.0), 3)
+  state = tx.init(w)
+  grads = [jax.grad(mse)(w, small_micro(batch, i)) for i in range(SMALL_K)] + [
+    jnp.ones(SMALL_F)
+  ]
+  for g, weight in zip(grads, [0.5, 2.0, 0.0], strict=True):
+    updates, state = tx.update(g, state, w, weight=weight)
+  assert int(state.num_skipped) == 0 and int(state.step) == 1
+  want = -(grads[0] + grads[1] + grads[2]) / 2.5
+  chex.assert_trees_all_close(updates, want, rtol=1e-6, atol=1e-7)
+
+
+# mutmut: _accumulate.accumulate
+@pytest.mark.parametrize("nan", [False, True])
+def test_without_skip_nonfinite_every_gradient_is_accumulated(nan):
+  """_accumulate.accumulate with skip_nonfinite=False: a NaN still skipped, or
+  nothing accumulated."""
+  w, batch = small_problem()
+  tx = jaxaccum.accumulate(optax.sgd(1.0), SMALL_K, skip_nonfinite=False)
+  state = tx.init(w)
+  grads = [jax.grad(mse)(w, small_micro(batch, i)) for i in range(SMALL_K)]
+  if nan:
+    grads[0] = grads[0].at[0].set(jnp.nan)
+  for g in grads:
+    updates, state = tx.update(g, state, w)
+  assert int(state.num_skipped) == 0 and int(state.step) == 1
+  chex.assert_trees_all_close(updates, -sum(grads) / SMALL_K, rtol=1e-6, atol=1e-7)
+
+
+# mutmut: _accumulate.accumulate
+def test_noise_counts_only_kept_micro_batches_of_positive_weight():
+  """_accumulate.accumulate: a skipped NaN micro-batch counted, a weight-0
+  micro-batch counted, a weight below 1 not counted, or |g / w|² computed
+  otherwise."""
+  w, batch = small_problem()
+  tx = jaxaccum.accumulate(optax.sgd(0.1), 5, noise_stats=True)
+  state = tx.init(w)
+  g1, g2 = (jax.grad(mse)(w, small_micro(batch, i)) for i in range(SMALL_K))
+  calls = [
+    (g1, 2.0),
+    (jnp.zeros(SMALL_F), 0.0),
+    (g2, 0.5),
+    (jnp.full(SMALL_F, jnp.nan), 1.0),
+  ]
+  for grads, weight in calls:
+    _, state = tx.update(grads, state, w, weight=weight)
+  assert int(state.num_skipped) == 1 and int(state.micro_step) == 4
+  assert float(state.noise.window.num_micro_batches) == 2.0
+  want = jnp.sum((g1 / 2.0) ** 2) + jnp.sum((g2 / 0.5) ** 2)
+  chex.assert_trees_all_close(state.noise.window.sq_norm, want, rtol=1e-6)
+
+
+# mutmut: _accumulate.accumulate
+def test_each_window_measures_the_noise_of_its_own_micro_batches():
+  """_accumulate.accumulate: |G_big|² of nothing, or the window sums not reset
+  when a window ends; the second window's measurement must come from its own
+  two gradients only."""
+  w, batch = small_problem()
+  tx = jaxaccum.accumulate(optax.sgd(0.0), SMALL_K, noise_stats=True)
+  state = tx.init(w)
+  grads = [jax.grad(mse)(w, small_micro(batch, i)) for i in range(SMALL_K)]
+  weights = (2.0, 3.0)
+  for g in grads:  # the first window: plain gradients, weight 1
+    _, state = tx.update(g, state, w)
+  for g, weight in zip(grads[::-1], weights, strict=True):  # the second
+    _, state = tx.update(g * weight, state, w, weight=weight)
+  last = state.noise.last
+  mean = (grads[1] * 2.0 + grads[0] * 3.0) / 5.0
+  want = jaxaccum.GradientNoise(
+    small_sq_norm=(jnp.sum(grads[1] ** 2) + jnp.sum(grads[0] ** 2)) / 2,
+    big_sq_norm=jnp.sum(mean**2),
+    b_small=jnp.float32(2.5),
+    b_big=jnp.float32(5.0),
+  )
+  chex.assert_trees_all_close(last, want, rtol=1e-5)
+  assert float(state.noise.window.num_micro_batches) == 0.0
+  assert float(state.noise.window.sq_norm) == 0.0

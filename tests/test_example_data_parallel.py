@@ -52,6 +52,7 @@ def test_single_host_trains_with_no_collective_in_the_loop(single_process):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # two processes start JAX and train end to end
 def test_two_processes_give_the_single_process_losses(single_process, tmp_path):
   single, _ = single_process
   flags = [f"--{name.replace('_', '-')}={value}" for name, value in TINY.items()]

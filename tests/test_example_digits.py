@@ -13,6 +13,7 @@ from examples_util import load_example
 TRAIN_ROWS = load_example("_digits").TRAIN_ROWS
 
 
+@pytest.mark.slow  # main() end to end
 def test_digits_mlp_accumulated_curve_overlaps_full_batch(tmp_path):
   result = load_example("digits_mlp").main(
     steps=30, out_dir=str(tmp_path), progress=False
@@ -31,6 +32,7 @@ def test_digits_mlp_accumulated_curve_overlaps_full_batch(tmp_path):
   assert pathlib.Path(result["png"]).is_file()
 
 
+@pytest.mark.slow  # main() end to end
 def test_convnet_batchnorm_linen_recipe_learns(tmp_path):
   result = load_example("convnet_batchnorm").main(
     steps=15, eval_every=15, out_dir=str(tmp_path), progress=False
@@ -45,6 +47,7 @@ def test_convnet_batchnorm_linen_recipe_learns(tmp_path):
   assert pathlib.Path(result["png"]).is_file()
 
 
+@pytest.mark.slow  # main() end to end
 def test_cross_step_adam_runs_once_per_window(tmp_path):
   example = load_example("cross_step")
   epochs, size, k = 2, 20, 8

@@ -129,6 +129,7 @@ def device_run(tmp_path_factory):
   return result, capture.getvalue()
 
 
+@pytest.mark.slow  # main() end to end (the device_run fixture)
 def test_main_trains_from_the_pipeline_and_reports(device_run):
   result, stdout = device_run
   assert result["batch_memory_kind"] == "device"
@@ -173,6 +174,7 @@ def test_main_trains_from_the_pipeline_and_reports(device_run):
   assert pathlib.Path(result["png"]).is_file()
 
 
+@pytest.mark.slow  # main() end to end (the device_run fixture)
 def test_pinned_host_batches_stream_to_the_same_losses(device_run, tmp_path):
   # The same batches in the same order, prefetched into host memory: the
   # accumulated step streams the micro-batches in and computes the same
@@ -191,6 +193,7 @@ def test_pinned_host_batches_stream_to_the_same_losses(device_run, tmp_path):
   np.testing.assert_allclose(result["losses"], device_run[0]["losses"], rtol=1e-5)
 
 
+@pytest.mark.slow  # spawns a Grain worker process
 def test_a_spawned_worker_delivers_the_same_batches():
   # The worker unpickles the pipeline: its source and augmentation must be
   # importable (examples/_pipeline.py), and Grain's absl flags parsed.

@@ -13,6 +13,7 @@ def quickstart():
   return load_example("quickstart")
 
 
+@pytest.mark.slow  # main() end to end
 def test_quickstart_main_tiny(quickstart, tmp_path):
   results = quickstart.main(
     steps=30,

@@ -50,6 +50,7 @@ def test_noise_scale_needs_two_micro_batches(tmp_path):
     )
 
 
+@pytest.mark.slow  # main() end to end
 def test_mixed_precision_bf16_and_loss_scaled_fp16_train(tmp_path):
   steps = 30
   # A start far above what float16 holds: the first steps overflow and back off.

@@ -109,3 +109,156 @@ def test_the_step_holds_no_copy_beyond_a_hand_written_scan():
     step = jaxaccum.make_train_step(loss, tx, k, skip_nonfinite=skip)
     peak = jaxaccum.compiled_memory(step, params, state, x, target=h100).peak_bytes
     assert peak <= 1.02 * baseline, (skip, peak / 2**20, baseline / 2**20)
+
+
+# The tests below were written for mutants that survived mutmut (issue 13),
+# each watched failing on them; the comment above each names the mutated
+# function. They use one weight vector and a batch (x, y).
+
+
+def data(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  w = jax.random.normal(keys[0], (F,))
+  x = jax.random.normal(keys[1], (K * M, F))
+  y = jax.random.normal(keys[2], (K * M,))
+  return w, (x, y)
+
+
+def mse(w, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+
+def micro(batch, i, m=M):
+  return jax.tree.map(lambda b: b[i * m : (i + 1) * m], batch)
+
+
+def threaded_loop(fun, w, batch, state):
+  """The reference for ``state_argnum``: ``jax.value_and_grad`` on each
+  micro-batch in turn, the state threaded; the mean value, the mean gradient
+  and the final state."""
+  values, all_grads = [], []
+  for i in range(K):
+    (v, (_, state)), g = jax.value_and_grad(fun, has_aux=True)(
+      w, micro(batch, i), state
+    )
+    values.append(v)
+    all_grads.append(g)
+  return jnp.mean(jnp.stack(values)), jnp.mean(jnp.stack(all_grads), 0), state
+
+
+def keyed_loss(w, batch, state):
+  """Advances a typed PRNG key held in the state; the gradient is NaN (while
+  the loss is finite) when ``state["s"]`` is 0."""
+  x, y = batch
+  key, sub = jax.random.split(state["key"])
+  noise = 0.01 * jax.random.normal(sub, y.shape)
+  loss = jnp.mean((x @ w - y + noise) ** 2) + jnp.sqrt(state["s"] + 0.0 * w[0])
+  return loss, (None, {"key": key, "s": state["s"]})
+
+
+# mutmut: _tree.select, _train_step.make_train_step
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_skipped_step_keeps_the_state_and_its_prng_key(finite):
+  """_tree.select: the typed-key branch broken (some only for a
+  non-default key impl); make_train_step: state_argnum lost, so a skipped
+  step returned the new state."""
+  w, batch = data()
+  state = {
+    "key": jax.random.key(7, impl="rbg"),
+    "s": jnp.float32(1.0 if finite else 0.0),
+  }
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(
+    keyed_loss, tx, K, donate=False, state_argnum=2, has_aux=True
+  )
+  new_w, _, (value, (_, new_state)) = step(w, tx.init(w), batch, state)
+
+  want_value, grads, ref = threaded_loop(keyed_loss, w, batch, state)
+  assert bool(jnp.all(jnp.isfinite(grads))) == finite  # the premise
+  chex.assert_trees_all_close(value, want_value, rtol=1e-6)
+  if finite:
+    want_w, want_key = w - 0.1 * grads, ref["key"]
+  else:  # skipped: parameters and state as they came in
+    want_w, want_key = w, state["key"]
+  chex.assert_trees_all_close(new_w, want_w, rtol=1e-6, atol=1e-6)
+  assert jax.random.key_impl(new_state["key"]) == jax.random.key_impl(want_key)
+  np.testing.assert_array_equal(
+    jax.random.key_data(new_state["key"]), jax.random.key_data(want_key)
+  )
+  assert not np.array_equal(
+    jax.random.key_data(ref["key"]), jax.random.key_data(state["key"])
+  )
+
+
+def count_batches(params, batch, state):
+  """No parameters to train: only the state (a running mean) moves."""
+  del params
+  x, _ = batch
+  return jnp.mean(x**2), (None, {"mean": 0.5 * state["mean"] + 0.5 * jnp.mean(x)})
+
+
+# mutmut: _tree.all_finite
+def test_a_step_without_parameters_is_not_skipped():
+  """_tree.all_finite: an empty grads tree counted as non-finite."""
+  _, batch = data()
+  tx = optax.adam(0.1)
+  state = {"mean": jnp.float32(1.0)}
+  step = jaxaccum.make_train_step(
+    count_batches, tx, K, donate=False, state_argnum=2, has_aux=True
+  )
+  new_params, opt_state, (value, (_, new_state)) = step({}, tx.init({}), batch, state)
+
+  ref = state
+  for i in range(K):
+    _, (_, ref) = count_batches({}, micro(batch, i), ref)
+  assert new_params == {}
+  chex.assert_trees_all_close(value, jnp.mean(batch[0] ** 2), rtol=1e-6)
+  chex.assert_trees_all_close(new_state, ref, rtol=1e-6)
+  assert int(opt_state[0].count) == 1  # the step was taken
+
+
+def loss_and_log_residual(w, batch):
+  """Finite loss and gradient; an aux metric that is -inf where y hits."""
+  x, y = batch
+  residual = jnp.tanh(x @ w) - y
+  return jnp.mean(residual**2), jnp.log(jnp.abs(y - y[0]))
+
+
+# mutmut: _train_step.make_train_step
+def test_a_nonfinite_aux_does_not_skip_the_step():
+  """_train_step.make_train_step: only the loss and the gradient decide the
+  skip, not the aux."""
+  w, batch = data()
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(
+    loss_and_log_residual, tx, K, donate=False, has_aux=True
+  )
+  new_w, _, (loss, aux) = step(w, tx.init(w), batch)
+
+  (want_loss, want_aux), grads = jax.value_and_grad(
+    loss_and_log_residual, has_aux=True
+  )(w, batch)
+  assert not np.all(np.isfinite(aux))  # the premise
+  np.testing.assert_array_equal(aux[0], want_aux[:M])
+  chex.assert_trees_all_close(loss, want_loss, rtol=1e-6)
+  chex.assert_trees_all_close(new_w, w - 0.1 * grads, rtol=1e-5, atol=1e-6)
+
+
+# mutmut: _train_step.make_train_step
+def test_a_nan_loss_with_finite_gradients_skips_the_step():
+  """_train_step.make_train_step: only the gradient decides the skip."""
+
+  def nan_loss(w, batch):
+    return mse(w, batch) + jax.lax.stop_gradient(jnp.log(-1.0))
+
+  w, batch = data()
+  tx = optax.adam(0.1)
+  step = jaxaccum.make_train_step(nan_loss, tx, K, donate=False)
+  state = tx.init(w)
+  new_w, new_state, loss = step(w, state, batch)
+
+  assert np.all(np.isfinite(jax.grad(nan_loss)(w, batch)))  # the premise
+  assert np.isnan(loss)
+  chex.assert_trees_all_equal(new_w, w)
+  chex.assert_trees_all_equal(new_state, state)
