@@ -143,7 +143,9 @@ def test_each_device_streams_its_own_host_shard(shape, mode):
   params, batch = problem()
   host = on_host(batch, NamedSharding(mesh, P("data"), memory_kind="pinned_host"))
   assert host[0].sharding.memory_kind == "pinned_host"
-  fun = jaxaccum.value_and_grad(loss, 2, mesh=mesh, data_axis="data")
+  # Replicated parameters, said so: under jit on an Auto mesh with a model
+  # axis their shardings are hidden, and jaxaccum would warn.
+  fun = jaxaccum.value_and_grad(loss, 2, mesh=mesh, data_axis="data", param_specs=P())
   want = jax.value_and_grad(loss)(params, batch)
   close(fun(params, host), want)
   close(jax.jit(fun)(params, host), want)
