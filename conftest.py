@@ -94,3 +94,35 @@ def pytest_sessionfinish(session):
   if os.environ.get("PYTEST_XDIST_WORKER"):
     gc.collect()
     gc.freeze()
+
+
+# Compile-only accelerator targets need the `targets` extra (the CUDA
+# compiler plugin, libtpu), which the test extra leaves out (about 1 GB).
+# Tests and doctests that compile for one are marked `targets` and, without
+# the extra, skipped with a one-line reason; CI installs it and runs them.
+_TARGET_MODULES = ("jax_plugins.xla_cuda13", "libtpu")
+
+
+def _targets_installed() -> bool:
+  import importlib.util  # noqa: PLC0415
+
+  return all(importlib.util.find_spec(m) is not None for m in _TARGET_MODULES)
+
+
+def pytest_collection_modifyitems(config, items):
+  missing = (
+    None
+    if _targets_installed()
+    else pytest.mark.skip(
+      reason="compile-only targets not installed: pip install -e '.[targets]'"
+    )
+  )
+  for item in items:
+    dtest = getattr(item, "dtest", None)  # a doctest
+    needs = (
+      any("compile_target(" in e.source for e in dtest.examples) if dtest else False
+    )
+    if needs or item.get_closest_marker("targets"):
+      item.add_marker(pytest.mark.targets)
+      if missing is not None:
+        item.add_marker(missing)

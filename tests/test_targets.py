@@ -20,6 +20,7 @@ from jaxaccum import _compat as _aot
 from jaxaccum import _targets
 
 MiB = 2**20
+pytestmark = pytest.mark.targets  # conftest.py: skipped without the extra
 
 _NEEDS = {
   "h100": ("jax_plugins.xla_cuda13", "the CUDA compiler plugin (jax-cuda13-plugin)"),

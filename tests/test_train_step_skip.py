@@ -66,6 +66,7 @@ def test_a_finite_step_is_taken():
   chex.assert_trees_all_close(new_params, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.targets
 def test_the_step_holds_no_copy_beyond_a_hand_written_scan():
   """On an H100 target, make_train_step (skip and normalization included)
   needs no more memory than a hand-written lax.scan step that divides by k
