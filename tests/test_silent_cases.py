@@ -238,3 +238,42 @@ def test_a_training_step_switched_to_k_1_is_bit_identical():
     *mine, loss_mine = step(*mine, batch, key)
     *theirs, loss_theirs = own_step(*theirs, batch, key)
     chex.assert_trees_all_equal((mine, loss_mine), (theirs, loss_theirs))
+
+
+# mutmut: _tree.check_dtypes_kept (every leaf is checked; what counts as weak)
+@pytest.mark.parametrize(
+  ("returned", "kept"),
+  [
+    (lambda s: jnp.asarray(0.5), True),  # a weakly typed array: takes float32
+    (lambda s: s.astype(jnp.float16), False),  # strongly typed, narrower
+    (lambda s: s.astype(jnp.bfloat16), False),
+  ],
+  ids=["weak-array", "float16", "bfloat16"],
+)
+def test_every_state_leaf_is_checked_and_only_weak_types_adapt(returned, kept):
+  """The first leaf keeps its dtype; the second is what fun returned for a
+  float32 leaf. A weakly typed value takes the state's dtype, as in a scan
+  carry; a strongly typed other dtype raises (even one that would promote to
+  float32), also after a leaf that passed."""
+
+  def two_leaves(w, batch, state):
+    x, y, _ = batch
+    new = {"a": state["a"] + 1, "b": returned(state["b"])}
+    return jnp.mean((x @ w - y) ** 2), (None, new)
+
+  w, batch = problem()
+  state = {"a": jnp.zeros((), jnp.int32), "b": jnp.ones((), jnp.float32)}
+  fun = jaxaccum.value_and_grad(two_leaves, K, state_argnum=2, has_aux=True)
+  if kept:
+    (_, (_, new)), _ = fun(w, batch, state)
+    assert new["b"].dtype == jnp.float32 and float(new["b"]) == 0.5
+    assert not jax.typeof(new["b"]).weak_type
+    return
+  have = jnp.dtype(returned(state["b"]).dtype).name
+  want = (
+    f"fun returned the state leaf state['b'] as {have}, but it came in as "
+    "float32: a threaded state keeps its dtype (a lax.scan carry must). Cast "
+    "it back yourself, e.g. new.astype(old.dtype), if that is what you mean."
+  )
+  with pytest.raises(ValueError, match="^" + re.escape(want)):
+    fun(w, batch, state)
