@@ -2,56 +2,61 @@
 
 Run: ``python benchmarks/communication.py [--out benchmarks/results]``.
 
-Eight fake CPU devices form a mesh with one ``"data"`` axis. An MLP classifier
-(784 -> 512 -> 512 -> 10, 669,706 float32 parameters) gets a global batch of
-256 rows, sharded along ``"data"``. For ``k`` in {1, 2, 4, 8, 16} micro-batches,
-three ways of computing the accumulated ``(loss, grads)`` are compiled:
+Part 1, bytes. Eight fake CPU devices form a mesh with one ``"data"`` axis
+(``Auto``). An MLP classifier (784 -> 512 -> 512 -> 10, 669,706 float32
+parameters, replicated) gets a global batch of 256 rows, sharded along
+``"data"``. For ``k`` in {1, 2, 4, 8, 16} micro-batches, three ways of
+computing the accumulated ``(loss, grads)`` are compiled:
 
 (a) ``jaxaccum``: ``jaxaccum.value_and_grad(loss, k, mesh=mesh,
-    data_axis="data")``. Each device accumulates its own shard's gradients
-    inside ``shard_map``, and one all-reduce runs after the loop.
+    data_axis="data")``. The batch is laid out as one block per device, the
+    micro step runs ``vmap``-ped over the blocks in global view (each device
+    accumulates the gradient of its own rows), and one all-reduce runs
+    after the loop.
 (b) ``optax.microbatch``: ``optax.microbatching.microbatch(
     jax.value_and_grad(loss), argnums=1, microbatch_size=B // k,
-    accumulator=MEAN)`` under plain ``jax.jit``, on an ``Auto``-axis mesh. GSPMD
-    decides where the collectives go.
+    accumulator=MEAN)`` under plain ``jax.jit``. GSPMD decides where the
+    collectives go.
 (c) a hand-written ``lax.scan`` over a C-order split ``batch.reshape(k, B // k,
     ...)`` under plain ``jax.jit``.
 
-What is measured, from the optimized HLO (``jaxaccum.testing``): every collective
-(all-reduce, reduce-scatter, all-gather, ...) counts the size of its result,
-per device, times the trip counts of the while loops around it. That sum is
-the "bytes per step". It is divided by the gradient size (the parameters'
-bytes), so an approach that all-reduces the gradients once scores about 1.
+What is measured, from the optimized HLO (``jaxaccum.testing``): every
+collective (all-reduce, reduce-scatter, all-gather, ...) counts the size of
+its result, per device, times the trip counts of the while loops around it.
+That sum is the "bytes per step". It is divided by the gradient size (the
+parameters' bytes), so an approach that all-reduces the gradients once
+scores about 1. Because communicating less can also mean computing
+redundantly, the script also reports an estimate of each device's compute:
+XLA's ``cost_analysis()`` counts a while loop's body once, so the flops of
+the compiled step times ``k`` are divided by the flops of the plain
+data-parallel step ``jit(jax.value_and_grad(loss))`` on the same sharded
+batch. About 1 means the work is split over the devices; 8 means every
+device computes the whole batch (an upper bound: the small part outside the
+loop is multiplied by ``k`` too). Every compiled step runs once and its loss
+and gradients are compared with ``jax.value_and_grad`` on the full,
+unsharded batch.
 
-Because communicating less can also mean computing redundantly, the script
-also reports an estimate of each device's compute: XLA's ``cost_analysis()``
-counts a while loop's body once, so the flops of the compiled step times
-``k`` (nearly all the work sits in the loop) are divided by the flops of the
-plain data-parallel step ``jit(jax.value_and_grad(loss))`` on the same sharded
-batch. About 1 means the work is split over the devices; 8 means every device
-computes the whole batch. It is an upper bound: the small part outside the
-loop is multiplied by ``k`` too, which is why it creeps above 1 for large
-``k`` (2 rows per device per micro-batch at ``k = 16``).
+Part 2, step time under plain ``jit`` (issue 19). Without ``mesh=``,
+``jaxaccum.value_and_grad(loss, k)`` over a batch sharded across the devices
+splits the batch where it lies (``S = gcd(m, N)`` blocks, ``jaxaccum/_split.py``),
+so no batch row moves between devices. A 2-layer MLP (784 -> 256 -> 10,
+batch 4,096 sharded over the 8 devices, parameters replicated, ``k = 8``) is
+timed six ways side by side, in interleaved rounds (round ``r`` times every
+approach once, in an order rotated by ``r``; each sample repeats the step
+until it lasts 200 ms), and the medians are compared: the full batch
+``jit(jax.value_and_grad(loss))``; jaxaccum under plain ``jit``; jaxaccum
+with ``mesh=``; a contiguous split (the hand-written scan of (c), the
+layout jaxaccum used before, which gathers the batch); and, for the cost of
+the loop itself, the full batch and jaxaccum on one device. The compiled HLO of
+each is searched for collectives that move batch data (all-gather,
+collective-permute, all-to-all). Targets: jaxaccum under plain ``jit``
+within 1.10 x the full batch's median, and none of those collectives.
 
-What happened with jax 0.10.2 on CPU (see the JSON for the numbers):
-
-- (a) one all-reduce of ``(grads, loss, weight)`` after the loop, none
-  inside it, for every ``k``: bytes per step = 1.00 x the gradient.
-- (b) one all-reduce of the gradients inside the loop, run ``k`` times:
-  ``k`` x the gradient.
-- (c) GSPMD shards the leading micro-batch axis of the C-order reshape,
-  so the scan must gather it: for ``k = 2, 4`` it all-gathers part of the
-  batch before the loop, still all-reduces ``k`` times inside it, and each
-  device computes ``k`` times its share; for ``k >= 8`` it all-gathers the
-  whole batch and every device computes every micro-batch. That needs no
-  gradient reduction at all (fewer bytes than one gradient, here), but it is
-  not data parallelism any more: 8 x the compute per device.
-
-Finally every compiled step runs once and its loss and gradients are compared
-with ``jax.value_and_grad`` on the full, unsharded batch.
-
-Outputs: ``communication.json`` (raw numbers, jax version, date) and
-``communication.png`` (bytes per step against ``k``, log scale), in ``--out``.
+The results, and what they show, are in ``benchmarks/README.md`` (generated
+from the JSON by ``benchmarks/_report.py``). Outputs:
+``communication.json`` (raw numbers, jax version, machine, date) and
+``communication.png`` (bytes per step against ``k``, the compute estimate,
+and the plain-jit step times), in ``--out``.
 """
 
 from __future__ import annotations
@@ -65,10 +70,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import datetime
+import functools
+import gc
 import itertools
 import json
+import math
 import pathlib
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,6 +87,7 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
+from _report import cpu_model
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -99,6 +109,34 @@ APPROACHES = {
   "optax_microbatch": "(b) optax.microbatch under jit (GSPMD)",
   "hand_scan": "(c) hand-written lax.scan, C-order split, under jit",
 }
+
+# Part 2: step time under plain jit without mesh= (issue 19).
+PLAIN_WIDTHS = (784, 256, 10)
+PLAIN_BATCH_SIZE = 4096
+PLAIN_K = 8
+PLAIN_ROUNDS = 21
+PLAIN_MIN_SAMPLE_MS = 200.0
+PLAIN_TARGET = 1.10
+PLAIN_APPROACHES = {
+  "full_batch": "full batch, jit(jax.value_and_grad(loss))",
+  "jaxaccum": "jaxaccum.value_and_grad(loss, k), plain jit, no mesh=",
+  "jaxaccum_mesh": 'jaxaccum.value_and_grad(loss, k, mesh=, data_axis="data")',
+  "contiguous_scan": "contiguous split: hand-written lax.scan over "
+  "batch.reshape(k, B // k, ...), plain jit",
+  "full_batch_one_device": "full batch on one device (a reference for the loop's "
+  "own cost)",
+  "jaxaccum_one_device": "jaxaccum.value_and_grad(loss, k) on one device; its "
+  "ratio is to the full batch on one device",
+}
+#: Collectives that move batch data between devices (the gradient
+#: reductions are all-reduces or reduce-scatters).
+MOVES_DATA = (
+  "all-gather",
+  "all-gather-start",
+  "collective-permute",
+  "collective-permute-start",
+  "all-to-all",
+)
 
 
 def init_params(rng: np.random.Generator, widths: Sequence[int] = WIDTHS) -> list:
@@ -156,12 +194,20 @@ def make_approach(
 ) -> LossAndGrads:
   """``(params, batch) -> (loss, grads)`` for approach ``name`` with ``k``.
 
-  ``param_specs`` goes to jaxaccum, which cannot see the parameters'
+  ``jaxaccum`` is jaxaccum's default (``fsdp_gather="per_micro_batch"``),
+  ``jaxaccum_once`` the same with ``fsdp_gather="once"``; they differ only
+  where parameters are sharded along ``data_axis`` (FSDP). ``param_specs``
+  goes to jaxaccum, which cannot see the parameters'
   shardings under an outer ``jit`` on an ``Auto`` mesh.
   """
-  if name == "jaxaccum":
+  if name in ("jaxaccum", "jaxaccum_once"):
     return jaxaccum.value_and_grad(
-      loss_fn, k, mesh=mesh, data_axis=data_axis, param_specs=param_specs
+      loss_fn,
+      k,
+      mesh=mesh,
+      data_axis=data_axis,
+      param_specs=param_specs,
+      fsdp_gather="once" if name == "jaxaccum_once" else "per_micro_batch",
     )
   if name == "optax_microbatch":
     return optax.microbatching.microbatch(
@@ -272,6 +318,17 @@ def environment(doc: str) -> dict[str, Any]:
     "python_version": platform.python_version(),
     "backend": jax.default_backend(),
     "num_devices": NUM_DEVICES,
+    "machine": machine(),
+  }
+
+
+def machine() -> dict[str, Any]:
+  """The host: CPU model, cores, platform, load average now."""
+  return {
+    "cpu_model": cpu_model(),
+    "cpu_count": os.cpu_count(),
+    "platform": platform.platform(),
+    "load_average_at_start": list(os.getloadavg()),
   }
 
 
@@ -282,6 +339,7 @@ def run() -> dict[str, Any]:
       f"Needs {NUM_DEVICES} devices, found {jax.device_count()}: set XLA_FLAGS="
       f"--xla_force_host_platform_device_count={NUM_DEVICES} before jax starts."
     )
+  env = environment(__doc__)
   mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
   rng = np.random.default_rng(0)
   params = init_params(rng)
@@ -322,8 +380,15 @@ def run() -> dict[str, Any]:
         f"{r['compute_vs_data_parallel_est']:>7.2f}x {r['grads_rel_error']:>9.1e}"
       )
 
+  print("\nstep time under plain jit, no mesh= (issue 19)")
+  plain = run_plain_jit()
+  for name, r in plain["approaches"].items():
+    print(
+      f"{name:<22} {r['median_ms']:>9.1f} ms {r['ratio_to_full']:>6.2f}x  "
+      f"data-moving collectives: {r['data_moving_collectives'] or 'none'}"
+    )
   return {
-    **environment(__doc__),
+    **env,
     "model": {
       "kind": "mlp",
       "widths": list(WIDTHS),
@@ -339,6 +404,143 @@ def run() -> dict[str, Any]:
     ),
     "approaches": {name: APPROACHES[name] for name in APPROACHES},
     "results": results,
+    "plain_jit": plain,
+  }
+
+
+# ---------------------------------------------------------------- part 2
+
+
+def _time_ms(call: Callable[[], Any], repeats: int) -> float:
+  """Milliseconds per call over ``repeats`` back-to-back calls."""
+  start = time.perf_counter()
+  for _ in range(repeats):
+    out = call()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) * 1e3 / repeats
+
+
+def interleaved_medians(
+  calls: dict[str, Callable[[], Any]], *, rounds: int, min_sample_ms: float
+) -> dict[str, dict[str, Any]]:
+  """Times ``calls`` (each a compiled step applied to its arguments) in
+  interleaved rounds: round ``r`` times each once, in an order rotated by
+  ``r``, so that machine noise hits them alike. A sample repeats a call
+  until it lasts ``min_sample_ms``."""
+  names = list(calls)
+  repeats = {}
+  for name, call in calls.items():
+    jax.block_until_ready(call())  # warm up
+    once = _time_ms(call, 1)
+    repeats[name] = max(1, math.ceil(min_sample_ms / max(once, 1e-3)))
+  samples: dict[str, list[float]] = {name: [] for name in names}
+  for r in range(rounds):
+    shift = r % len(names)
+    gc.collect()
+    gc.disable()
+    try:
+      for name in names[shift:] + names[:shift]:
+        samples[name].append(_time_ms(calls[name], repeats[name]))
+    finally:
+      gc.enable()
+  out = {}
+  for name, s in samples.items():
+    q1, _, q3 = statistics.quantiles(s, n=4)
+    out[name] = {
+      "median_ms": statistics.median(s),
+      "q1_ms": q1,
+      "q3_ms": q3,
+      "min_ms": min(s),
+      "samples_ms": s,
+      "repeats_per_sample": repeats[name],
+    }
+  return out
+
+
+def run_plain_jit() -> dict[str, Any]:
+  """Issue 19: jaxaccum without ``mesh=`` under plain ``jit`` on a batch
+  sharded over the devices, against the full batch, ``mesh=`` and a
+  contiguous split: step time in interleaved rounds and the collectives of
+  the compiled step."""
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
+  rng = np.random.default_rng(1)
+  params = init_params(rng, PLAIN_WIDTHS)
+  x = rng.standard_normal((PLAIN_BATCH_SIZE, PLAIN_WIDTHS[0]), dtype=np.float32)
+  labels = rng.integers(0, PLAIN_WIDTHS[-1], PLAIN_BATCH_SIZE, dtype=np.int32)
+  reference = jax.jit(jax.value_and_grad(loss))(params, (x, labels))
+  on_mesh = (
+    jax.device_put(params, NamedSharding(mesh, P())),
+    jax.device_put((x, labels), NamedSharding(mesh, P("data"))),
+  )
+  one_device = jax.device_put((params, (x, labels)), jax.devices()[0])
+  k = PLAIN_K
+  steps = {
+    "full_batch": (jax.value_and_grad(loss), on_mesh),
+    "jaxaccum": (jaxaccum.value_and_grad(loss, k), on_mesh),
+    "jaxaccum_mesh": (
+      jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis="data", param_specs=P()),
+      on_mesh,
+    ),
+    "contiguous_scan": (hand_scan(k), on_mesh),
+    "full_batch_one_device": (jax.value_and_grad(loss), one_device),
+    "jaxaccum_one_device": (jaxaccum.value_and_grad(loss, k), one_device),
+  }
+  compiled = {
+    name: (compile_step(fun, *args)[0], args) for name, (fun, args) in steps.items()
+  }
+  timings = interleaved_medians(
+    {name: functools.partial(step, *args) for name, (step, args) in compiled.items()},
+    rounds=PLAIN_ROUNDS,
+    min_sample_ms=PLAIN_MIN_SAMPLE_MS,
+  )
+  results = {}
+  for name, (step, args) in compiled.items():
+    full = "full_batch_one_device" if name.endswith("_one_device") else "full_batch"
+    colls = testing.collectives(step.as_text() or "")
+    results[name] = {
+      "label": PLAIN_APPROACHES[name],
+      **timings[name],
+      "ratio_to_full": timings[name]["median_ms"] / timings[full]["median_ms"],
+      **collective_summary(colls),
+      "data_moving_collectives": [c.op for c in colls if c.op in MOVES_DATA],
+      "collectives": [c._asdict() for c in colls],
+      **accuracy(step(*args), reference),
+    }
+  ratio = results["jaxaccum"]["ratio_to_full"]
+  moved = results["jaxaccum"]["data_moving_collectives"]
+  return {
+    "model": {
+      "kind": "mlp",
+      "widths": list(PLAIN_WIDTHS),
+      "num_params": sum(int(p.size) for p in jax.tree.leaves(params)),
+    },
+    "batch_size": PLAIN_BATCH_SIZE,
+    "k": k,
+    "rounds": PLAIN_ROUNDS,
+    "min_sample_ms": PLAIN_MIN_SAMPLE_MS,
+    "mesh": {"shape": [NUM_DEVICES], "axis_names": ["data"], "axis_types": "Auto"},
+    "batch_spec": str(P("data")),
+    "param_spec": str(P()),
+    "timing": "median over interleaved rounds (round r times every approach "
+    "once, in an order rotated by r) of the wall time per call, each sample "
+    "repeating the compiled step until it lasts min_sample_ms, ended by "
+    "jax.block_until_ready",
+    "approaches": results,
+    "targets": [
+      {
+        "target": f"jaxaccum time <= {PLAIN_TARGET:.2f} x full batch",
+        "value": ratio,
+        "threshold": f"<= {PLAIN_TARGET:.2f}",
+        "pass": ratio <= PLAIN_TARGET,
+      },
+      {
+        "target": "no all-gather, collective-permute or all-to-all",
+        "value": len(moved),
+        "threshold": "== 0",
+        "pass": not moved,
+      },
+    ],
+    "load_average_at_end": list(os.getloadavg()),
   }
 
 
@@ -346,8 +548,8 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   """Bytes per step against ``k`` (log-scale y), and the compute estimate."""
   ks = results["ks"]
   grad_bytes = results["grad_bytes"]
-  fig, (ax, ax_compute) = plt.subplots(
-    1, 2, figsize=(12, 4.8), layout="constrained", width_ratios=(3, 2)
+  fig, (ax, ax_compute, ax_time) = plt.subplots(
+    1, 3, figsize=(17, 4.8), layout="constrained", width_ratios=(3, 2, 2)
   )
   markers = {"jaxaccum": "o", "optax_microbatch": "s", "hand_scan": "^"}
   for name, label in results["approaches"].items():
@@ -403,9 +605,37 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
     color="gray",
     va="top",
   )
+  plot_plain_jit(results["plain_jit"], ax_time)
   png.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(png, dpi=120)
   plt.close(fig)
+
+
+def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
+  """Part 2: every sample of every approach (dots) and its median (bar)."""
+  names = list(plain["approaches"])
+  for i, name in enumerate(names):
+    r = plain["approaches"][name]
+    ax.bar(i, r["median_ms"], color=f"C{i}", alpha=0.6)
+    ax.plot([i] * len(r["samples_ms"]), r["samples_ms"], ".", color="k", ms=3)
+    ax.text(i, r["median_ms"], f"{r['ratio_to_full']:.2f}x", ha="center", va="bottom")
+  short = {
+    "full_batch": "full batch",
+    "jaxaccum": "jaxaccum,\nplain jit",
+    "jaxaccum_mesh": "jaxaccum,\nmesh=",
+    "contiguous_scan": "contiguous\nsplit",
+    "full_batch_one_device": "full batch,\n1 device",
+    "jaxaccum_one_device": "jaxaccum,\n1 device",
+  }
+  ax.set_xticks(range(len(names)), [short.get(n, n) for n in names], fontsize=7)
+  ax.set(
+    ylabel="ms per step (median of interleaved rounds)",
+    title=(
+      f"Plain jit, no mesh=: {plain['model']['num_params']:,}-parameter MLP, "
+      f"B={plain['batch_size']}, k={plain['k']}"
+    ),
+  )
+  ax.title.set_fontsize(9)
 
 
 def run_and_write(

@@ -36,6 +36,7 @@ from typing import Any
 
 import _models
 import jax
+from _report import cpu_model
 
 import jaxaccum
 
@@ -75,6 +76,7 @@ def main() -> None:
   parser.add_argument("--preset", default="cpu", choices=sorted(_models.PRESETS))
   parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
   args = parser.parse_args()
+  load_at_start = list(os.getloadavg())
   rows = [
     measure(_models.build(name, args.preset), args.k, args.calls)
     for name in ("dispatch_mlp", "transformer")
@@ -91,6 +93,9 @@ def main() -> None:
     "jax": jax.__version__,
     "date": datetime.date.today().isoformat(),
     "machine": platform.processor() or platform.machine(),
+    "cpu_model": cpu_model(),
+    "cpu_count": os.cpu_count(),
+    "load_average_at_start": load_at_start,
     "calls": args.calls,
     "rows": rows,
   }

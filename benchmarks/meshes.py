@@ -1,6 +1,6 @@
 """Bytes and memory per step of gradient accumulation on 2-D and 3-D meshes.
 
-Run: ``python benchmarks/meshes.py [--out benchmarks/results]`` (about two
+Run: ``python benchmarks/meshes.py [--out benchmarks/results]`` (a few
 minutes on two CPU cores).
 
 Eight fake CPU devices form the meshes large models train on:
@@ -16,11 +16,17 @@ Each mesh is built twice, with ``Auto`` and with ``Explicit`` axes (what
 MLP, 2 blocks of 128 -> 4096 -> 128 (2,105,600 float32 parameters, 8 MiB),
 with a mean squared error; the batch has 4096 rows, so that the full-batch
 step's activations are about six times the parameters a device holds. For
-``k`` in {1, 2, 4, 8, 16} micro-batches, ``(loss, grads)`` is compiled four
+``k`` in {1, 2, 4, 8, 16} micro-batches, ``(loss, grads)`` is compiled five
 ways, each under ``jit`` with the grads' ``out_shardings`` pinned to the
 parameters' shardings (as a training step that updates them in place):
 
-(a) ``jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis=...)``;
+(a) ``jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis=...)``, its
+    default ``fsdp_gather="per_micro_batch"``: an FSDP weight is gathered
+    where the forward needs it and each micro-batch's gradient is
+    reduce-scattered into an accumulator sharded like the parameter;
+(a') the same with ``fsdp_gather="once"``: the FSDP weights gathered before
+    the loop, the full gradient accumulated, one reduce-scatter after it
+    (on ``tp``, without FSDP, the two are the same program);
 (b) ``optax.microbatching.microbatch(jax.value_and_grad(loss), argnums=1,
     microbatch_size=B // k, accumulator=MEAN)``;
 (c) a hand-written ``lax.scan`` over a C-order ``batch.reshape(k, B // k,
@@ -30,61 +36,21 @@ parameters' shardings (as a training step that updates them in place):
 What is measured, per device, from the compiled step: the bytes of every
 collective (its result size times the trip counts of the loops around it,
 ``jaxaccum.testing``), split by the mesh axes its replica groups span (data
-axes only, model axis only, both); the peak memory of XLA's compiled memory
-analysis, ``argument + output + temp - alias``
+axes only, model axis only, both); how many data-axis collectives execute
+inside the micro-batch loop per step; the peak memory of XLA's compiled
+memory analysis, ``argument + output + temp - alias``
 (``jaxaccum.compiled_memory``); XLA's flops times ``k`` over the full batch's
 (an estimate of redundant compute). Every step that compiles then runs once,
 and its loss and grads are compared with the full batch on one device. An
 approach that fails to trace or compile on a mesh is recorded with the
 error's class and first line.
 
-What happened with jax 0.10.2 and optax 0.2.8 on CPU (numbers in the JSON):
-
-- (a) jaxaccum works on all six meshes. Its bytes over the data axes do not
-  grow with ``k`` and no data-axis collective runs inside the loop: 4.02 MiB
-  on ``tp`` (one all-reduce of the tensor-parallel grads, the full batch's
-  too), 5.02 MiB on ``fsdp_tp`` (the weights all-gathered once before the
-  loop, the grads reduce-scattered once after; the full batch moves 8.02
-  MiB on Explicit, 11.02 on Auto, because this CPU compiler all-reduces its
-  grads and slices them, and on Auto gathers the weights again for the
-  backward pass), and 8.02 MiB on ``hsdp_tp`` (the full batch: 8.02
-  Explicit, 13.02 Auto). Over the model axis it moves exactly what the full
-  batch does, 1.50 MiB, for every ``k``: the tensor-parallel all-reduces of
-  the activations run once per micro-batch on 1/k of the rows. Its peak per
-  device against the full batch: 0.70, 0.50, 0.40, 0.39 at k = 2, 4, 8, 16
-  on ``tp``; 0.74-0.76, 0.55-0.57, 0.46-0.48, 0.42-0.43 on ``fsdp_tp``;
-  0.79-0.81, 0.61-0.63, 0.52-0.53, 0.43-0.44 on ``hsdp_tp``. At k = 1 the
-  FSDP layouts cost up to 1.03 x (the whole weight is gathered once and a
-  float32 accumulator kept). Grads equal the full batch (relative error
-  4.4e-7) and come back sharded like the parameters.
-- (b) optax.microbatch fails on every Explicit mesh, for every ``k``
-  including 1: ``ShardingTypeError: This reshape is not supported``. On Auto
-  meshes GSPMD all-reduces the gradients over the data axes inside the loop,
-  once per micro-batch: ``k`` x the full batch's bytes on ``tp``; 1.36, 2.09,
-  3.55, 6.47 x on ``fsdp_tp`` and 1.46, 2.39, 4.24, 7.93 x on ``hsdp_tp`` at
-  k = 2, 4, 8, 16. Its peak stops falling at about 0.55-0.66 x from k = 8.
-- (c) the hand-written scan fails on Explicit meshes for every ``k >= 2``
-  (the C-order reshape of a sharded batch is a ``ShardingTypeError``, or
-  ``lax.scan`` refuses ``xs`` sharded along their leading axis,
-  ``ValueError``). On Auto meshes GSPMD shards the micro-batch axis, and the
-  scan then gathers or reshuffles the batch: on ``tp`` every data-parallel
-  rank computes every micro-batch from k = 4 (4 x the compute, 4 x the
-  model-axis bytes); on ``fsdp_tp`` it moves 6.6-11.7 x the full batch's
-  bytes over the data axes, on ``hsdp_tp`` 10.1 x from k = 4 (at k = 2,
-  7.5 MiB over data and model axes together, 1.64 x the compute). Its peak
-  is above the full batch's at k = 2 and 4 (1.16-1.32 x).
-
-Caveats. Bytes are per-device result sizes, not wire traffic: a
-reduce-scatter counts its 1/N result, an all-reduce its whole result. The
-schedules are the CPU compiler's, and other compilers differ. A compile-only
-check for 8 H100s (``jaxaccum.compile_target``, Auto axes, k = 4 and 8; not
-part of this script) found XLA's GPU pipeline moving (b)'s gradient
-all-reduce out of the loop on ``tp``, where (b) then moves what (a) and the
-full batch move (4.02 MiB), and XLA for a TPU v5e 2x4 slice did the same. On
-``fsdp_tp`` and ``hsdp_tp``, though, (b) still ran data-axis collectives
-inside the loop on the H100s, once per micro-batch: 28 and 56 MiB at k = 4
-and 8 on ``fsdp_tp`` (30 and 58 on ``hsdp_tp``), against 4.02 (6.02) MiB
-for (a) and 7.02 (9.02) MiB for the full batch.
+The results, and what they show, are in ``benchmarks/README.md`` (generated
+from the JSON by ``benchmarks/_report.py``). Caveats: bytes are per-device
+result sizes, not wire traffic (a reduce-scatter counts its 1/N result, an
+all-reduce its whole result), and the schedules are the CPU compiler's:
+other compilers place collectives differently (``benchmarks/fsdp.py``
+compiles FSDP steps for H100 and TPU v5e targets).
 
 Outputs: ``meshes.json`` (every number, the jax version, the date) and
 ``meshes.png`` (bytes over the data axes, over the model axis and peak per
@@ -97,6 +63,7 @@ import communication  # first: it gives jax 8 fake CPU devices before jax starts
 
 # isort: split
 import dataclasses
+import os
 import pathlib
 import time
 from collections.abc import Callable, Sequence
@@ -127,6 +94,7 @@ KS = (1, 2, 4, 8, 16)
 MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 APPROACHES = {
   "jaxaccum": "(a) jaxaccum, mesh=, data_axis=",
+  "jaxaccum_once": '(a\') jaxaccum, fsdp_gather="once"',
   "optax_microbatch": "(b) optax.microbatch under jit",
   "hand_scan": "(c) hand-written lax.scan under jit",
 }
@@ -362,6 +330,7 @@ def run() -> dict[str, Any]:
     raise RuntimeError(
       f"Needs {communication.NUM_DEVICES} devices, found {jax.device_count()}."
     )
+  env = communication.environment(__doc__)
   rng = np.random.default_rng(0)
   params = init_params(rng)
   x = rng.standard_normal((BATCH_SIZE, FEATURES), dtype=np.float32)
@@ -410,8 +379,9 @@ def run() -> dict[str, Any]:
       results[layout.name][mode_name] = entry
       print(table(layout, mode_name, entry), flush=True)
 
+  env["machine"]["load_average_at_end"] = list(os.getloadavg())
   return {
-    **communication.environment(__doc__),
+    **env,
     "model": {
       "kind": "residual tanh MLP, mean squared error",
       "features": FEATURES,
@@ -501,8 +471,18 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   fig, axes = plt.subplots(
     len(results["layouts"]), len(columns), figsize=(15, 12), layout="constrained"
   )
-  colors = {"jaxaccum": "C0", "optax_microbatch": "C1", "hand_scan": "C2"}
-  markers = {"jaxaccum": "o", "optax_microbatch": "s", "hand_scan": "^"}
+  colors = {
+    "jaxaccum": "C0",
+    "jaxaccum_once": "C3",
+    "optax_microbatch": "C1",
+    "hand_scan": "C2",
+  }
+  markers = {
+    "jaxaccum": "o",
+    "jaxaccum_once": "D",
+    "optax_microbatch": "s",
+    "hand_scan": "^",
+  }
   styles = {"auto": "-", "explicit": "--"}
   for row, (lname, layout) in zip(axes, results["layouts"].items(), strict=True):
     for ax, (key, ylabel) in zip(row, columns, strict=True):
