@@ -123,8 +123,8 @@ def check_dtypes_kept(new: PyTree, old: PyTree, name: str) -> None:
 
 
 def select(pred: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-  """``new`` where ``pred``, else ``old``, leaf by leaf: typed keys included
-  (through their key data), and laid out like ``new`` (on an Explicit mesh a
+  """``new`` where ``pred``, else ``old``, leaf by leaf (typed keys too), and
+  laid out like ``new`` (on an Explicit mesh a
   leaf of ``old`` with another sharding is resharded first). Masks select,
   they never multiply: ``0 * nan`` is ``nan``.
 
@@ -134,11 +134,8 @@ def select(pred: jax.Array, new: PyTree, old: PyTree) -> PyTree:
   """
 
   def one(new, old):
-    if is_key(new):
-      data = one(jax.random.key_data(new), jax.random.key_data(old))
-      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
-    new_sharding = getattr(jax.typeof(new), "sharding", None)
-    if new_sharding is not None and jax.typeof(old).sharding != new_sharding:
+    new_sharding = jax.typeof(new).sharding
+    if jax.typeof(old).sharding != new_sharding:
       old = jax.sharding.reshard(old, new_sharding)
     return jnp.where(pred, new, old)
 
