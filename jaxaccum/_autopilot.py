@@ -14,10 +14,11 @@ window's length from it:
   (micro-batches without ``weight=``, e.g. tokens with it);
 - it is converted to micro-batches with the window's own mean weight per
   micro-batch, so that a token-weighted LM gets ``k`` in micro-batches;
-- the next window's length is ``clip(round(B_simple / micro-batch), min_k,
-  max_k)``, changed only after ``warmup`` measured windows, by at most a
-  factor ``growth`` per window, and never smaller than the last (unless
-  ``shrink``);
+- the next window's length is ``clip(round(fraction * B_simple /
+  micro-batch), min_k, max_k)`` (``fraction`` 1 by default), changed only
+  after ``warmup`` measured windows and while the estimate is finite, by at
+  most a factor ``growth`` per window, and never smaller than the last
+  (unless ``shrink``);
 - with ``lr_rule``, each window's updates are multiplied by ``(k / k0) ** p``
   (``k0`` the first window's length): ``p = 1/2`` for Adam-family
   optimizers (``"sqrt"``, Malladi et al. 2022), ``p = 1`` for SGD
@@ -73,6 +74,7 @@ class AutoK:
   growth: float
   warmup: int
   shrink: bool
+  fraction: float = 1.0
 
   @property
   def power(self) -> float:
@@ -106,13 +108,16 @@ class AutoK:
     per_micro_batch = jnp.where(noise.b_small > 0, noise.b_small, 1.0)
     b_simple = _noise.critical_batch_size(tracker) / per_micro_batch
     b_simple = jnp.where(measured, b_simple, state.b_simple)
-    target = jnp.where(jnp.isfinite(b_simple), jnp.round(b_simple), self.max_k)
+    # An infinite estimate (the averaged |G|^2 not positive) says nothing
+    # reliable from windows this small: hold the window rather than ratchet it.
+    finite = jnp.isfinite(b_simple)
+    target = jnp.where(finite, jnp.round(self.fraction * b_simple), 0)
     target = jnp.clip(target, self.min_k, self.max_k).astype(jnp.int32)
     cap = jnp.maximum(jnp.floor(k * self.growth).astype(jnp.int32), k + 1)
     target = jnp.minimum(target, cap)
     if not self.shrink:
       target = jnp.maximum(target, k)
-    ready = measured & (tracker.num_updates >= self.warmup)
+    ready = measured & finite & (tracker.num_updates >= self.warmup)
     k_next = jnp.where(ready, target, k).astype(jnp.int32)
     factor = (k_next / state.k0).astype(jnp.float32) ** self.power
     return k_next, state._replace(noise=tracker, b_simple=b_simple, lr_factor=factor)
@@ -123,10 +128,11 @@ def auto_k(
   max_k: int,
   min_k: int = 2,
   lr_rule: str | None = None,
-  horizon: float = 10.0,
+  horizon: float = 100.0,
   growth: float = 2.0,
   warmup: int = 5,
   shrink: bool = False,
+  fraction: float = 1.0,
 ) -> AutoK:
   """A window length that follows the measured critical batch size: pass it
   as ``every_k`` of :func:`jaxaccum.accumulate`.
@@ -153,20 +159,30 @@ def auto_k(
       searches (``lbfgs``), ``polyak_sgd`` or schedule-free wrappers, whose
       state depends on the step size.
     horizon: the moving averages' horizon, in windows (decay ``1 -
-      1/horizon``): longer is smoother and slower to follow.
+      1/horizon``): longer is smoother and slower to follow. Windows of a
+      few micro-batches give noisy single estimates (``|G|^2`` can come out
+      negative, ``B_simple`` infinite), and a window that never shrinks
+      ratchets up on that noise: on the examples a horizon of 10 drove the
+      window to ``max_k`` by mid-run, 100 to 300 did equally well
+      (``examples/autopilot.py``).
     growth: the largest factor by which one window may be longer than the
       last (at least one micro-batch more).
     warmup: measured windows before the first change: the first estimates
       are the noisiest.
     shrink: let the window get shorter again when ``B_simple`` falls (off
       by default: the critical batch grows as the loss falls).
+    fraction: aim at ``fraction * B_simple``. Training at the critical batch
+      is the trade-off point of McCandlish et al. (about twice the fewest
+      examples for about twice the fewest steps); below 1 spends fewer
+      examples per step for more steps.
 
   Returns:
     An :class:`AutoK`, for ``every_k``.
 
   Raises:
     ValueError: for ``min_k < 2``, ``max_k < min_k``, an unknown ``lr_rule``,
-      ``horizon < 1``, ``growth <= 1`` or a negative ``warmup``.
+      ``horizon < 1``, ``growth <= 1``, a negative ``warmup`` or a
+      ``fraction`` that is not positive.
 
   >>> import jax.numpy as jnp, optax, jaxaccum
   >>> tx = jaxaccum.accumulate(optax.adam(1e-3), jaxaccum.auto_k(max_k=16))
@@ -192,6 +208,8 @@ def auto_k(
     raise ValueError(f"growth must be a factor > 1, got {growth=}.")
   if warmup < 0:
     raise ValueError(f"warmup must be >= 0, got {warmup=}.")
+  if not fraction > 0 or not math.isfinite(fraction):
+    raise ValueError(f"fraction must be a positive number, got {fraction=}.")
   return AutoK(
     int(max_k),
     int(min_k),
@@ -200,6 +218,7 @@ def auto_k(
     float(growth),
     int(warmup),
     bool(shrink),
+    float(fraction),
   )
 
 

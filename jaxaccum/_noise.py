@@ -119,8 +119,10 @@ def noise_scale_init() -> NoiseScaleState:
   >>> int(state.num_updates), float(critical_batch_size(state))
   (0, inf)
   """
-  zero = jnp.zeros((), jnp.float32)
-  return NoiseScaleState(zero, zero, jnp.zeros((), jnp.int32))
+  # Every field its own buffer: fields that shared one could not be donated.
+  return NoiseScaleState(
+    jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+  )
 
 
 def noise_scale_update(

@@ -32,6 +32,8 @@ COLLECTIVES = (
   "all-gather",
   "all-gather-start",
   "all-to-all",
+  "all-to-all-start",
+  "reduce-scatter-start",
   "collective-permute",
   "collective-permute-start",
 )
@@ -118,12 +120,25 @@ def _top_level(type_text: str) -> list[str]:
 
 
 def _result_bytes(op: str, type_text: str) -> int:
-  """Bytes a collective delivers. An async all-gather/permute start returns
-  ``(inputs, outputs)``; only the outputs count."""
-  if op in ("all-gather-start", "collective-permute-start"):
+  """Bytes a collective delivers. An asynchronous start returns ``(inputs,
+  outputs)`` (a TPU permute adds two context scalars); only the outputs
+  count.
+
+  >>> _result_bytes("reduce-scatter-start", "(f32[64]{0}, f32[8]{0})")
+  32
+  >>> _result_bytes("collective-permute-start", "(f32[1024]{0}, f32[1024]{0}, u32[], u32[])")
+  4096
+  """
+  if op in ("all-gather-start", "all-to-all-start", "reduce-scatter-start"):
     parts = _top_level(type_text)
     if len(parts) % 2 == 0:
       return sum(_shape_bytes(p) for p in parts[len(parts) // 2 :])
+  if op == "collective-permute-start":
+    # (operand, output) on GPU; (operand, output, u32[] context, u32[]
+    # context) on TPU: the output is the second element either way.
+    parts = _top_level(type_text)
+    if len(parts) in (2, 4):
+      return _shape_bytes(parts[1])
   return _shape_bytes(type_text)
 
 

@@ -267,3 +267,24 @@ def test_window_size_reads_every_kind_of_every_k():
   # Inside a sharded NamedSharding-placed state too (read, not recomputed).
   state = jax.device_put(tx.init(w), NamedSharding(jax.make_mesh((1,), ("d",)), P()))
   assert int(jaxaccum.window_size(state)) == 5
+
+
+def test_fraction_aims_below_the_critical_batch():
+  """fraction=0.5 aims at half the closed form's B_simple."""
+  tx = jaxaccum.accumulate(optax.sgd(0.0), jaxaccum.auto_k(max_k=64, fraction=0.5))
+  w = jnp.full(DIM, np.sqrt(0.25 / DIM))
+  (_, state), _ = run_windows(tx, w, 3000)
+  want = 0.5 * closed_form_b_simple(0.25) / M
+  assert abs(float(state.window_size) - want) <= 0.25 * want
+
+
+def test_a_fresh_state_can_be_donated():
+  """Every field its own buffer: the noise tracker's two zeros were one,
+  and jit refused to donate the state ("the same buffer twice")."""
+  tx = jaxaccum.accumulate(
+    optax.adam(1e-3),
+    jaxaccum.auto_k(max_k=8),
+    loss_scale=jaxaccum.dynamic_loss_scale(),
+  )
+  state = tx.init({"w": jnp.zeros(3)})
+  jax.block_until_ready(jax.jit(lambda s: s, donate_argnums=0)(state))
