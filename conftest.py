@@ -106,7 +106,10 @@ _TARGET_MODULES = ("jax_plugins.xla_cuda13", "libtpu")
 def _targets_installed() -> bool:
   import importlib.util  # noqa: PLC0415
 
-  return all(importlib.util.find_spec(m) is not None for m in _TARGET_MODULES)
+  try:  # find_spec of "a.b" imports "a", which raises when "a" is absent
+    return all(importlib.util.find_spec(m) is not None for m in _TARGET_MODULES)
+  except ModuleNotFoundError:
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
