@@ -3,8 +3,8 @@ generated blocks of ``benchmarks/README.md``.
 
 Usage::
 
-  python benchmarks/_report.py          # rewrite benchmarks/README.md's tables
-  python benchmarks/_report.py --check  # exit 1 with a diff if it is stale
+  python benchmarks/_report.py          # rewrite the generated blocks
+  python benchmarks/_report.py --check  # exit 1 with a diff if one is stale
 
 Every table in ``benchmarks/README.md``, and every number its prose states,
 sits between a pair of markers::
@@ -18,7 +18,9 @@ the rest the block; :data:`BLOCKS` maps each name to the function that
 writes it from that JSON. :func:`render` replaces what stands between the
 markers and leaves the rest of the manual, which states no measured number,
 as it is. A block whose JSON does not exist yet says so.
-``tests/test_manuals.py`` checks that the committed manual is what
+The top-level README.md has blocks of its own (:data:`PAGES`: the
+README commands' times, the autopilot's outcome); ``main`` writes both
+pages. ``tests/test_manuals.py`` checks that each committed page is what
 :func:`render` writes.
 """
 
@@ -40,6 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
 MANUAL = HERE / "README.md"
 RESULTS = HERE / "results"
 
@@ -291,13 +294,20 @@ def plots(
 
 #: ``"source name"`` -> the function writing that block from ``source.json``.
 BLOCKS: dict[str, Callable[[Results], str]] = {}
+#: The generated pages, and the blocks each holds (every block is on one).
+PAGES: dict[str, pathlib.Path] = {"benchmarks": MANUAL, "readme": ROOT / "README.md"}
+PAGE_OF: dict[str, str] = {}
 
 
-def block(name: str) -> Callable[[Callable[[Results], str]], Callable[[Results], str]]:
-  """Registers a block writer under ``name`` (``"<json stem> <block>"``)."""
+def block(
+  name: str, page: str = "benchmarks"
+) -> Callable[[Callable[[Results], str]], Callable[[Results], str]]:
+  """Registers a block writer under ``name`` (``"<json stem> <block>"``),
+  written into ``page`` (a key of :data:`PAGES`)."""
 
   def register(fn: Callable[[Results], str]) -> Callable[[Results], str]:
     BLOCKS[name] = fn
+    PAGE_OF[name] = page
     return fn
 
   return register
@@ -1663,6 +1673,64 @@ def autopilot_table(results: Results) -> str:
   return "\n\n".join(parts)
 
 
+# ---------------------------------------------------------------- README.md
+
+
+@block("readme_commands times", page="readme")
+def readme_commands_times(results: Results) -> str:
+  runs, m = results["runs"], results["machine"]
+
+  def one(name: str, what: str) -> str:
+    r = runs[name]
+    outcome = "" if r["returncode"] == 0 else f", **exit {r['returncode']}**"
+    return (
+      f"{what} took {r['seconds'] / 60:.0f} min and made a "
+      f"{r['venv_bytes'] / 2**30:.1f} GiB `.venv`{outcome}"
+    )
+
+  plugin = sum(len(r["plugin_error_lines"]) for r in runs.values())
+  return (
+    f"Measured by `python benchmarks/readme_commands.py` on {results['date']}, "
+    f"each in a fresh clone of commit {results['commit']}, on a "
+    f"{m['cores']}-core {m['cpu']} (Python {m['python']}) with the wheels "
+    "already in pip's cache (a first install also downloads about as much as "
+    "the `.venv` holds): "
+    + one("demo", "the demo")
+    + "; "
+    + one("tests", "the tests")
+    + f" (`{runs['tests']['last_line'].strip('= ')}`). The demo run again in the "
+    "tests' venv took "
+    f"{runs['demo_after_tests']['seconds'] / 60:.0f} min. Lines in which a "
+    f"CUDA or TPU plugin reported an error, in all three runs: {plugin}."
+  )
+
+
+@block("autopilot summary", page="readme")
+def autopilot_summary(results: Results) -> str:
+  lines = []
+  for task, result in results["tasks"].items():
+    g = result.get("goal")
+    if not g:
+      continue
+    runs = result["runs"]
+    lines.append(
+      f"**{task}**: the autopilot reached a held-out loss of "
+      f"{runs['autopilot']['final_loss_mean']:.3f} against "
+      f"{runs['fixed_small']['final_loss_mean']:.3f} for the small fixed batch, "
+      f"in {g['steps_ratio']:.2f} × its optimizer steps at equal "
+      f"{result.get('token_unit', 'tokens')} (the goal, within "
+      f"{g['loss_tolerance']:.3f} in at most {g['steps_ratio_target']:g} × the "
+      f"steps, is {_met(g['met'])})."
+    )
+  return (
+    f"On {listing(list(results['tasks']))}, {len(results.get('seeds', []))} "
+    "seeds each, from `examples/autopilot.py`:\n\n"
+    + _bullets(lines)
+    + "\n\nThe four schedules, the plots and why the character LM misses: "
+    "[benchmarks/README.md](benchmarks/README.md#the-batch-size-autopilot-examplesautopilotpy)."
+  )
+
+
 # ---------------------------------------------------------------- rendering
 
 #: Blocks whose data is several JSON files, and their stems.
@@ -1681,6 +1749,7 @@ COMMANDS = {
   "accelerator_memory": "python benchmarks/accelerator_memory.py",
   "input_pipeline": "python examples/input_pipeline.py",
   "autopilot": "python examples/autopilot.py --write-results",
+  "readme_commands": "python benchmarks/readme_commands.py",
 }
 _MARKERS = re.compile(
   r"(<!-- begin: (?P<name>[\w\-]+ [\w\-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)",
@@ -1713,19 +1782,24 @@ def write_block(name: str, results_dir: pathlib.Path = RESULTS) -> str:
   return BLOCKS[name](data).strip("\n")
 
 
-def render(text: str, results_dir: pathlib.Path = RESULTS) -> str:
-  """``text`` with every generated block rewritten from ``results_dir``.
+def render(
+  text: str, results_dir: pathlib.Path = RESULTS, page: str = "benchmarks"
+) -> str:
+  """``text`` (the page ``page``) with every generated block rewritten from
+  ``results_dir``.
 
   Raises:
-    ValueError: for a block name :data:`BLOCKS` does not know, or a block
-      of :data:`BLOCKS` the text lacks.
+    ValueError: for a block name :data:`BLOCKS` does not know or that
+      belongs to another page, or a block of the page that the text lacks.
   """
   found = [m.group("name") for m in _MARKERS.finditer(text)]
-  unknown = sorted(set(found) - set(BLOCKS))
-  missing = sorted(set(BLOCKS) - set(found))
+  mine = {name for name, p in PAGE_OF.items() if p == page}
+  unknown = sorted(set(found) - mine)
+  missing = sorted(mine - set(found))
   if unknown or missing:
     raise ValueError(
-      f"blocks not written by _report.py: {unknown}; blocks missing: {missing}"
+      f"{page}: blocks not written there by _report.py: {unknown}; "
+      f"blocks missing: {missing}"
     )
 
   def replace(m: re.Match[str]) -> str:
@@ -1736,35 +1810,36 @@ def render(text: str, results_dir: pathlib.Path = RESULTS) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Rewrites the manual (or, with ``--check``, diffs it); returns the exit code."""
+  """Rewrites the pages (or, with ``--check``, diffs them); the exit code."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     "--check",
     action="store_true",
-    help="write nothing; exit 1 and print a diff if the manual is stale",
+    help="write nothing; exit 1 and print a diff if a page is stale",
   )
-  parser.add_argument("--manual", type=pathlib.Path, default=MANUAL)
   parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
   args = parser.parse_args(argv)
-  old = args.manual.read_text()
-  new = render(old, args.results)
-  if old == new:
-    print(f"{args.manual}: up to date")
-    return 0
-  if args.check:
-    sys.stdout.writelines(
-      difflib.unified_diff(
-        old.splitlines(keepends=True),
-        new.splitlines(keepends=True),
-        f"{args.manual} (committed)",
-        f"{args.manual} (from {args.results})",
+  stale = False
+  for page, path in PAGES.items():
+    old = path.read_text()
+    new = render(old, args.results, page)
+    if old == new:
+      print(f"{path}: up to date")
+    elif args.check:
+      sys.stdout.writelines(
+        difflib.unified_diff(
+          old.splitlines(keepends=True),
+          new.splitlines(keepends=True),
+          f"{path} (committed)",
+          f"{path} (from {args.results})",
+        )
       )
-    )
-    print(f"\n{args.manual} is stale: run `python benchmarks/_report.py`.")
-    return 1
-  args.manual.write_text(new)
-  print(f"{args.manual}: rewritten from {args.results}")
-  return 0
+      print(f"\n{path} is stale: run `python benchmarks/_report.py`.")
+      stale = True
+    else:
+      path.write_text(new)
+      print(f"{path}: rewritten from {args.results}")
+  return 1 if stale else 0
 
 
 if __name__ == "__main__":

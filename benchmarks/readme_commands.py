@@ -1,0 +1,169 @@
+"""What the README's two commands take on a fresh clone: time, disk, outcome.
+
+Run: ``python benchmarks/readme_commands.py [--out benchmarks/results]``.
+
+README.md gives a newcomer two commands, each with its own install step: one
+that runs the main demo and one that runs the tests. This script reads both
+from README.md (the ``bash`` blocks that run ``examples/quickstart.py`` and
+``python -m pytest``), clones the repository's committed ``HEAD`` into a
+temporary folder once per command, and runs each command there exactly as
+written, in a clean environment (no active venv, no ``JAX_PLATFORMS``).
+pip's download cache is left as it is, so the install time is that of a
+machine that has fetched the wheels before; the first install on a new
+machine adds the download. It records each command's wall time, exit
+status, the size of the ``.venv`` it made, and the last line the command
+printed (pytest's summary), and the lines in which a compile-only plugin
+(CUDA, libtpu) reports an error. Then it runs the demo command again in the
+tests' clone, in the venv they made, as a newcomer who runs both would.
+Outputs ``readme_commands.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from _report import cpu_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Which README block is which command: a bash block whose text contains the key.
+COMMANDS = {"demo": "examples/quickstart.py", "tests": "python -m pytest"}
+
+
+def readme_commands(readme: str) -> dict[str, str]:
+  """The README's demo and test commands, each one line of a bash block.
+
+  Raises:
+    ValueError: if README.md lacks one of them, or has it twice.
+  """
+  blocks = re.findall(r"```bash[^\n]*\n(.*?)```", readme, re.DOTALL)
+  found = {}
+  for name, key in COMMANDS.items():
+    lines = [line.strip() for b in blocks for line in b.splitlines() if key in line]
+    if len(lines) != 1:
+      raise ValueError(
+        f"README.md should give one {name} command (a bash line with "
+        f"{key!r}); found {len(lines)}: {lines}"
+      )
+    found[name] = lines[0]
+  return found
+
+
+def _size(path: pathlib.Path) -> int:
+  return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _clean_env() -> dict[str, str]:
+  """The environment of a new shell: no venv, no JAX settings of ours."""
+  env = dict(os.environ)
+  for name in ("VIRTUAL_ENV", "JAX_PLATFORMS", "XLA_FLAGS", "PYTHONPATH"):
+    env.pop(name, None)
+  venv = os.environ.get("VIRTUAL_ENV")
+  if venv:
+    env["PATH"] = os.pathsep.join(
+      p for p in env["PATH"].split(os.pathsep) if not p.startswith(venv)
+    )
+  return env
+
+
+# A line that a plugin prints when it cannot start on a CPU-only machine.
+PLUGIN_ERROR = re.compile(r"(cuda|cudnn|libtpu|tpu|plugin).*(error|fail)", re.I)
+
+
+def _run(command: str, clone: pathlib.Path) -> dict[str, Any]:
+  start = time.perf_counter()
+  proc = subprocess.run(
+    ["bash", "-c", command],
+    check=False,
+    cwd=clone,
+    env=_clean_env(),
+    capture_output=True,
+    text=True,
+  )
+  seconds = time.perf_counter() - start
+  lines = [line for line in proc.stdout.splitlines() if line.strip()]
+  plugin = [
+    line
+    for line in (proc.stdout + proc.stderr).splitlines()
+    if PLUGIN_ERROR.search(line)
+  ]
+  return {
+    "command": command,
+    "returncode": proc.returncode,
+    "seconds": seconds,
+    "venv_bytes": _size(clone / ".venv"),
+    "last_line": lines[-1] if lines else "",
+    "plugin_error_lines": plugin[:20],
+    "stderr_tail": proc.stderr[-2000:] if proc.returncode else "",
+  }
+
+
+def run_fresh(commands: list[str]) -> list[dict[str, Any]]:
+  """Runs ``commands`` one after the other in one fresh clone of ``HEAD``."""
+  with tempfile.TemporaryDirectory(prefix="jaxaccum-readme-") as tmp:
+    clone = pathlib.Path(tmp) / "jaxaccum"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    return [_run(command, clone) for command in commands]
+
+
+def _report(name: str, r: dict[str, Any]) -> None:
+  print(
+    f"  {name}: exit {r['returncode']}, {r['seconds'] / 60:.1f} min, "
+    f".venv {r['venv_bytes'] / 2**30:.2f} GiB, "
+    f"{len(r['plugin_error_lines'])} plugin error lines: {r['last_line']}",
+    flush=True,
+  )
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks/results")
+  args = parser.parse_args(argv)
+  commit = subprocess.run(
+    ["git", "rev-parse", "--short", "HEAD"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.strip()
+  commands = readme_commands((ROOT / "README.md").read_text())
+  # Each command in a fresh clone; then the other one in the same clone and
+  # venv, as a newcomer who runs both would (the tests first, the demo
+  # second: the order in which compile-only plugins used to spill errors).
+  runs = {}
+  for name, r in zip(
+    ("tests", "demo_after_tests"),
+    run_fresh([commands["tests"], commands["demo"]]),
+    strict=True,
+  ):
+    runs[name] = r
+    _report(name, r)
+  (runs["demo"],) = run_fresh([commands["demo"]])
+  _report("demo", runs["demo"])
+  results = {
+    "date": datetime.date.today().isoformat(),
+    "commit": commit,
+    "machine": {
+      "cpu": cpu_model(),
+      "cores": os.cpu_count(),
+      "python": sys.version.split()[0],
+    },
+    "runs": runs,
+  }
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "readme_commands.json").write_text(json.dumps(results, indent=2) + "\n")
+  return 0 if all(r["returncode"] == 0 for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
