@@ -120,6 +120,19 @@ def add_run_options(
   )
 
 
+def check_batch_fits(
+  parser: argparse.ArgumentParser, args: argparse.Namespace, rows: int
+) -> None:
+  """Exits with a usage error when ``--num-micro-batches`` times
+  ``--micro-batch-size`` is more than the ``rows`` training images."""
+  batch_size = args.num_micro_batches * args.micro_batch_size
+  if batch_size > rows:
+    parser.error(
+      f"the batch of {args.num_micro_batches} x {args.micro_batch_size} = "
+      f"{batch_size} rows is more than the {rows} training images"
+    )
+
+
 def keyword_arguments(args: argparse.Namespace) -> dict[str, Any]:
   """The parsed flags as ``main``'s keyword arguments (lists become tuples)."""
   return {n: tuple(v) if isinstance(v, list) else v for n, v in vars(args).items()}

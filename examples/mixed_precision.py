@@ -122,12 +122,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     seed_help="seeds the initialization and the batch sampling",
   )
   args = parser.parse_args(argv)
-  batch_size = args.num_micro_batches * args.micro_batch_size
-  if batch_size > TRAIN_ROWS:
-    parser.error(
-      f"the batch of {args.num_micro_batches} x {args.micro_batch_size} = "
-      f"{batch_size} rows is more than the {TRAIN_ROWS} training images"
-    )
+  _cli.check_batch_fits(parser, args, TRAIN_ROWS)
   for k in args.compare_ks:
     if TRAIN_ROWS % k:
       parser.error(f"--compare-ks: {k} does not divide the {TRAIN_ROWS} rows")
