@@ -1726,7 +1726,9 @@ def autopilot_summary(results: Results) -> str:
     f"On {listing(list(results['tasks']))}, {len(results.get('seeds', []))} "
     "seeds each, from `examples/autopilot.py`:\n\n"
     + _bullets(lines)
-    + "\n\nThe four schedules, the plots and why the character LM misses: "
+    + "\n\n![held-out loss against tokens and steps, and k for each schedule]"
+    "(benchmarks/results/autopilot.png)"
+    + "\n\nThe four schedules and why the character LM misses: "
     "[benchmarks/README.md](benchmarks/README.md#the-batch-size-autopilot-examplesautopilotpy)."
   )
 
