@@ -197,16 +197,51 @@ def _devices(x: Any) -> int:
   return 1 if mesh is None or mesh.empty else int(mesh.size)
 
 
-def _reshape_leading(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def _reshape_leading(
+  x: jax.Array, shape: tuple[int, ...], split: MicroBatching
+) -> jax.Array:
   """``x`` with its leading axis reshaped to ``shape``; on Explicit mesh axes
-  the sharding of the leading axis goes to the first new axis."""
+  the sharding of the leading axis goes to the first new axis.
+
+  Raises:
+    ValueError: on Explicit axes, where that first axis (``k``, or the ``S``
+      blocks) does not divide among the devices the rows are sharded over.
+  """
   out_shape = (*shape, *x.shape[1:])
   spec = _compat.explicit_spec(x)
   if spec is None:
     return x.reshape(out_shape)
+  _check_rows_divide(x, shape[0], split)
   entries = (*tuple(spec)[:1], *(None,) * (len(shape) - 1), *tuple(spec)[1:])
   sharding = jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*entries))
   return jax.lax.reshape(x, out_shape, out_sharding=sharding)
+
+
+def _check_rows_divide(x: jax.Array, first: int, split: MicroBatching) -> None:
+  """On Explicit axes a sharded leading axis must stay sharded: the first
+  axis of the split layout, of size ``first``, takes its mesh axes."""
+  sharding = jax.typeof(x).sharding
+  rows = tuple(sharding.spec)[:1]
+  axes = rows[0] if rows and isinstance(rows[0], tuple) else rows
+  n = math.prod(sharding.mesh.shape[a] for a in axes if a is not None)
+  if first % n == 0:
+    return
+  b, k, m = split.batch_size, split.num_micro_batches, split.micro_batch_size
+  fits = [d for d in range(2, b + 1) if b % d == 0 and (b // d) % n == 0]
+  raise ValueError(
+    f"Under plain jit, a batch leaf of shape {x.shape} has its {b} rows "
+    f"sharded over {n} devices ({rows[0]!r} of an Explicit mesh), and "
+    f"k={k} micro-batches of m={m} rows cannot each take an equal share of "
+    f"every device's rows: m is not a multiple of {n}. "
+    + (
+      f"num_micro_batches={fits[0]}"
+      + "".join(f", {d}" for d in fits[1:8])
+      + f" make m a multiple of {n}"
+      if fits
+      else f"No num_micro_batches >= 2 makes m a multiple of {n}"
+    )
+    + "; or pass mesh= and data_axis= (each device then splits its own rows)."
+  )
 
 
 def in_host_memory(x: Any) -> bool:
@@ -249,7 +284,7 @@ class MicroBatches:
     self._per_block = per_block
     self._axis = 1 if self._blocked else 0
     shape = (s, k, m // s) if self._blocked else (k, m)
-    self._leaves = [_reshape_leading(x, shape) for x in leaves]
+    self._leaves = [_reshape_leading(x, shape, split) for x in leaves]
     self._host = tuple(in_host_memory(x) for x in leaves)
     self.num_micro_batches = k
 

@@ -106,3 +106,9 @@ def test_merged_aux_is_in_batch_order():
 def test_merging_a_per_micro_batch_scalar_is_an_error():
   with pytest.raises(ValueError, match=r"shape \(k, m, \.\.\.\).*shape=\(4,\)"):
     jaxaccum.merge_micro_batches(jnp.zeros(4))
+
+
+def test_a_batch_without_leaves_lives_on_one_device():
+  """(mutmut: _split.batch_devices, whose default for no leaves survived.)"""
+  assert jaxaccum._split.batch_devices({}) == 1
+  assert jaxaccum._split.batch_devices([None, ()]) == 1
