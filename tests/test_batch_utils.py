@@ -41,6 +41,9 @@ def test_weighted_by_the_mask_equals_the_mean_over_the_real_rows(rows, k):
   assert px.shape[0] % k == 0 and px.shape[0] - rows < k
   assert isinstance(px, np.ndarray) and mask.dtype == np.float32
   np.testing.assert_array_equal(mask, np.arange(px.shape[0]) < rows)
+  # numpy leaves are padded by repeating the last row, as jax leaves are
+  # (mutmut: _split.pad_batch, whose numpy padding with zeros survived).
+  np.testing.assert_array_equal(px[rows:], np.repeat(x[-1:], px.shape[0] - rows, 0))
   got = jaxaccum.value_and_grad(masked_loss, k, normalize="weighted")(w, (px, py, mask))
   want = jax.value_and_grad(mean_loss)(w, (x, y))
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
@@ -74,8 +77,22 @@ def test_data_parallel_pads_to_devices_times_k():
 
 
 def test_an_empty_batch_is_refused():
-  with pytest.raises(ValueError, match="empty batch"):
+  with pytest.raises(ValueError) as error:
     jaxaccum.pad_batch(np.zeros((0, 3)), 2)
+  assert str(error.value) == (
+    "pad_batch got an empty batch (batch_size=0); nothing to repeat."
+  )
+
+
+def test_pad_batch_names_leaves_of_different_sizes():
+  """(mutmut: _split.pad_batch, whose name for the batch in the message
+  survived.)"""
+  with pytest.raises(ValueError) as error:
+    jaxaccum.pad_batch((np.zeros((3, 2)), np.zeros((4,))), 2)
+  assert str(error.value) == (
+    "Batch leaves have different leading sizes (batch[0]: 3, batch[1]: 4); "
+    "they must share one batch axis."
+  )
 
 
 def test_merged_aux_is_in_batch_order():
@@ -104,8 +121,32 @@ def test_merged_aux_is_in_batch_order():
 
 
 def test_merging_a_per_micro_batch_scalar_is_an_error():
-  with pytest.raises(ValueError, match=r"shape \(k, m, \.\.\.\).*shape=\(4,\)"):
+  with pytest.raises(ValueError) as error:
     jaxaccum.merge_micro_batches(jnp.zeros(4))
+  assert str(error.value) == (
+    "merge_micro_batches needs leaves of shape (k, m, ...), got shape=(4,): "
+    "a per-micro-batch scalar has no rows to merge."
+  )
+
+
+def test_merge_keeps_the_trailing_axes_and_refuses_bad_shards():
+  """(mutmut: _split.merge_micro_batches, whose trailing axes and checks of
+  ``shards`` survived.)"""
+  rows = jnp.arange(24).reshape(2, 4, 3)  # k = 2, m = 4, 3 features
+  np.testing.assert_array_equal(
+    jaxaccum.merge_micro_batches(rows), np.arange(24).reshape(8, 3)
+  )
+  blocks = jaxaccum.merge_micro_batches(rows, shards=2)[:, 0] // 3
+  np.testing.assert_array_equal(blocks, [0, 1, 4, 5, 2, 3, 6, 7])
+  for shards in (0, True, 1.0):
+    with pytest.raises(ValueError) as error:
+      jaxaccum.merge_micro_batches(rows, shards=shards)
+    assert str(error.value) == f"shards must be a positive integer, got {shards!r}."
+  with pytest.raises(ValueError) as error:
+    jaxaccum.merge_micro_batches(rows, shards=3)
+  assert str(error.value) == (
+    "merge_micro_batches: micro-batches of m=4 rows do not split into shards=3 blocks."
+  )
 
 
 def test_a_batch_without_leaves_lives_on_one_device():
