@@ -188,7 +188,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
   add(
     "--quick",
     action="store_true",
-    help="small models and budgets: about a minute in all",
+    help="small models and budgets, about a minute: a smoke test, too small "
+    "to show the autopilot's advantage (it reports the goal as not met)",
   )
   add(
     "--results",

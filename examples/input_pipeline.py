@@ -496,13 +496,13 @@ LABELS = {
   "grain_default_read_threads": "Grain, rows, default read options",
   "resident_loss_every_step": "batches in memory, loss read every step",
   "python_loop_loss_every_step": "Python loop, loss read every step",
-  "grain_per_example_{}w": "Grain, rows, per-example augmentation, {} workers",
-  "grain_{}w": "Grain, rows, {} worker processes",
+  "grain_per_example_{}w": "Grain, rows, per-example augmentation, {workers}",
+  "grain_{}w": "Grain, rows, {processes}",
   # the pipelines alone, batches/s
   "rows_no_augment": "rows, no augmentation",
   "rows_per_batch": "rows, per-batch augmentation",
   "batches_per_batch": "whole batches, per-batch augmentation",
-  "rows_per_example_{}w": "rows, per-example augmentation, {} workers",
+  "rows_per_example_{}w": "rows, per-example augmentation, {workers}",
 }
 
 
@@ -510,7 +510,11 @@ def label(name: str) -> str:
   """A measurement's name in words: ``"grain_2w"`` is Grain with 2 workers."""
   head, _, tail = name.rpartition("_")
   if tail.endswith("w") and tail[:-1].isdigit():
-    return LABELS[head + "_{}w"].format(tail[:-1])
+    n = int(tail[:-1])
+    return LABELS[head + "_{}w"].format(
+      workers=f"{n} worker{'s' * (n != 1)}",
+      processes=f"{n} worker process{'es' * (n != 1)}",
+    )
   return LABELS[name]
 
 
@@ -741,7 +745,8 @@ def main(
   print(
     f"{steps} optimizer steps of {batch_size} rows ({num_micro_batches} "
     f"micro-batches of {m}); augmentation: {per[augment]}; Grain reads "
-    f"{reads[source]}, {workers} worker processes; batches prefetched into "
+    f"{reads[source]}, {workers} worker process{'es' * (workers != 1)}; "
+    "batches prefetched into "
     f"{memory[placement]}"
   )
   print(

@@ -578,7 +578,7 @@ def main(
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   print(
-    f"model  {layers} pre-LN blocks, width {width}, {heads} heads, "
+    f"model  {layers} pre-LN block{'s' * (layers != 1)}, width {width}, {heads} heads, "
     f"{num_params / 1e6:.2f}M parameters, dropout {dropout}"
   )
 
@@ -669,8 +669,11 @@ def main(
   )
   print("\n4. Sample (temperature 0.6, prompt 'The ')")
   print(
-    "   After the default 500 steps expect character soup with some real words, "
-    "not sentences: the model is small and has seen the text about twice.\n"
+    f"   After {steps} steps expect character soup with some real words, not "
+    "sentences: the model is small and has seen the text about twice.\n"
+    if steps >= 500
+    else f"   After only {steps} steps expect mostly noise (the default 500 "
+    "give character soup with some real words).\n"
   )
   print("   " + sample.replace("\n", "\n   "))
 
