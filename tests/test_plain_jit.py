@@ -63,6 +63,24 @@ def test_a_sharded_batch_is_split_where_it_lies(mode, k):
   assert sum(c.bytes for c in colls if c.in_loop) <= grad_bytes + 8, colls
 
 
+def test_on_two_devices_the_batch_is_split_in_two_blocks():
+  """m = 32 rows on 2 devices: S = 2 blocks, each device computing its half
+  of every micro-batch (mutmut: _split.MicroBatches, where two blocks were
+  taken for one, a contiguous split that moved rows, and survived)."""
+  mesh = jax.make_mesh(
+    (2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2]
+  )
+  params, batch = problem()
+  sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  fun = jax.jit(jaxaccum.value_and_grad(loss, 8))
+  with jax.set_mesh(mesh):
+    value, grads = fun(params, sharded)
+    text = fun.lower(params, sharded).compile().as_text()
+  want = jax.value_and_grad(loss)(params, batch)
+  chex.assert_trees_all_close((value, grads), want, rtol=1e-5, atol=1e-6)
+  assert not [c for c in testing.collectives(text) if c.op in MOVES_DATA]
+
+
 def test_the_documented_rows_form_each_micro_batch():
   """Micro-batch i holds the i-th slice of every block (MicroBatching.rows),
   and merge_micro_batches(aux, shards=S) gives the rows back in batch order."""
