@@ -85,8 +85,20 @@ def test_several_batch_args_with_different_sizes():
 
 
 def test_scalar_batch_leaf():
-  with pytest.raises(ValueError, match=r"scalar \(shape=\(\)\)"):
+  with pytest.raises(ValueError) as error:
     trace(jaxaccum.value_and_grad(loss, 2), W, (jnp.ones((12, 3)), jnp.ones(())))
+  assert str(error.value) == (
+    "Batch leaf args[1][1] is a scalar (shape=()); every batch leaf needs a "
+    "leading batch axis."
+  )
+
+
+def test_a_batch_without_arrays_is_named():
+  """(mutmut: _split.leading_batch_size; this and the three messages around
+  it are matched whole.)"""
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(lambda w, batch: jnp.sum(w), 2)(W, ())
+  assert str(error.value) == "The batch arguments ['args[1]'] hold no arrays to split."
 
 
 def test_unknown_normalize():
@@ -366,24 +378,26 @@ def test_an_empty_batch_is_a_clear_error(split):
 
 def test_a_python_list_in_the_batch_is_named_as_a_list():
   rows = [[1.0, 2.0, 3.0]] * 4
-  with pytest.raises(
-    TypeError,
-    match=r"^Batch leaf args\[1\]\[0\] is a Python list, not an array: pass "
-    r"jnp\.asarray\(\.\.\.\)",
-  ):
+  with pytest.raises(TypeError) as error:
     jaxaccum.value_and_grad(loss, 2)(W, (rows, jnp.ones(4)))
+  assert str(error.value) == (
+    "Batch leaf args[1][0] is a Python list, not an array: pass "
+    "jnp.asarray(...) of it (JAX would take each element of a list as a leaf "
+    "of its own)."
+  )
 
 
 def test_a_string_in_the_batch_is_named():
   def uses_x(w, batch):
     return jnp.mean(batch[0] @ w)
 
-  with pytest.raises(
-    TypeError,
-    match=r"^Batch leaf args\[1\]\[1\] is a str \('abc'\), not an array: pass "
-    r"Python values as arguments outside batch_argnums",
-  ):
+  with pytest.raises(TypeError) as error:
     jaxaccum.value_and_grad(uses_x, 2)(W, (jnp.ones((4, 3)), "abc"))
+  assert str(error.value) == (
+    "Batch leaf args[1][1] is a str ('abc'), not an array: pass Python values "
+    "as arguments outside batch_argnums, which reach every micro-batch "
+    "unchanged."
+  )
 
 
 def test_a_shape_error_hints_at_batch_argnums_when_another_argument_looks_like_a_batch():
