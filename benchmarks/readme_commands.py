@@ -63,9 +63,11 @@ def _size(path: pathlib.Path) -> int:
   return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _clean_env() -> dict[str, str]:
-  """The environment of a new shell: no venv, no JAX settings of ours."""
+def _clean_env(tmp: pathlib.Path) -> dict[str, str]:
+  """The environment of a new shell: no venv, no JAX settings of ours, and
+  an empty compilation cache for the tests (a new machine has none)."""
   env = dict(os.environ)
+  env["JAXACCUM_TEST_COMPILATION_CACHE"] = str(tmp / "xla-cache")
   for name in ("VIRTUAL_ENV", "JAX_PLATFORMS", "XLA_FLAGS", "PYTHONPATH"):
     env.pop(name, None)
   venv = os.environ.get("VIRTUAL_ENV")
@@ -86,7 +88,7 @@ def _run(command: str, clone: pathlib.Path) -> dict[str, Any]:
     ["bash", "-c", command],
     check=False,
     cwd=clone,
-    env=_clean_env(),
+    env=_clean_env(clone.parent),
     capture_output=True,
     text=True,
   )
