@@ -1699,8 +1699,7 @@ def readme_commands_times(results: Results) -> str:
     f"Measured by `python benchmarks/readme_commands.py` on {results['date']}, "
     f"each in a fresh clone of commit {results['commit']}, on a "
     f"{m['cores']}-core {m['cpu']} (Python {m['python']}) with the wheels "
-    "already in pip's cache (a first install also downloads about as much as "
-    "the `.venv` holds): "
+    "already in pip's cache (a first install also downloads them): "
     + one("demo", "the demo")
     + "; "
     + one("tests", "the tests")
