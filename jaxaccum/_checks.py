@@ -72,7 +72,7 @@ def _check_differentiable(tree: PyTree, name: str) -> None:
 def _check_key(options: Options, key: Any) -> None:
   """``rng_argnum`` points at a PRNG key: a typed key, or a raw ``uint32``
   key (``jax.random.PRNGKey``)."""
-  if _tree.is_key(key) or jnp.result_type(key) == jnp.uint32:
+  if _tree.is_key(key) or getattr(key, "dtype", None) == jnp.uint32:
     return
   n = options.rng_argnum
   assert n is not None
@@ -128,10 +128,10 @@ def batch_argnums_hint(
   offset = options.names.offset
   batch = tuple(n - offset for n in options.batch_argnums)
   names = ", ".join(options.names(n) for n in suspects)
-  verb = "has" if len(suspects) == 1 else "have"
+  has, was = ("has", "was") if len(suspects) == 1 else ("have", "were")
   return (
-    f"jaxaccum splits only batch_argnums={batch}; {names} also {verb} the "
-    f"batch's leading size {batch_size} and was passed whole to every "
+    f"jaxaccum splits only batch_argnums={batch}; {names} also {has} the "
+    f"batch's leading size {batch_size} and {was} passed whole to every "
     f"micro-batch. Did you mean batch_argnums={tuple(sorted(batch + tuple(n - offset for n in suspects)))}?"
   )
 

@@ -45,7 +45,8 @@ def is_key(x: Any) -> bool:
   >>> is_key(jax.random.key(0)), is_key(jax.random.PRNGKey(0))
   (True, False)
   """
-  return jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+  dtype = getattr(x, "dtype", None)  # a str is no key (result_type reads it as a dtype)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def fold_in(tree: PyTree, index: jax.Array | int) -> PyTree:

@@ -44,7 +44,11 @@ def test_default_train_step_has_no_effects():
 
 def test_chexify_catches_a_negative_weight():
   checked(4)(W, (X, jnp.ones(8)))  # fine
-  with pytest.raises(checkify.JaxRuntimeError, match="weights must be finite and >= 0"):
+  with pytest.raises(
+    checkify.JaxRuntimeError,
+    match=r"^jaxaccum: micro-batch weights must be finite and >= 0, got "
+    r"\[ *2\. +-4\. +2\. +2\.\]\.",
+  ):
     checked(4)(W, (X, jnp.ones(8).at[3].set(-5.0)))
 
 
@@ -73,9 +77,25 @@ def test_chexify_catches_a_zero_total_weight_under_a_loss_that_counts_rows():
   step = chex.chexify(jax.jit(fun), async_check=False)
   step(W, (X, jnp.ones(8)))  # the weights count rows: fine
   with pytest.raises(
-    checkify.JaxRuntimeError, match=r"total weight 0\.0 is not positive"
+    checkify.JaxRuntimeError,
+    match=r"^jaxaccum: total weight 0\.0 is not positive, yet the summed "
+    r"gradient is not zero: the weights count no rows that the loss sums over\.",
   ):
     step(W, (X, jnp.zeros(8)))
+  # A total below one is still positive (mutmut: _checks.check_total_weight).
+  step(W, (X, jnp.full(8, 0.05)))
+
+
+def test_no_gradient_leaves_count_as_zero_gradients():
+  """(mutmut: _checks.check_total_weight, whose empty-tree default
+  survived.)"""
+  from jaxaccum import _checks  # noqa: PLC0415
+
+  check = checkify.checkify(_checks.check_total_weight)
+  err, _ = check(jnp.float32(0.0), {})
+  assert err.get() is None
+  err, _ = check(jnp.float32(0.0), {"w": jnp.ones(2)})
+  assert "total weight 0.0 is not positive" in err.get()
 
 
 def test_verify_equivalence_keeps_its_bfloat16_tolerance_under_weighted():
