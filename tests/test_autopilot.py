@@ -288,3 +288,52 @@ def test_a_fresh_state_can_be_donated():
   )
   state = tx.init({"w": jnp.zeros(3)})
   jax.block_until_ready(jax.jit(lambda s: s, donate_argnums=0)(state))
+
+
+def test_a_skipped_window_leaves_the_estimate_alone():
+  """A window whose micro-batches weigh nothing is skipped; what it measured
+  must not move the autopilot (mutmut: _autopilot.AutoK.next_window, where
+  a measurement of a skipped window was taken)."""
+  tx = jaxaccum.accumulate(optax.sgd(0.0), jaxaccum.auto_k(max_k=32, warmup=1))
+  w = jnp.full(DIM, np.sqrt(1.0 / DIM))
+  update = jax.jit(lambda g, s, weight: tx.update(g, s, w, weight=weight)[1])
+
+  def loss_sum(w, batch):
+    x, y = batch
+    return jnp.sum((x @ w - y) ** 2) / 2
+
+  def feed(state, calls, weight, seed):
+    for key in jax.random.split(jax.random.key(seed), calls):
+      grads = jax.grad(loss_sum)(w, micro_batch(key, jnp.zeros(DIM)))
+      state = update(grads, state, jnp.float32(weight))
+    return state
+
+  before = feed(tx.init(w), 40, M, seed=0)
+  while int(before.micro_step) != 0:  # end on a window boundary
+    before = feed(before, 1, M, seed=100 + int(before.micro_step))
+  after = feed(before, int(before.window_size), 0.0, seed=1)
+  assert int(after.micro_step) == 0 and int(after.step) == int(before.step)
+  chex.assert_trees_all_equal(after.autopilot, before.autopilot)
+  assert int(after.window_size) == int(before.window_size)
+
+
+def test_weights_below_one_convert_like_any_other():
+  """Micro-batches weighing 0.5 each (gradients of a loss sum weighted
+  alike) pick the same windows as weight 1 (mutmut: _autopilot.AutoK.
+  next_window, where weights at or below one were taken as one)."""
+  w = jnp.full(DIM, np.sqrt(1.0 / DIM))
+  keys = jax.random.split(jax.random.key(0), 1500)
+
+  def windows(weight):
+    tx = jaxaccum.accumulate(optax.sgd(0.0), jaxaccum.auto_k(max_k=64, horizon=20))
+
+    def body(state, key):
+      grads = jax.grad(loss)(w, micro_batch(key, jnp.zeros(DIM))) * weight
+      _, state = tx.update(grads, state, w, weight=jnp.float32(weight))
+      return state, state.window_size
+
+    return np.asarray(jax.jit(lambda s: jax.lax.scan(body, s, keys)[1])(tx.init(w)))
+
+  whole, half = windows(1.0), windows(0.5)
+  assert whole.max() > 2, "the window never grew"
+  np.testing.assert_array_equal(half, whole)
