@@ -244,15 +244,48 @@ def test_every_device_of_a_mesh_picks_the_same_window():
   assert values == {int(k)} and len(k.addressable_shards) == 8
 
 
-def test_auto_k_refuses_what_cannot_work():
-  with pytest.raises(ValueError, match="min_k must be at least 2"):
-    jaxaccum.auto_k(max_k=8, min_k=1)
-  with pytest.raises(ValueError, match="max_k must be at least min_k"):
-    jaxaccum.auto_k(max_k=2, min_k=4)
-  with pytest.raises(ValueError, match="Unknown lr_rule='cubic'"):
-    jaxaccum.auto_k(max_k=8, lr_rule="cubic")
-  with pytest.raises(ValueError, match="growth must be a factor > 1"):
-    jaxaccum.auto_k(max_k=8, growth=1.0)
+@pytest.mark.parametrize(
+  ("kwargs", "error", "message"),
+  [
+    (
+      {"min_k": 1},
+      ValueError,
+      "min_k must be at least 2, got min_k=1: a window "
+      "of one micro-batch measures no gradient noise.",
+    ),
+    (
+      {"max_k": 2, "min_k": 4},
+      ValueError,
+      "max_k must be at least min_k, got max_k=2 and min_k=4.",
+    ),
+    (
+      {"lr_rule": "cubic"},
+      ValueError,
+      "Unknown lr_rule='cubic'; choose 'sqrt', 'linear' or None.",
+    ),
+    ({"growth": 1.0}, ValueError, "growth must be a factor > 1, got growth=1.0."),
+    (
+      {"horizon": 0.5},
+      ValueError,
+      "horizon must be a number of windows >= 1, got horizon=0.5.",
+    ),
+    ({"warmup": -1}, ValueError, "warmup must be >= 0, got warmup=-1."),
+    (
+      {"fraction": 0.0},
+      ValueError,
+      "fraction must be a positive number, got fraction=0.0.",
+    ),
+    ({"max_k": 8.0}, TypeError, "max_k must be an integer, got 8.0."),
+    ({"min_k": True}, TypeError, "min_k must be an integer, got True."),
+    ({"warmup": "5"}, TypeError, "warmup must be an integer, got '5'."),
+  ],
+)
+def test_auto_k_refuses_what_cannot_work(kwargs, error, message):
+  """Every message whole (mutmut: _autopilot.auto_k, whose argument names in
+  the messages survived)."""
+  with pytest.raises(error) as raised:
+    jaxaccum.auto_k(**{"max_k": 8, **kwargs})
+  assert str(raised.value) == message
 
 
 def test_window_size_reads_every_kind_of_every_k():
