@@ -113,6 +113,26 @@ def test_growth_per_window_is_capped_and_warmup_holds_the_first_windows():
     assert b <= max(int(a * 1.5), a + 1), lengths
 
 
+def test_a_shrinking_window_stays_at_or_above_min_k():
+  """Far from the optimum B_simple is about 4.6 micro-batches, below
+  min_k=8: with shrink=True the window still never drops below min_k
+  (mutmut: _autopilot.AutoK.next_window, whose clip to min_k survived)."""
+  auto = jaxaccum.auto_k(min_k=8, max_k=32, shrink=True, warmup=1)
+  tx = jaxaccum.accumulate(optax.sgd(0.0), auto)
+  (_, state), sizes = run_windows(tx, jnp.full(DIM, 3.0), 400)
+  assert float(state.autopilot.b_simple) < 8
+  assert np.asarray(sizes).min() == 8
+
+
+def test_a_small_growth_factor_still_grows_the_window_by_one():
+  """growth=1.1 from a window of 2 rounds down to 2: the window still grows
+  by at least one micro-batch (mutmut: the cap's k + 1)."""
+  auto = jaxaccum.auto_k(max_k=64, growth=1.1, warmup=1)
+  tx = jaxaccum.accumulate(optax.sgd(0.0), auto)
+  (_, _state), sizes = run_windows(tx, jnp.full(DIM, 0.05), 300)
+  assert np.asarray(sizes).max() > 2
+
+
 def test_one_trace_serves_every_window_length():
   """The window's length is a value in the state: a jitted update traced once
   runs windows of every length the autopilot picks."""
