@@ -221,8 +221,8 @@ def _check_rows_divide(x: jax.Array, first: int, split: MicroBatching) -> None:
   """On Explicit axes a sharded leading axis must stay sharded: the first
   axis of the split layout, of size ``first``, takes its mesh axes."""
   sharding = jax.typeof(x).sharding
-  rows = tuple(sharding.spec)[:1]
-  axes = rows[0] if rows and isinstance(rows[0], tuple) else rows
+  entry = sharding.spec[0] if len(sharding.spec) else None
+  axes = entry if isinstance(entry, tuple) else (entry,)
   n = math.prod(sharding.mesh.shape[a] for a in axes if a is not None)
   if first % n == 0:
     return
@@ -230,7 +230,7 @@ def _check_rows_divide(x: jax.Array, first: int, split: MicroBatching) -> None:
   fits = [d for d in range(2, b + 1) if b % d == 0 and (b // d) % n == 0]
   raise ValueError(
     f"Under plain jit, a batch leaf of shape {x.shape} has its {b} rows "
-    f"sharded over {n} devices ({rows[0]!r} of an Explicit mesh), and "
+    f"sharded over {n} devices ({entry!r} of an Explicit mesh), and "
     f"k={k} micro-batches of m={m} rows cannot each take an equal share of "
     f"every device's rows: m is not a multiple of {n}. "
     + (

@@ -130,7 +130,10 @@ def test_a_small_growth_factor_still_grows_the_window_by_one():
   auto = jaxaccum.auto_k(max_k=64, growth=1.1, warmup=1)
   tx = jaxaccum.accumulate(optax.sgd(0.0), auto)
   (_, _state), sizes = run_windows(tx, jnp.full(DIM, 0.05), 300)
-  assert np.asarray(sizes).max() > 2
+  lengths = [int(k) for k in dict.fromkeys(np.asarray(sizes).tolist())]
+  assert lengths[:3] == [2, 3, 4], lengths  # floor(1.1 k) < k + 1 here
+  for a, b in itertools.pairwise(lengths):
+    assert a < b <= max(int(a * 1.1), a + 1), lengths
 
 
 def test_one_trace_serves_every_window_length():

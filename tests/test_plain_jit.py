@@ -39,18 +39,30 @@ def problem():
   return params, (x, jnp.sin(x[:, 0]))
 
 
+def run_and_compile(fun, mesh, *args):
+  """``jit(fun)(*args)`` under ``mesh``, and its compiled HLO text."""
+  fun = jax.jit(fun)
+  with jax.set_mesh(mesh):
+    return fun(*args), fun.lower(*args).compile().as_text()
+
+
 @pytest.mark.parametrize(
   "mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
 )
 @pytest.mark.parametrize("k", [2, 8])
-def test_a_sharded_batch_is_split_where_it_lies(mode, k):
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(mode,))
+@pytest.mark.parametrize("devices", [8, 2])
+def test_a_sharded_batch_is_split_where_it_lies(mode, k, devices):
+  """On 2 devices the batch lies in S = 2 blocks (mutmut: _split.
+  MicroBatches, where two blocks were taken for one, a contiguous split
+  that moved rows, and survived)."""
+  mesh = jax.make_mesh(
+    (devices,), ("data",), axis_types=(mode,), devices=jax.devices()[:devices]
+  )
   params, batch = problem()
   sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  fun = jax.jit(jaxaccum.value_and_grad(loss, k))
-  with jax.set_mesh(mesh):
-    value, grads = fun(params, sharded)
-    text = fun.lower(params, sharded).compile().as_text()
+  (value, grads), text = run_and_compile(
+    jaxaccum.value_and_grad(loss, k), mesh, params, sharded
+  )
   want = jax.value_and_grad(loss)(params, batch)
   chex.assert_trees_all_close((value, grads), want, rtol=1e-5, atol=1e-6)
   colls = testing.collectives(text)
@@ -61,24 +73,6 @@ def test_a_sharded_batch_is_split_where_it_lies(mode, k):
   grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
   assert all(c.op.startswith("all-reduce") for c in colls), colls
   assert sum(c.bytes for c in colls if c.in_loop) <= grad_bytes + 8, colls
-
-
-def test_on_two_devices_the_batch_is_split_in_two_blocks():
-  """m = 32 rows on 2 devices: S = 2 blocks, each device computing its half
-  of every micro-batch (mutmut: _split.MicroBatches, where two blocks were
-  taken for one, a contiguous split that moved rows, and survived)."""
-  mesh = jax.make_mesh(
-    (2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2]
-  )
-  params, batch = problem()
-  sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  fun = jax.jit(jaxaccum.value_and_grad(loss, 8))
-  with jax.set_mesh(mesh):
-    value, grads = fun(params, sharded)
-    text = fun.lower(params, sharded).compile().as_text()
-  want = jax.value_and_grad(loss)(params, batch)
-  chex.assert_trees_all_close((value, grads), want, rtol=1e-5, atol=1e-6)
-  assert not [c for c in testing.collectives(text) if c.op in MOVES_DATA]
 
 
 def test_the_documented_rows_form_each_micro_batch():
@@ -166,10 +160,10 @@ def test_a_leaf_sharded_along_more_axes_keeps_them_and_moves_no_rows():
     jax.device_put(x, NamedSharding(mesh, P("data", "model", None))),
     jax.device_put(batch[1], NamedSharding(mesh, P("data", "model"))),
   )
-  fun = jax.jit(jaxaccum.value_and_grad(seq_loss, 2))
+  (value, grads), text = run_and_compile(
+    jaxaccum.value_and_grad(seq_loss, 2), mesh, w, sharded
+  )
   with jax.set_mesh(mesh):
-    value, grads = fun(w, sharded)
-    text = fun.lower(w, sharded).compile().as_text()
     want = jax.value_and_grad(seq_loss)(w, sharded)
   chex.assert_trees_all_close((value, grads), want, rtol=1e-5, atol=1e-6)
   assert not [c for c in testing.collectives(text) if c.op in MOVES_DATA]
