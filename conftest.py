@@ -1,20 +1,25 @@
 """Strict JAX settings for the whole suite, and 8 fake CPU devices.
 
-``XLA_FLAGS`` must be set before jax is imported, so this module sets it at
-import time; pytest imports conftest.py before any test module.
+The device count and XLA's thread pools are fixed when JAX's backends start,
+so this module sets them at import time; pytest imports conftest.py before
+any test module. ``jaxaccum.testing.cpu_devices`` also gives XLA's CPU
+client twice as many threads as devices: with one thread per device, a
+collective can wait for a thread forever, and XLA aborts the process
+(tests/README.md, "Devices, processes and targets").
 """
 
 import gc
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import pytest
+
+from jaxaccum.testing import cpu_devices
+
+cpu_devices()  # 8, or the count XLA_FLAGS names
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

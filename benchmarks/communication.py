@@ -63,9 +63,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
@@ -96,6 +93,10 @@ from jaxaccum import testing
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+# Before JAX starts (importing it starts nothing): 8 CPU devices, unless
+# XLA_FLAGS names a count, with threads enough for their collectives.
+testing.cpu_devices()
 
 PyTree = Any
 LossAndGrads = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]

@@ -89,12 +89,8 @@ from __future__ import annotations
 
 import os
 
-# Before JAX starts: 8 CPU devices stand in for the 8 H100s (a GPU target of
-# n devices needs n CPU devices), and without a GPU the CUDA plugin must not
-# try to start one (it would fail and not register its compiler).
-os.environ.setdefault("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# Without a GPU the CUDA plugin must not try to start one (it would fail and
+# not register its compiler).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
@@ -129,6 +125,11 @@ from jaxaccum import testing
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+# Before JAX starts (importing it starts nothing): 8 CPU devices stand in for
+# the 8 H100s (a GPU target of n devices needs n CPU devices), with threads
+# enough for their collectives.
+testing.cpu_devices()
 
 PyTree = Any
 

@@ -135,10 +135,10 @@ if __name__ == "__main__":
   ARGS = parse_args()
   WORKER = {name: ARGS.pop(name) for name in WORKER_FLAGS}
   if not WORKER["worker"]:
-    # Before jax is imported, and only if the user chose no device count.
-    os.environ.setdefault("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-      os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+    # Before JAX starts: 8 CPU devices, unless XLA_FLAGS names a count.
+    from jaxaccum.testing import cpu_devices
+
+    cpu_devices()
 
 import dataclasses
 import itertools
@@ -435,13 +435,7 @@ def launch(
   others are killed (a peer would otherwise wait for it in a collective).
   """
   env = dict(os.environ)
-  flags = [
-    f
-    for f in env.get("XLA_FLAGS", "").split()
-    if not f.startswith("--xla_force_host_platform_device_count")
-  ]
-  flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-  env["XLA_FLAGS"] = " ".join(flags)
+  testing.cpu_devices(devices_per_process, environ=env)
   env["JAX_PLATFORMS"] = "cpu"
   port = free_port()
   with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,9 @@ elsewhere:
 - :func:`names_spmd_axis`: whether an error is JAX's refusal of a sharding
   annotation that names a ``vmap``'s ``spmd_axis_name``, which has no API of
   its own, so its text is matched here and nowhere else;
-- compiling for compile-only GPUs (:func:`compile_lowered`).
+- compiling for compile-only GPUs (:func:`compile_lowered`);
+- whether JAX's backends have started (:func:`backends_started`), after
+  which the CPU device count and XLA's thread pools are fixed.
 
 Compile-only GPUs: XLA's compile-only GPU devices
 (``jax.experimental.topologies`` with the CUDA plugin) have no memory kinds,
@@ -46,9 +48,22 @@ def _internals() -> Iterator[None]:
     yield
   except (AttributeError, KeyError, ImportError, TypeError) as e:
     raise RuntimeError(
-      f"JAX {jax.__version__} changed an internal that jaxaccum uses to compile "
-      f"for compile-only GPUs (jaxaccum/_aot.py): {type(e).__name__}: {e}"
+      f"JAX {jax.__version__} changed an internal that jaxaccum uses "
+      f"(jaxaccum/_compat.py): {type(e).__name__}: {e}"
     ) from e
+
+
+def backends_started() -> bool:
+  """Whether JAX has created its backends (device count and thread pools are
+  fixed from then on).
+
+  >>> isinstance(backends_started(), bool)
+  True
+  """
+  from jax._src import xla_bridge  # noqa: PLC0415
+
+  with _internals():
+    return bool(xla_bridge.backends_are_initialized())
 
 
 def is_tracer(x: Any) -> bool:

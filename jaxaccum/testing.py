@@ -15,15 +15,21 @@ while loops around it.
 Each collective's replica groups are read too, in the three forms XLA prints
 (explicit lists, iota ``[G,S]<=[dims]T(perm)``, and named mesh axes), so that
 :meth:`Collective.spans` can say which mesh axes it communicates over.
+
+:func:`cpu_devices` simulates several devices on a CPU, for tests and
+examples, in a configuration whose collectives cannot deadlock.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from jaxaccum import _compat
 
 COLLECTIVES = (
   "all-reduce",
@@ -312,3 +318,76 @@ def compiled_text(
 def bytes_communicated(hlo_text: str) -> int:
   """Collective result bytes per call, loop trip counts included."""
   return sum(c.bytes * c.executions for c in collectives(hlo_text))
+
+
+_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def cpu_devices(
+  count: int | None = None, *, environ: MutableMapping[str, str] | None = None
+) -> int:
+  """Simulates ``count`` CPU devices, with enough threads for their collectives.
+
+  Sets ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` (keeping
+  a count already there when ``count`` is None; 8 if there is none) and
+  ``PJRT_NPROC`` to at least twice the count, in ``os.environ`` (or in
+  ``environ``, e.g. the environment of a process you start). Call it before
+  the first computation: once JAX's backends have started, both are fixed.
+
+  Why the threads: XLA's CPU client (jaxlib 0.10 to 0.12 at least) runs
+  program launches and the devices' executions on one pool of
+  ``max(PJRT_NPROC or the cores, devices)`` threads. A launch waits while
+  its device has 32 programs in flight (the host ran that far ahead), and
+  holds its thread meanwhile; a collective needs a thread for every one of
+  its devices at once. With as many threads as devices, one waiting launch
+  leaves a collective short of a thread for good, and XLA aborts the
+  process after 40 seconds ("Expected 8 threads to join the rendezvous, but
+  only 7 of them arrived"). Twice the devices leaves a thread per device
+  for the executions even when every device's launch waits.
+  ``tests/README.md`` gives the evidence and a reproduction without
+  jaxaccum.
+
+  Args:
+    count: the number of CPU devices.
+    environ: the environment to set (default ``os.environ``).
+
+  Returns:
+    The number of devices set.
+
+  Raises:
+    RuntimeError: when ``environ`` is this process's and JAX's backends have
+      already started with other settings.
+
+  >>> import os
+  >>> n = cpu_devices()  # the suite's conftest.py set 8 before JAX started
+  >>> n, int(os.environ["PJRT_NPROC"]) >= 2 * n
+  (8, True)
+  >>> env = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+  >>> cpu_devices(4, environ=env), env["PJRT_NPROC"]
+  (4, '8')
+  >>> env["XLA_FLAGS"]
+  '--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=4'
+  """
+  here = environ is None
+  env: MutableMapping[str, str] = os.environ if environ is None else environ
+  flags = env.get("XLA_FLAGS", "")
+  found = _DEVICE_COUNT.search(flags)
+  if count is None:
+    count = int(found.group(1)) if found else 8
+  if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    raise ValueError(f"count must be a positive int, got {count!r}.")
+  threads = str(max(2 * count, int(env.get("PJRT_NPROC") or 0)))
+  wanted = f"--xla_force_host_platform_device_count={count}"
+  if found and found.group(0) == wanted and env.get("PJRT_NPROC") == threads:
+    return count
+  if here and _compat.backends_started():
+    raise RuntimeError(
+      f"cpu_devices({count}) must run before JAX's first computation: its "
+      "backends have started, with their device count and threads fixed. Call "
+      f"it first thing, or set XLA_FLAGS='{wanted}' and PJRT_NPROC={threads} "
+      "in the environment."
+    )
+  flags = _DEVICE_COUNT.sub("", flags).strip()
+  env["XLA_FLAGS"] = f"{flags} {wanted}".strip()
+  env["PJRT_NPROC"] = threads
+  return count

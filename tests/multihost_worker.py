@@ -15,8 +15,10 @@ import json
 import os
 import sys
 
-if __name__ == "__main__":  # before jax is imported; importing this file sets nothing
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+if __name__ == "__main__":  # before JAX starts; importing this file sets nothing
+  from jaxaccum.testing import cpu_devices
+
+  cpu_devices(4)
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax

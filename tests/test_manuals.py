@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxaccum.testing import cpu_devices
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 MANUAL = BENCHMARKS / "README.md"
@@ -109,11 +111,8 @@ def test_the_readme_mesh_block_runs_as_written_on_few_devices(devices, tmp_path)
     + f"assert jax.device_count() == {devices}\n"
     + "print('ok', mesh.shape)\n"
   )
-  env = {
-    **os.environ,
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-  }
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cpu_devices(devices, environ=env)
   proc = subprocess.run(
     [sys.executable, str(script)],
     check=False,
