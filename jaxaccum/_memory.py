@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxaccum import _options, _parallel, _split, _value_and_grad
+from jaxaccum import _hlo, _options, _parallel, _split, _value_and_grad
 from jaxaccum._targets import CompileTarget
 
 
@@ -445,9 +445,7 @@ def _measure(
       compiled = compile_for(step, args, {}, target)
     memory: MemoryStats | None = _memory_of(compiled, target)
     if options.mesh is not None:
-      from jaxaccum import testing  # noqa: PLC0415
-
-      moved = testing.bytes_communicated(compiled.as_text())
+      moved = _hlo.bytes_communicated(compiled.as_text())
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise

@@ -21,6 +21,7 @@ if __name__ == "__main__":  # before JAX starts; importing this file sets nothin
   cpu_devices(4)
   os.environ["JAX_PLATFORMS"] = "cpu"
 
+import agreement_steps
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +85,31 @@ def tensor_parallel(params, x, y) -> dict:
   }
 
 
+def agreement() -> dict:
+  """tests/agreement_steps.py's checks on the (8,) mesh, with the NaN rows
+  only in process 1's data; each process reports what its 4 devices hold."""
+  mesh = jax.make_mesh((8,), ("data",))
+  sharding = NamedSharding(mesh, P("data"))
+  process_1 = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == 1]
+
+  def make_batch(*arrays):
+    rows = arrays[0].shape[0] // jax.process_count()
+    start = jax.process_index() * rows
+    return tuple(
+      jax.make_array_from_process_local_data(
+        sharding, np.asarray(a[start : start + rows]), a.shape
+      )
+      for a in arrays
+    )
+
+  return {
+    "train_step": agreement_steps.skipped_train_step(mesh, make_batch, process_1),
+    "accumulate": agreement_steps.dropped_micro_batch(mesh, make_batch, process_1),
+    "loss_scale": agreement_steps.adjusted_loss_scale(mesh, make_batch, process_1),
+    "autopilot": agreement_steps.autopilot_windows(mesh, make_batch, 500),
+  }
+
+
 def loss_value(params, batch):
   return loss(params, batch)[0]
 
@@ -137,6 +163,7 @@ def main(port: str, process_id: str, out: str) -> None:
 
   result = {
     **tensor_parallel(params, x, y),
+    "agreement": agreement(),
     "process": jax.process_index(),
     "value_vs_full_batch": diff(value, full_value),
     "grads_vs_full_batch": diff(grads, full_grads),

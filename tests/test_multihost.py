@@ -3,7 +3,9 @@
 Runs tests/multihost_worker.py twice with ``jax.distributed.initialize``
 (coordinator on 127.0.0.1, gloo CPU collectives) and checks that the
 data-parallel result equals the single-process one, on an (8,) mesh and on a
-(4, 2) data x model mesh whose data axis spans the processes.
+(4, 2) data x model mesh whose data axis spans the processes; and that every
+device of both processes takes the same decisions when only process 1's
+data holds NaN rows (tests/agreement_steps.py).
 """
 
 import json
@@ -62,3 +64,34 @@ def test_two_processes_equal_one(tmp_path):
     assert r["tp_grads_vs_full_batch"] < 1e-5, r
     assert r["tp_grads_sharded_like_params"], r
   assert results[0]["value"] == results[1]["value"]
+
+  # Every device agrees (tests/agreement_steps.py), NaN rows in process 1's
+  # data only: each process's 4 devices hold the same, and so do the two
+  # processes.
+  first, second = (r["agreement"] for r in results)
+  for name in first:
+    assert first[name].pop("digest") == second[name].pop("digest"), name
+  assert first == second
+  assert first["train_step"] == {
+    "skipped_value_is_nan": True,
+    "skipped_params_unchanged": True,
+    "skipped_state_unchanged": True,
+    "skipped_agreed": True,
+    "clean_moved": True,
+    "clean_agreed": True,
+  }
+  assert first["accumulate"] == {
+    "updated_on_the_second_call_only": True,
+    "skipped_counts": [0, 1, 1],
+    "state_agreed": True,
+    "updates_agreed": True,
+    "updates_finite": True,
+  }
+  assert first["loss_scale"] == {
+    "scales": [2.0**9, 2.0**9],
+    "skipped_params_unchanged": True,
+    "clean_moved": True,
+    "agreed": True,
+  }
+  assert first["autopilot"]["disagreements"] == 0
+  assert len(first["autopilot"]["windows"]) > 1
