@@ -147,8 +147,9 @@ def cpu_devices(
   ``environ``, e.g. the environment of a process you start). Call it before
   the first computation: once JAX's backends have started, both are fixed.
 
-  Why the threads: XLA's CPU client (jaxlib 0.10 to 0.12 at least) runs
-  program launches and the devices' executions on one pool of
+  Why the threads: XLA's CPU client (jaxlib 0.10.2; 0.12.0.1 runs
+  executions on a pool of their own) runs program launches and the
+  devices' executions on one pool of
   ``max(PJRT_NPROC or the cores, devices)`` threads. A launch waits while
   its device has 32 programs in flight (the host ran that far ahead), and
   holds its thread meanwhile; a collective needs a thread for every one of
