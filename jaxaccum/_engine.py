@@ -381,8 +381,9 @@ def noise_terms(
   name = options.normalize
   if name == "weighted":
     return sq_norm, weight, weight
-  divisor = jnp.float32(1.0 if name == "mean" else rows)
-  return sq_norm, divisor, jnp.float32(rows)
+  shape = jnp.shape(sq_norm)
+  divisor = jnp.full(shape, 1.0 if name == "mean" else rows, jnp.float32)
+  return sq_norm, divisor, jnp.full(shape, rows, jnp.float32)
 
 
 def check_noise_estimable(options: Options, total: int) -> None:

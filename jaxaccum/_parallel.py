@@ -484,11 +484,40 @@ class _Step:
     )
 
   def _after_loop(self, acc: jax.Array, p: Placement) -> jax.Array:
-    """The accumulator summed over its copies, into the parameter's sharding
-    (an all-reduce, or, for a leaf gathered once, a reduce-scatter)."""
-    if p.copies:
-      acc = jnp.sum(acc, axis=tuple(range(len(p.copies))))
+    """The accumulator summed over its copies, into the parameter's sharding:
+    an all-reduce, or for a leaf gathered once a reduce-scatter over the
+    axes it is sharded over (written as one, rather than left to the
+    partitioner, which may all-reduce and slice)."""
+    copies = len(p.copies)
+    if p.before_loop == "gather" and p.spec is not None:
+      acc = self._reduce_scatter(acc, p.spec)
+      copies = len(_kept_axes(p.spec, self.axes))
+    if copies:
+      acc = jnp.sum(acc, axis=tuple(range(copies)))
     return acc if p.spec is None else self.parallel.constrain(acc, p.spec.full_spec())
+
+  def _reduce_scatter(self, acc: jax.Array, s: _sharding.SplitSpec) -> jax.Array:
+    """``(*data sizes, *shape)`` per-device sums, reduce-scattered over the
+    data axes the leaf is sharded over: ``(*kept sizes, *shape)``, the
+    copies along its kept data axes left for the sum after."""
+    kept = _kept_axes(s, self.axes)
+    others = {n for names in s.other for n in names}
+
+    def scatter(local):
+      x = local.reshape(local.shape[len(self.axes) :])
+      for dim, names in s.sharded_dims():
+        over = tuple(n for n in names if self.mesh.shape[n] > 1)
+        if over:
+          x = jax.lax.psum_scatter(x, over, scatter_dimension=dim, tiled=True)
+      return x.reshape((1,) * len(kept) + x.shape)
+
+    return jax.shard_map(
+      scatter,
+      mesh=jax.sharding.get_abstract_mesh(),
+      in_specs=P(*self.axes, *s.other_spec()),
+      out_specs=P(*kept, *s.full_spec()),
+      axis_names=set(self.axes) | others,
+    )(acc)
 
   # -- the rest --------------------------------------------------------------
 
