@@ -298,8 +298,8 @@ def _one_position(name: str, n: Any) -> int | None:
 
 
 def _gather_dtype(fsdp_gather: str, gather_dtype: Any) -> Any:
-  """``gather_dtype`` checked: a floating dtype, for ``"cast_once"`` only
-  (bfloat16 when not given)."""
+  """``gather_dtype`` checked: a floating dtype, given for ``"cast_once"``
+  (which needs it) and only then."""
   if fsdp_gather != "cast_once":
     if gather_dtype is not None:
       raise ValueError(
@@ -307,7 +307,13 @@ def _gather_dtype(fsdp_gather: str, gather_dtype: Any) -> Any:
         f"{fsdp_gather=}."
       )
     return None
-  dtype = jnp.dtype(jnp.bfloat16 if gather_dtype is None else gather_dtype)
+  if gather_dtype is None:
+    raise ValueError(
+      "fsdp_gather='cast_once' casts the FSDP leaves to gather_dtype before "
+      "gathering them once per step: name it, e.g. gather_dtype=jnp.bfloat16 "
+      "(exact when fun's first use of each FSDP leaf is that cast)."
+    )
+  dtype = jnp.dtype(gather_dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"gather_dtype must be a floating dtype, got {dtype}.")
   return dtype
