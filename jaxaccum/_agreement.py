@@ -68,7 +68,6 @@ _PASS_THROUGH = {
   "async-update",
   "copy-start",
   "copy-done",
-  "optimization-barrier",
 }
 _PER_DEVICE_SOURCES = {"rng", "rng-get-and-update-state", "infeed", "recv", "recv-done"}
 
@@ -432,9 +431,12 @@ class _Analysis:
 
 
 def _structure(i: _hlo.Instruction, operands: list[_Value]) -> _Value | None:
-  """Tuples and their elements."""
+  """Tuples and their elements, and the identities on them (a copy, an
+  optimization barrier)."""
   if i.op == "tuple":
     return _Value(tuple(o.taint for o in operands))
+  if i.op in ("opt-barrier", "copy") and len(operands) == 1:
+    return operands[0]
   if i.op != "get-tuple-element":
     return None
   index = re.search(r"index=(\d+)", i.attributes)

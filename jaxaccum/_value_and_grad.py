@@ -243,6 +243,15 @@ class Step:
       return self.parallel(engine, layout, args, kwargs)
     return engine.local(args, kwargs)
 
+  def micro_batches(self, args: tuple[Any, ...]) -> int:
+    """``k``: the micro-batches of these arguments (per device with
+    ``mesh=``, as the step runs them)."""
+    engine = self.engine(len(args))
+    o = engine.options
+    if o.mesh is None or o.view == "global":
+      return engine.plan(args).num_micro_batches
+    return engine.plan(args, devices=o.data_devices).num_micro_batches
+
   def validate(self, args: tuple[Any, ...]) -> None:
     """The checks that must precede ``jit`` (a string in the batch would
     otherwise fail inside it, unexplained), once per configuration."""
