@@ -68,7 +68,6 @@ _PASS_THROUGH = {
   "async-update",
   "copy-start",
   "copy-done",
-  "optimization-barrier",
 }
 _PER_DEVICE_SOURCES = {"rng", "rng-get-and-update-state", "infeed", "recv", "recv-done"}
 
@@ -269,9 +268,12 @@ def _constant(i: _hlo.Instruction, grid: Grid) -> np.ndarray | None:
 class _Analysis:
   """The fixed-point walk over one module."""
 
-  def __init__(self, module: _hlo.Module, grid: Grid):
+  def __init__(
+    self, module: _hlo.Module, grid: Grid, inputs: Sequence[Axes | None] | None
+  ):
     self.module = module
     self.grid = grid
+    self.inputs = inputs
     self.decisions: dict[tuple[str, str], tuple[str, str, Axes]] = {}
     self._memo: dict[Any, _Value] = {}
 
@@ -337,11 +339,17 @@ class _Analysis:
     return inner
 
   def _parameter(self, i: _hlo.Instruction, params: Sequence[_Value] | None) -> _Value:
-    """The entry's parameters differ as their shardings say; a called
-    computation's are what its caller passed."""
-    if params is None:
-      return _Value(sharding_taint(_sharding_text(i.attributes), self.grid))
+    """The entry's parameters differ as their shardings say (the program's
+    input shardings, or the HLO's annotation); a called computation's are
+    what its caller passed."""
     n = int(i.arguments.strip() or 0)
+    if params is None:
+      known = (
+        self.inputs[n] if self.inputs is not None and n < len(self.inputs) else None
+      )
+      if known is not None:
+        return _Value(known)
+      return _Value(sharding_taint(_sharding_text(i.attributes), self.grid))
     return params[n] if n < len(params) else _Value(self.grid.every_axis)
 
   def _sources(self, i: _hlo.Instruction, operands: list[_Value]) -> _Value | None:
@@ -432,9 +440,12 @@ class _Analysis:
 
 
 def _structure(i: _hlo.Instruction, operands: list[_Value]) -> _Value | None:
-  """Tuples and their elements."""
+  """Tuples and their elements, and the identities on them (a copy, an
+  optimization barrier)."""
   if i.op == "tuple":
     return _Value(tuple(o.taint for o in operands))
+  if i.op in ("opt-barrier", "copy") and len(operands) == 1:
+    return operands[0]
   if i.op != "get-tuple-element":
     return None
   index = re.search(r"index=(\d+)", i.attributes)
@@ -517,6 +528,7 @@ def divergences(
   mesh_shape: Sequence[int],
   axis_names: Sequence[str],
   *,
+  input_axes: Sequence[Axes | None] | None = None,
   output_axes: Sequence[Axes | None] | None = None,
   checked: Sequence[str] | None = None,
 ) -> list[Divergence]:
@@ -527,6 +539,9 @@ def divergences(
     hlo_text: the compiled, partitioned HLO (``compiled.as_text()``).
     mesh_shape: the mesh's shape; partition ``p`` is its ``p``-th device.
     axis_names: the mesh's axis names.
+    input_axes: per parameter of the entry computation, the axes its value
+      is sharded along (None where unknown: then the HLO's own sharding
+      annotation, which newer XLA versions leave out, or every axis).
     output_axes: per output of the entry computation, the axes it is sharded
       along (it may differ along those); None skips the outputs (or one).
     checked: the axis names to check.
@@ -549,7 +564,7 @@ def divergences(
     raise ValueError(f"Unknown mesh axes {unknown}; the mesh has {grid.names}.")
   wanted = frozenset(grid.names.index(n) for n in names)
   module = _hlo.parse(hlo_text)
-  analysis = _Analysis(module, grid)
+  analysis = _Analysis(module, grid, input_axes)
   root = analysis.run(module.entry, None)
   found = [
     Divergence(kind, name, op_name, _named(axes & wanted, grid))

@@ -107,9 +107,10 @@ def visible_spec(x: Any) -> jax.sharding.PartitionSpec | None:
 def names_spmd_axis(error: Exception, axes: Sequence[str]) -> bool:
   """Whether ``error`` is JAX's refusal of a sharding annotation inside a
   ``vmap`` whose ``spmd_axis_name`` (``axes``) the annotation names: a
-  sharding constraint naming them (a ``ValueError`` that says so), or an
+  sharding constraint naming them (a ``ValueError`` that says so), an
   ``out_sharding=`` that does, which the ``vmap`` turns into a spec naming
-  an axis twice (a ``DuplicateSpecError``)."""
+  an axis twice (a ``DuplicateSpecError``), or, where jaxaccum made the data
+  axes of an Explicit mesh Auto, an ``out_sharding=`` naming an Auto axis."""
   from jax._src.named_sharding import DuplicateSpecError  # noqa: PLC0415
 
   if isinstance(error, DuplicateSpecError):
@@ -122,7 +123,13 @@ def names_spmd_axis(error: Exception, axes: Sequence[str]) -> bool:
     ]
     return any(named.count(a) > 1 for a in axes)
   text = str(error)
-  return isinstance(error, ValueError) and "spmd_axis_name" in text and "spec" in text
+  if not isinstance(error, ValueError):
+    return False
+  if "spmd_axis_name" in text and "spec" in text:
+    return True
+  return "of type Auto or Manual" in text and any(
+    f"axis name: {a} of type" in text for a in axes
+  )
 
 
 def lowering_devices(lowered: jax.stages.Lowered) -> tuple[jax.Device, ...]:

@@ -44,14 +44,17 @@ class MicroOut(NamedTuple):
     weight: its weight (1 unless ``normalize="weighted"``).
     aux: ``fun``'s aux.
     state: the new threaded state (None without ``state_argnum``).
-    sq_norm: the gradient's squared norm (None unless ``noise_stats``).
+    noise: ``(sq_norm, divisor, examples)`` for the noise statistics: the
+      gradient's squared norm, what it sums over (its mean gradient is
+      ``gradient / divisor``), and the examples (or units of weight) it holds
+      (:meth:`jaxaccum.NoiseSums.of`); None unless ``noise_stats``.
   """
 
   loss: jax.Array
   weight: jax.Array
   aux: PyTree
   state: PyTree
-  sq_norm: jax.Array | None
+  noise: tuple[jax.Array, jax.Array, jax.Array] | None
 
 
 class Accumulator(NamedTuple):
@@ -176,24 +179,23 @@ class Engine:
 
   # -- chapter 2: the loop ------------------------------------------------------
 
-  def micro_step(
+  def micro_loss(
     self,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     split: _split.MicroBatching,
     total: int,
-  ) -> Callable[..., tuple[MicroOut, tuple[PyTree, ...]]]:
-    """``step(diff_args, micro, index, state) -> (MicroOut, grads)``: forward
-    and backward on one micro-batch, whose key is ``fold_in(key, index)``,
-    or the key itself when the step has one micro-batch in ``total`` (then
-    jaxaccum is the user's own step, bit for bit)."""
+  ) -> Callable[..., tuple[jax.Array, tuple[jax.Array, PyTree, PyTree]]]:
+    """``loss(diff_args, micro, index, state) -> (loss, (weight, aux,
+    new_state))``: ``fun`` on one micro-batch, whose key is ``fold_in(key,
+    index)``, or the key itself when the step has one micro-batch in
+    ``total`` (then jaxaccum is the user's own step, bit for bit). The
+    data-parallel path differentiates it in its own way."""
     o = self.options
-    value_and_grad = jax.value_and_grad(
-      self._loss(args, kwargs, split.batch_size), argnums=o.argnums, has_aux=True
-    )
+    loss_fn = self._loss(args, kwargs, split.batch_size)
     fold = total > 1
 
-    def step(diff_args, micro, index, state):
+    def loss(diff_args, micro, index, state):
       call_args = list(args)
       for n, d in zip(o.argnums, diff_args, strict=True):
         call_args[n] = d
@@ -203,16 +205,46 @@ class Engine:
         call_args[o.rng_argnum] = jax.random.fold_in(args[o.rng_argnum], index)
       if o.state_argnum is not None:
         call_args[o.state_argnum] = state
-      (loss, (weight, aux, new_state)), grads = value_and_grad(*call_args)
+      value, (weight, aux, new_state) = loss_fn(*call_args)
       if o.state_argnum is not None:
         new_state = _match_state(new_state, state)
-      sq_norm = _tree.sq_norm(grads) if o.noise_stats else None
-      return MicroOut(loss, weight, aux, new_state, sq_norm), grads
+      return value, (weight, aux, new_state)
 
-    if o.remat is not False:
-      policy = None if o.remat is True else o.remat
-      step = jax.checkpoint(step, prevent_cse=False, policy=policy)
-    return step
+    return loss
+
+  def micro_step(
+    self,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    split: _split.MicroBatching,
+    total: int,
+    rows: int,
+  ) -> Callable[..., tuple[MicroOut, tuple[PyTree, ...]]]:
+    """``step(diff_args, micro, index, state) -> (MicroOut, grads)``: forward
+    and backward on one micro-batch of ``rows`` rows (:meth:`micro_loss`)."""
+    o = self.options
+    value_and_grad = jax.value_and_grad(
+      self.micro_loss(args, kwargs, split, total), has_aux=True
+    )
+
+    def step(diff_args, micro, index, state):
+      (loss, (weight, aux, new_state)), grads = value_and_grad(
+        diff_args, micro, index, state
+      )
+      noise = None
+      if o.noise_stats:
+        noise = noise_terms(o, _tree.sq_norm(grads), weight, rows)
+      return MicroOut(loss, weight, aux, new_state, noise), grads
+
+    return self.rematerialized(step)
+
+  def rematerialized(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` under ``jax.checkpoint`` as ``remat`` asks."""
+    remat = self.options.remat
+    if remat is False:
+      return step
+    policy = None if remat is True else remat
+    return jax.checkpoint(step, prevent_cse=False, policy=policy)
 
   def _loss(
     self, args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int
@@ -265,7 +297,9 @@ class Engine:
     """
     o = self.options
     k = split.num_micro_batches
-    step = step or self.micro_step(args, kwargs, split, split.num_micro_batches)
+    step = step or self.micro_step(
+      args, kwargs, split, split.num_micro_batches, split.micro_batch_size
+    )
     accumulator = accumulator or local_accumulator(o.accum_dtype)
     diff_args = tuple(args[i] for i in o.argnums)
     batches = _split.MicroBatches(
@@ -295,9 +329,6 @@ class Engine:
     (grads, state, _), out = carry, ys
     if o.value_checks:
       _checks.check_weights(out.weight)
-    rows = (
-      split.micro_batch_size // split.shards if per_block else split.micro_batch_size
-    )
     return Sums(
       loss=jnp.sum(out.loss.astype(jnp.promote_types(o.accum_dtype, out.loss.dtype))),
       grads=grads,
@@ -307,7 +338,7 @@ class Engine:
       aux=out.aux,
       state=state,
       losses=out.loss,
-      noise=None if out.sq_norm is None else _noise_sums(o, out, rows),
+      noise=None if out.noise is None else _noise.NoiseSums.of(*out.noise),
     )
 
   # -- chapter 3: normalization -------------------------------------------------
@@ -341,15 +372,18 @@ class Engine:
     return self.finish(self.sums(args, kwargs, split), diff_args)
 
 
-def _noise_sums(options: Options, out: MicroOut, rows: int) -> _noise.NoiseSums:
-  """The noise sums of the micro-batches: each gradient's squared norm, and
-  what it averages over (a mean: 1; a sum: ``rows``; weighted: its weight)."""
-  assert out.sq_norm is not None
+def noise_terms(
+  options: Options, sq_norm: jax.Array, weight: jax.Array, rows: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A micro-batch's noise terms (:class:`MicroOut`): its gradient's squared
+  norm, what the gradient sums over (a mean: 1; a sum: ``rows``; weighted:
+  its weight), and what it holds (``rows``, or its weight)."""
   name = options.normalize
   if name == "weighted":
-    return _noise.NoiseSums.of(out.sq_norm, out.weight, out.weight)
-  divisor = jnp.float32(1.0 if name == "mean" else rows)
-  return _noise.NoiseSums.of(out.sq_norm, divisor, jnp.float32(rows))
+    return sq_norm, weight, weight
+  shape = jnp.shape(sq_norm)
+  divisor = jnp.full(shape, 1.0 if name == "mean" else rows, jnp.float32)
+  return sq_norm, divisor, jnp.full(shape, rows, jnp.float32)
 
 
 def check_noise_estimable(options: Options, total: int) -> None:

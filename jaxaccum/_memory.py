@@ -378,7 +378,7 @@ def plan_micro_batches(
     name: value
     for name, value in value_and_grad_kwargs.items()
     if name in _options.KEYWORDS
-    and name not in ("num_micro_batches", "micro_batch_size")
+    and name not in ("num_micro_batches", "micro_batch_size", "gather_dtype")
   }
   options = _options.create(None, 1, **known)
   if builder:
@@ -410,6 +410,8 @@ def plan_micro_batches(
     kwargs = dict(value_and_grad_kwargs)
     if mode is not None:
       kwargs["fsdp_gather"] = mode
+      if mode != "cast_once":  # gather_dtype lets the search try cast_once
+        kwargs.pop("gather_dtype", None)
     if builder:
       step = fun(num_micro_batches=k, **kwargs)
     else:
@@ -469,9 +471,11 @@ def _fsdp_modes(
   args: Sequence[Any],
   builder: bool,
 ) -> tuple[str | None, ...]:
-  """The FSDP modes to search: both where parameters are sharded over the
-  data axes and no mode was given; otherwise the one given (or None: the
-  option is left out)."""
+  """The FSDP modes to search where parameters are sharded over the data
+  axes and no mode was given: ``"per_micro_batch"`` and ``"once"``, and
+  ``"cast_once"`` where a ``gather_dtype`` says that the weights may be
+  gathered in it; otherwise the one given (or None: the option is left
+  out)."""
   if "fsdp_gather" in kwargs or options.mesh is None:
     return (kwargs.get("fsdp_gather"),)
   params = options.replace(argnums=(0,)) if builder else options
@@ -479,7 +483,9 @@ def _fsdp_modes(
   layout = _parallel.DataParallel(params).layout(params, tuple(args))
   if not any(s is not None and s.sharded_dims() for s in layout):
     return (None,)
-  return _options.FSDP_MODES
+  if kwargs.get("gather_dtype") is not None:
+    return _options.FSDP_MODES
+  return tuple(m for m in _options.FSDP_MODES if m != "cast_once")
 
 
 def _choose(

@@ -30,7 +30,8 @@ from jaxaccum import _normalize
 
 PyTree = Any
 
-FSDP_MODES = ("per_micro_batch", "once")
+FSDP_MODES = ("per_micro_batch", "cast_once", "once")
+VIEWS = ("device", "global")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,8 @@ class Options:
   data_axes: tuple[str, ...] | None = None
   param_specs: PyTree | None = None
   fsdp_gather: str = "per_micro_batch"
+  gather_dtype: Any = None
+  view: str = "device"
   noise_stats: bool = False
   value_checks: bool = False
   tree_grads: bool = True
@@ -198,9 +201,15 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   fsdp_gather = get("fsdp_gather")
   if fsdp_gather not in FSDP_MODES:
     raise ValueError(f"Unknown {fsdp_gather=}; choose one of {list(FSDP_MODES)}.")
+  gather_dtype = _gather_dtype(fsdp_gather, get("gather_dtype"))
+  view = get("view")
+  if view not in VIEWS:
+    raise ValueError(f"Unknown {view=}; choose one of {list(VIEWS)}.")
   mesh, data_axes = _mesh_and_axes(get("mesh"), kwargs.get("data_axis"))
   if get("param_specs") is not None and mesh is None:
     raise ValueError("param_specs is for the data-parallel path; pass mesh= too.")
+  if kwargs.get("view", "device") != "device" and mesh is None:
+    raise ValueError("view= says what fun sees under mesh=; pass mesh= too.")
   options = Options(
     num_micro_batches=None if num_micro_batches is None else int(num_micro_batches),
     micro_batch_size=None if micro_batch_size is None else int(micro_batch_size),
@@ -216,6 +225,8 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     data_axes=data_axes,
     param_specs=get("param_specs"),
     fsdp_gather=fsdp_gather,
+    gather_dtype=gather_dtype,
+    view=view,
     noise_stats=bool(get("noise_stats")),
     value_checks=bool(get("value_checks")),
     tree_grads=isinstance(argnums, numbers.Integral),
@@ -284,6 +295,28 @@ def _one_position(name: str, n: Any) -> int | None:
   if n is None:
     return None
   return _as_tuple(n, name)[0]
+
+
+def _gather_dtype(fsdp_gather: str, gather_dtype: Any) -> Any:
+  """``gather_dtype`` checked: a floating dtype, given for ``"cast_once"``
+  (which needs it) and only then."""
+  if fsdp_gather != "cast_once":
+    if gather_dtype is not None:
+      raise ValueError(
+        f"gather_dtype={gather_dtype!r} is for fsdp_gather='cast_once', not "
+        f"{fsdp_gather=}."
+      )
+    return None
+  if gather_dtype is None:
+    raise ValueError(
+      "fsdp_gather='cast_once' casts the FSDP leaves to gather_dtype before "
+      "gathering them once per step: name it, e.g. gather_dtype=jnp.bfloat16 "
+      "(exact when fun's first use of each FSDP leaf is that cast)."
+    )
+  dtype = jnp.dtype(gather_dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"gather_dtype must be a floating dtype, got {dtype}.")
+  return dtype
 
 
 def _check_remat(remat: Any) -> bool | Callable[..., Any]:

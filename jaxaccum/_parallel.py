@@ -1,54 +1,68 @@
-"""The data-parallel path: local accumulation, ONE gradient reduction per step.
+"""The data-parallel path (``mesh=``): each device accumulates its own rows.
 
-Accumulating under plain ``jit`` over a sharded batch leaves the reduction to
-the partitioner, which places an all-reduce of the gradients inside the loop
-body: ``k`` reductions per step. Here the step keeps one gradient per device
+Accumulating under plain ``jit`` over a sharded batch leaves every decision
+to the partitioner: it all-reduces a replicated parameter's gradient inside
+the loop, ``k`` times per step. Here the step is laid out over the data axes
 instead, in global view:
 
-1. The batch, sharded over the data axes, is laid out as ``(D, k, m / D,
-   ...)``: one block per device, so micro-batch ``i`` is the ``i``-th slice
-   of every device's shard and no data moves (``_split``).
-2. The micro step runs ``vmap``-ped over the blocks, with
-   ``spmd_axis_name`` set to the data axes: every device computes the
-   gradient of its own rows, ``(D, *shape)``, and nothing is summed over
-   devices inside the loop. ``fun`` sees one device's micro-batch and the
-   mesh as under plain ``jit``: its sharding annotations on the other axes
-   (a tensor-parallel ``"model"``), flax's layers, concrete-mesh constraints
-   all work as they do there.
-3. After the loop, one reduction: the sum over devices, constrained to each
-   parameter's sharding (a reduce-scatter for a parameter sharded over data
-   axes, FSDP; an all-reduce otherwise).
+1. **The batch** is laid out as ``(D, k, m / D, ...)``: one block per device,
+   micro-batch ``i`` the ``i``-th slice of every device's shard, so no row
+   moves (``_split``).
+2. **The micro step** runs ``fun`` on one device's rows, ``vmap``-ped over the
+   data axes with ``spmd_axis_name``, one ``vmap`` level per data axis:
+   ``fun`` sees one device's micro-batch and the mesh as under plain ``jit``
+   (annotations on the other axes, a tensor-parallel ``"model"``, work as
+   there). Device ``d``'s micro-batch ``i`` gets the key of global
+   micro-batch ``d * k + i``; each device threads its own state.
+3. **The gradient** is taken of the *sum* of the devices' losses. A leaf
+   each device has its own copy of (a per-device input of the ``vmap``)
+   gets its own gradient per device; a leaf shared by the devices of a data
+   axis (an unmapped input along it) gets the gradient summed over them,
+   and the partitioner places that reduction where plain ``jit`` would:
+   inside the model's backward layer loop, a reduce-scatter per layer on a
+   GPU or TPU. Each parameter leaf has a :class:`Placement` that says which
+   it is.
+4. **After the loop**, one reduction: every per-device accumulator summed
+   over its devices into the parameter's sharding.
 
-FSDP leaves (parameters sharded over data axes) have two modes
-(``fsdp_gather``):
+The placements, chosen in one place (:meth:`DataParallel.placements`):
 
-- ``"per_micro_batch"`` (default): the forward uses the weight gathered
-  where it is needed, as the full-batch step does, and each micro-batch's
-  gradient is reduce-scattered over the FSDP axes into a float32 accumulator
-  sharded like the parameter, ``P / D`` per device. Data axes the leaf is
-  replicated over (HSDP's replica axes) are reduced once, after the loop.
-- ``"once"``: the weight is gathered before the loop and the full gradient
-  accumulated per device; one reduce-scatter after the loop, no collective
-  inside it. Choose it when communication, not memory, is the limit.
+- **replicated** leaves (not sharded over a data axis): a copy per device,
+  reduced once, after the loop;
+- **FSDP** leaves (sharded over data axes), by ``fsdp_gather``:
 
-The micro-batch index folded into the key is global: micro-batch ``i`` of
-device ``d`` is ``d * k + i``, ``d`` counting the data axes' devices in the
-order the batch is sharded. With ``D`` devices and ``k`` micro-batches per
-device, the result therefore equals the single-device result with ``D * k``
-micro-batches, keys included.
+  - ``"per_micro_batch"`` (default): shared along the axes they are sharded
+    over, so that each micro-batch's gradient is reduce-scattered inside
+    the backward pass into a float32 accumulator sharded like the
+    parameter; an optimization barrier keeps each weight's gather inside
+    the loop, where the full-batch step has it. HSDP's replica axes (the
+    data axes a leaf is replicated over) get a copy per replica, reduced
+    once, after the loop.
+  - ``"cast_once"``: cast to ``gather_dtype`` and gathered once per step,
+    before the loop; shared and reduce-scattered per micro-batch as above.
+  - ``"once"``: gathered once, in its own dtype; a copy per device, the
+    whole gradient accumulated on each and reduce-scattered once after the
+    loop. No collective inside the loop.
+
+With ``view="global"`` (:class:`_GlobalStep`) ``fun`` sees the global
+micro-batch instead, as under plain ``jit``, and the partitioner places
+every collective.
+
+On Explicit meshes the data axes are Auto inside the step (the partitioner
+places what shared leaves need), and the results come back typed on the
+Explicit mesh.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _compat, _engine, _normalize, _sharding, _tree
@@ -64,6 +78,34 @@ class HiddenShardingWarning(UserWarning):
   Auto axes, without ``param_specs``), and they are treated as replicated."""
 
 
+class Placement(NamedTuple):
+  """How one differentiated leaf reaches the micro step.
+
+  Attributes:
+    spec: its split spec (None where unknown: treated as replicated).
+    copies: the data axes along which each device gets its own copy, whose
+      gradient stays per device until the one reduction after the loop. The
+      leaf's other data axes (those it is sharded over) share it: its
+      gradient is summed over them inside the backward pass.
+    before_loop: ``"as_is"``, ``"gather"`` (gathered over its data axes
+      once, before the loop) or ``"cast_gather"`` (cast to ``gather_dtype``
+      first).
+    barrier: passes an optimization barrier with the micro-batch index in
+      each micro step, so that its gather is not hoisted out of the loop.
+  """
+
+  spec: _sharding.SplitSpec | None
+  copies: tuple[str, ...]
+  before_loop: str = "as_is"
+  barrier: bool = False
+
+  @property
+  def shared(self) -> bool:
+    """Whether some data axes share the leaf (its gradient is summed over
+    them inside the backward pass)."""
+    return _fsdp(self.spec) and self.before_loop != "gather"
+
+
 class DataParallel:
   """Runs an :class:`Engine` data-parallel over the mesh's data axes."""
 
@@ -75,7 +117,7 @@ class DataParallel:
     self.devices = options.data_devices
     self.sizes = tuple(self.mesh.shape[a] for a in self.axes)
     types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
-    self.explicit = any(types[a] == AxisType.Explicit for a in self.mesh.axis_names)
+    self.explicit = any(types[a] == AxisType.Explicit for a in self.axes)
 
   # -- what a compiled step is for ------------------------------------------
 
@@ -107,6 +149,22 @@ class DataParallel:
           else _sharding.split_spec(spec, jnp.ndim(x), self.axes, what)
         )
     return tuple(specs)
+
+  def placements(self, layout: Layout) -> tuple[Placement, ...]:
+    """Each leaf's :class:`Placement`: the one place the strategy is chosen
+    (see the module docstring)."""
+    mode = self.options.fsdp_gather
+    placed = []
+    for s in layout:
+      if s is None or not _fsdp(s):
+        placed.append(Placement(s, self.axes))
+      elif mode == "once":
+        placed.append(Placement(s, self.axes, before_loop="gather"))
+      elif mode == "cast_once":
+        placed.append(Placement(s, _kept_axes(s, self.axes), "cast_gather"))
+      else:
+        placed.append(Placement(s, _kept_axes(s, self.axes), barrier=True))
+    return tuple(placed)
 
   def _warn_if_hidden(self, o: Options, layout: Layout, args: tuple[Any, ...]) -> None:
     """Warns, once per traced step, where the parameters' shardings are not
@@ -149,218 +207,322 @@ class DataParallel:
   def __call__(
     self, engine: Engine, layout: Layout, args: tuple[Any, ...], kwargs: dict[str, Any]
   ) -> _engine.Result:
-    """The step, traced: plan, gather, loop, reduce, normalize."""
+    """The step, traced: plan, place, loop, reduce, normalize."""
     with _mesh_context(self.mesh):
       o = engine.options
       engine.check_args(args)
       self._warn_if_hidden(o, layout, args)
+      placements = self.placements(layout)
+      if o.view == "global":
+        return _GlobalStep(self, engine, placements)(args, kwargs)
       split = engine.plan(args, devices=self.devices)
-      _engine.check_noise_estimable(o, self.devices * split.num_micro_batches)
-      diff_args = tuple(args[n] for n in o.argnums)
-      call_args, kwargs = self._whole_on_every_device(o, args, kwargs)
-      for n, d in zip(o.argnums, self._gather_once(diff_args, layout), strict=True):
-        call_args[n] = d
-      state_in = None if o.state_argnum is None else args[o.state_argnum]
-      sums = engine.sums(
-        tuple(call_args),
-        kwargs,
-        split,
-        step=self._per_device_step(engine, tuple(call_args), kwargs, split, layout),
-        accumulator=self._accumulator(o, layout),
-        state=None if state_in is None else self._device_states(state_in),
-        per_block=True,
-      )
-      sums = self._reduce(sums, layout, state_in)
-      result = engine.finish(sums, diff_args)
-      return result._replace(
-        grads=_map_leaves(self._like_parameter, result.grads, layout)
-      )
+      step = _Step(self, engine, placements, split)
+      total = split.num_micro_batches * (1 if step.shared else self.devices)
+      _engine.check_noise_estimable(o, total)
+      if not self.explicit:
+        return step(args, kwargs)
+      return self._data_axes_auto(step, args, kwargs)
 
-  def _whole_on_every_device(
-    self, o: Options, args: tuple[Any, ...], kwargs: dict[str, Any]
-  ) -> tuple[list[Any], dict[str, Any]]:
-    """On Explicit axes, the batch sharded over the data axes, and the arrays
-    that reach every micro-batch whole (those outside the batch, the
-    parameters and the state) resharded off them: a ``vmap`` over the data
-    axes wants its mapped axis sharded along them, and refuses an unmapped
-    value sharded along them."""
-    if not self.explicit:
-      return list(args), kwargs
-    keep = set(o.argnums) | {o.state_argnum}
-    off = lambda tree: jax.tree.map(self._off_data_axes, tree)  # noqa: E731
-    call_args = [
-      self._on_data_axes(a) if n in o.batch_argnums else (a if n in keep else off(a))
-      for n, a in enumerate(args)
-    ]
-    return call_args, off(kwargs)
+  def _data_axes_auto(
+    self, step: _Step, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> _engine.Result:
+    """``step`` with the data axes Auto (the partitioner places what the
+    shared leaves need), its results typed on the Explicit mesh again."""
+    auto = self.mesh.abstract_mesh.update_axis_types(
+      {a: AxisType.Auto for a in self.axes}
+    )
+    with jax.sharding.use_abstract_mesh(auto):
+      args, kwargs = jax.tree.map(self._without_data_axes, (args, kwargs))
+      result = step(args, kwargs)
+      out_specs = step.out_specs(result)
+    return jax.tree.map(
+      lambda x, spec: jax.sharding.reshard(x, _explicit_only(spec, self.mesh)),
+      result,
+      out_specs,
+    )
 
-  def _on_data_axes(self, batch: PyTree) -> PyTree:
-    """Batch leaves with their leading axis sharded over the data axes, the
-    other axes as they are."""
-
-    def on(x):
-      split = _sharding.split_spec(_compat.visible_spec(x), jnp.ndim(x), self.axes)
-      if split.data[0] == self.axes:
-        return x
-      return self._constrain(x, P(_entry(self.axes), *tuple(split.other_spec())[1:]))
-
-    return jax.tree.map(on, batch)
-
-  def _off_data_axes(self, x: Any) -> Any:
-    """``x`` with the data axes removed from its sharding (Explicit axes)."""
+  def _without_data_axes(self, x: Any) -> Any:
+    """``x`` typed without the data axes (they are Auto inside the step)."""
     spec = _compat.explicit_spec(x) if isinstance(x, jax.Array) else None
     if spec is None:
       return x
-    split = _sharding.split_spec(spec, jnp.ndim(x), self.axes)
-    return x if not split.sharded_dims() else self._constrain(x, split.other_spec())
+    return jax.sharding.reshard(x, P(*(_without(e, set(self.axes)) for e in spec)))
 
-  def _gather_once(self, diff_args: tuple[PyTree, ...], splits: Any) -> Any:
-    """With ``fsdp_gather="once"``, FSDP leaves gathered over their data axes
-    before the loop (the other axes keep their sharding)."""
-    if self.options.fsdp_gather != "once":
-      return diff_args
-    return _map_leaves(
-      lambda x, s: self._constrain(x, s.other_spec()) if _fsdp(s) else x,
-      diff_args,
-      splits,
+  def constrain(self, x: jax.Array, spec: P) -> jax.Array:
+    """``x`` laid out as ``spec`` on the mesh of the context (where the data
+    axes are Auto): a reshard along its Explicit axes (a mesh may mix the
+    two), a sharding constraint along the others."""
+    context = jax.sharding.get_abstract_mesh()
+    explicit = {
+      n
+      for n, t in zip(context.axis_names, context.axis_types, strict=True)
+      if t == AxisType.Explicit
+    }
+    entries = [*spec, *(None,) * (jnp.ndim(x) - len(spec))]
+    if not explicit:
+      return jax.lax.with_sharding_constraint(x, P(*entries))
+    if all(e is P.UNCONSTRAINED for e in entries):
+      return x
+    now = [*(_compat.explicit_spec(x) or ()), *(None,) * jnp.ndim(x)]
+    x = jax.sharding.reshard(
+      x,
+      P(
+        *(
+          now[d] if e is P.UNCONSTRAINED else _only(e, explicit)
+          for d, e in enumerate(entries)
+        )
+      ),
     )
+    rest = [
+      P.UNCONSTRAINED
+      if e is P.UNCONSTRAINED or _only(e, explicit)
+      else _without(e, explicit)
+      for e in entries
+    ]
+    if all(e is None or e is P.UNCONSTRAINED for e in rest):
+      return x
+    return jax.lax.with_sharding_constraint(x, P(*rest))
 
-  def _per_device_step(
+
+class _Step:
+  """One traced step of the default view, in the chapters of
+  :meth:`__call__`: the leaves as the loop takes them, the micro step, the
+  accumulators and the one reduction after the loop."""
+
+  def __init__(
     self,
+    parallel: DataParallel,
     engine: Engine,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    placements: tuple[Placement, ...],
     split: Any,
-    layout: Layout,
+  ):
+    self.parallel = parallel
+    self.engine = engine
+    self.options = engine.options
+    self.placements = placements
+    self.split = split
+    self.shared = any(p.shared for p in placements)
+    self.mesh = parallel.mesh
+    self.axes = parallel.axes
+    self.sizes = parallel.sizes
+    self.devices = parallel.devices
+
+  def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _engine.Result:
+    o = self.options
+    diff_args = tuple(args[n] for n in o.argnums)
+    call_args = list(args)
+    for n, placed in zip(o.argnums, self._before_loop(diff_args), strict=True):
+      call_args[n] = placed
+    state_in = None if o.state_argnum is None else args[o.state_argnum]
+    sums = self.engine.sums(
+      tuple(call_args),
+      kwargs,
+      self.split,
+      step=self._micro_step(tuple(call_args), kwargs),
+      accumulator=self._accumulator(),
+      state=None if state_in is None else self._device_states(state_in),
+      per_block=True,
+    )
+    sums = sums._replace(
+      grads=self._map(self._after_loop, sums.grads),
+      aux=jax.tree.map(_device_major, sums.aux),
+      state=None if state_in is None else _reduce_state(sums.state, state_in),
+    )
+    return self.engine.finish(sums, diff_args)
+
+  def out_specs(self, result: _engine.Result) -> Any:
+    """The specs of ``result``'s leaves on the mesh: the gradients like
+    their parameters, the aux rows over the data axes, the rest as traced."""
+    data = _entry(self.axes)
+
+    def traced(x, leading=None):
+      spec = _compat.explicit_spec(x)
+      entries = list(spec) if spec is not None else [None] * jnp.ndim(x)
+      if leading is not None and entries:
+        entries[0] = leading
+      return P(*entries)
+
+    if self.options.state_argnum is None:
+      aux = jax.tree.map(lambda x: traced(x, data), result.aux)
+    else:
+      aux = (
+        jax.tree.map(lambda x: traced(x, data), result.aux[0]),
+        jax.tree.map(traced, result.aux[1]),
+      )
+    return result._replace(
+      value=traced(result.value),
+      aux=aux,
+      grads=self._map(
+        lambda g, p: P() if p.spec is None else p.spec.full_spec(), result.grads
+      ),
+      noise=jax.tree.map(traced, result.noise),
+      total_weight=traced(result.total_weight),
+    )
+
+  # -- chapter 1: the leaves as the loop takes them ---------------------------
+
+  def _before_loop(self, diff_args: tuple[PyTree, ...]) -> tuple[PyTree, ...]:
+    """Gathered (and cast) where the placement says so, then copied along
+    the axes of their copies: ``(*copy sizes, *shape)``, one copy per
+    device."""
+
+    def place(x, p):
+      if p.before_loop != "as_is" and p.spec is not None:
+        if p.before_loop == "cast_gather":
+          x = x.astype(self.options.gather_dtype)
+        x = self.parallel.constrain(x, p.spec.other_spec())
+      if not p.copies:
+        return x
+      sizes = tuple(self.mesh.shape[a] for a in p.copies)
+      copies = jnp.broadcast_to(x, (*sizes, *jnp.shape(x)))
+      return self.parallel.constrain(copies, P(*p.copies, *_inner_spec(p)))
+
+    return self._map(place, diff_args)
+
+  # -- chapter 2: the micro step ------------------------------------------------
+
+  def _micro_step(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any]
   ) -> Callable[..., Any]:
-    """The engine's micro step, ``vmap``-ped over the devices' blocks: device
-    ``d``'s micro-batch ``i`` gets the key of global micro-batch ``d*k + i``.
-    On Explicit axes the FSDP leaves enter it gathered, as a ``vmap`` over
-    the data axes refuses an unmapped value sharded along them (on Auto axes
-    the partitioner gathers them where they are used)."""
-    k = split.num_micro_batches
-    base = engine.micro_step(args, kwargs, split, self.devices * k)
-    has_state = engine.options.state_argnum is not None
-    vmapped = jax.vmap(
-      _explained(base, self.axes),
-      in_axes=(None, 0, 0, 0 if has_state else None),
-      spmd_axis_name=self.axes,
+    """``step(diff_args, micro, index, state)``: every device's micro-batch,
+    the gradient of the sum of their losses (see the module docstring)."""
+    o = self.options
+    k = self.split.num_micro_batches
+    loss = _explained(
+      self.engine.micro_loss(args, kwargs, self.split, self.devices * k), self.axes
     )
-    offsets = self._constrain(
-      jnp.arange(self.devices, dtype=jnp.int32) * k, P(_entry(self.axes))
+    per_device = self._nested_vmap(loss, o.state_argnum is not None)
+    offsets = self.parallel.constrain(
+      (jnp.arange(self.devices, dtype=jnp.int32) * k).reshape(self.sizes),
+      P(*self.axes),
     )
+    rows = self.split.micro_batch_size // self.split.shards
 
     def step(diff_args, micro, index, state):
-      diff_args = self._gathered_per_micro_batch(diff_args, layout, index)
-      return vmapped(diff_args, micro, offsets + index, state)
+      diff_args = _with_barrier(diff_args, self.placements, index)
+      micro = jax.tree.map(self._unflatten_devices, micro)
+      if state is not None:
+        state = jax.tree.map(self._unflatten_devices, state)
 
-    return step
+      def total(diff_args):
+        losses, (weights, aux, new_state) = per_device(
+          diff_args, micro, offsets + index, state
+        )
+        return jnp.sum(losses), (losses, weights, aux, new_state)
 
-  def _gathered_per_micro_batch(
-    self, diff_args: Any, layout: Layout, index: jax.Array
-  ) -> Any:
-    """FSDP leaves as each micro-batch's forward takes them.
+      (_, out), grads = jax.value_and_grad(total, has_aux=True)(diff_args)
+      losses, weights, aux, new_state = jax.tree.map(self._flatten_devices, out)
+      noise = self._noise(grads, weights, rows) if o.noise_stats else None
+      return _engine.MicroOut(losses, weights, aux, new_state, noise), grads
 
-    In ``"per_micro_batch"`` mode they pass an optimization barrier with the
-    micro-batch index first: otherwise XLA sees a loop-invariant gather and
-    hoists it out of the loop, holding every full weight through it (1.6x
-    the full batch's peak on a parameter-dominated model). On Explicit axes
-    they are then gathered (a ``vmap`` over the data axes refuses an
-    unmapped value sharded along them); on Auto axes the partitioner gathers
-    each where it is used, as in the full-batch step.
-    """
-    if not any(map(_fsdp, layout)):
-      return diff_args
-    if self.options.fsdp_gather == "per_micro_batch":
-      leaves, treedef = jax.tree.flatten(diff_args)
-      fsdp = [x for x, s in zip(leaves, layout, strict=True) if _fsdp(s)]
-      fsdp, _ = jax.lax.optimization_barrier((fsdp, index))
-      it = iter(fsdp)
-      leaves = [
-        next(it) if _fsdp(s) else x for x, s in zip(leaves, layout, strict=True)
-      ]
-      diff_args = jax.tree.unflatten(treedef, leaves)
-    if self.explicit:
-      diff_args = _map_leaves(
-        lambda x, s: self._constrain(x, s.other_spec()) if _fsdp(s) else x,
-        diff_args,
-        layout,
-      )
-    return diff_args
+    return self.engine.rematerialized(step)
 
-  def _accumulator(self, options: Options, splits: Any) -> _engine.Accumulator:
-    """Per leaf: a gradient per device, ``(D, *shape)``; or, for an FSDP
-    leaf in ``"per_micro_batch"`` mode, each micro-batch's gradient summed
-    over its FSDP axes (a reduce-scatter) into an accumulator sharded like
-    the parameter, one entry per device of the other data axes."""
-    reduced = self._scattered_in_loop
+  def _nested_vmap(
+    self, loss: Callable[..., Any], has_state: bool
+  ) -> Callable[..., Any]:
+    """``loss`` on every device: one ``vmap`` per data axis, each leaf of
+    the differentiated arguments mapped along the axes of its copies."""
+    fun = loss
+    for axis in reversed(self.axes):
+      diff_axes = [0 if axis in p.copies else None for p in self.placements]
+      fun = _vmap_level(fun, axis, diff_axes, has_state)
+    return fun
 
-    def layout(x, s):
-      """The accumulator's leading size and its spec."""
-      kept = self._kept_axes(s) if reduced(s) else self.axes
-      groups = math.prod(self.mesh.shape[a] for a in kept)
-      if s is None:
-        inner: tuple[Any, ...] = (P.UNCONSTRAINED,) * jnp.ndim(x)
-      else:
-        inner = tuple(s.full_spec() if reduced(s) else s.other_spec())
-      return groups, P(_entry(kept), *inner)
+  def _noise(
+    self, grads: tuple[PyTree, ...], weights: jax.Array, rows: int
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The noise terms of each device's micro-batch; with shared leaves,
+    whose gradients are only ever summed over devices, those of the global
+    micro-batch (the devices' gradients, divisors and examples summed)."""
+    o = self.options
+    if not self.shared:
+      flat = jax.tree.leaves(self._map(self._flat_copies, grads))
+      sq = jax.vmap(lambda *g: _tree.sq_norm(g))(*flat)
+      return _engine.noise_terms(o, sq, weights, rows)
+    summed = self._map(lambda g, p: jnp.sum(g, axis=tuple(range(len(p.copies)))), grads)
+    _, divisors, examples = _engine.noise_terms(o, weights, weights, rows)
+    ones = jnp.ones_like(weights)
+    return (
+      _tree.sq_norm(summed)[None],
+      jnp.sum(divisors * ones)[None],
+      jnp.sum(examples * ones)[None],
+    )
 
-    def dtype(x):
-      return _normalize.accumulator_dtype(options.accum_dtype, x)
+  def _flat_copies(self, g: jax.Array, p: Placement) -> jax.Array:
+    """A per-device gradient ``(*copy sizes, ...)`` as ``(D, ...)``."""
+    return g.reshape(self.devices, *g.shape[len(p.copies) :])
 
-    def zeros(x, s):
-      groups, spec = layout(x, s)
-      return self._constrain(jnp.zeros((groups, *jnp.shape(x)), dtype(x)), spec)
+  def _unflatten_devices(self, x: jax.Array) -> jax.Array:
+    return x.reshape(*self.sizes, *x.shape[1:])
 
-    def fold(g, s):
-      """One micro-batch's ``(D, *shape)`` gradient, as its accumulator holds it."""
-      g = g.astype(dtype(g))
-      return self._reduce_scatter(g, s) if reduced(s) else g
+  def _flatten_devices(self, x: jax.Array) -> jax.Array:
+    return x.reshape(self.devices, *x.shape[len(self.sizes) :])
+
+  # -- chapter 3: accumulate, then reduce once --------------------------------
+
+  def _accumulator(self) -> _engine.Accumulator:
+    """Per leaf, a float32 (or wider) accumulator shaped and sharded like
+    the leaf in the loop: a copy per device along its copies' axes, and
+    sharded like the parameter along the others."""
+    dtype = self.options.accum_dtype
+
+    def spec(x, p):
+      return P(*p.copies, *_accumulator_spec(p, jnp.ndim(x) - len(p.copies)))
+
+    def fold(g, p):
+      like = _normalize.accumulator_dtype(dtype, g)
+      return self.parallel.constrain(g.astype(like), spec(g, p))
 
     return _engine.Accumulator(
-      init=lambda diff: _map_leaves(zeros, diff, splits),
-      first=lambda grads: _map_leaves(fold, grads, splits),
-      add=lambda acc, grads: jax.tree.map(
-        jnp.add, acc, _map_leaves(fold, grads, splits)
+      init=lambda diff: self._map(lambda x, p: fold(jnp.zeros_like(x), p), diff),
+      first=lambda grads: self._map(fold, grads),
+      add=lambda acc, grads: self._map(
+        lambda a, g, p: self.parallel.constrain(a + g.astype(a.dtype), spec(a, p)),
+        acc,
+        grads,
       ),
     )
 
-  def _reduce_scatter(self, g: jax.Array, s: _sharding.SplitSpec) -> jax.Array:
-    """``(D, *shape)`` per-device gradients summed over the leaf's FSDP axes
-    and scattered to its sharding: ``(R, *shape)``, ``R`` the devices of the
-    other data axes. A reduce-scatter, written as one (in a ``shard_map``
-    over the data axes and the leaf's other axes) rather than left to the
-    partitioner, which may all-reduce and slice."""
-    kept = self._kept_axes(s)
+  def _after_loop(self, acc: jax.Array, p: Placement) -> jax.Array:
+    """The accumulator summed over its copies, into the parameter's sharding:
+    an all-reduce, or for a leaf gathered once a reduce-scatter over the
+    axes it is sharded over (written as one, rather than left to the
+    partitioner, which may all-reduce and slice)."""
+    copies = len(p.copies)
+    if p.before_loop == "gather" and p.spec is not None:
+      acc = self._reduce_scatter(acc, p.spec)
+      copies = len(_kept_axes(p.spec, self.axes))
+    if copies:
+      acc = jnp.sum(acc, axis=tuple(range(copies)))
+    return acc if p.spec is None else self.parallel.constrain(acc, p.spec.full_spec())
+
+  def _reduce_scatter(self, acc: jax.Array, s: _sharding.SplitSpec) -> jax.Array:
+    """``(*data sizes, *shape)`` per-device sums, reduce-scattered over the
+    data axes the leaf is sharded over: ``(*kept sizes, *shape)``, the
+    copies along its kept data axes left for the sum after."""
+    kept = _kept_axes(s, self.axes)
     others = {n for names in s.other for n in names}
-    in_spec = P(_entry(self.axes), *s.other_spec())
-    out_spec = P(_entry(kept), *s.full_spec())
 
     def scatter(local):
-      x = local[0]
+      x = local.reshape(local.shape[len(self.axes) :])
       for dim, names in s.sharded_dims():
         over = tuple(n for n in names if self.mesh.shape[n] > 1)
         if over:
           x = jax.lax.psum_scatter(x, over, scatter_dimension=dim, tiled=True)
-      return x[None]
+      return x.reshape((1,) * len(kept) + x.shape)
 
-    mapped = jax.shard_map(
+    return jax.shard_map(
       scatter,
-      mesh=self.mesh,
-      in_specs=in_spec,
-      out_specs=out_spec,
+      mesh=jax.sharding.get_abstract_mesh(),
+      in_specs=P(*self.axes, *s.other_spec()),
+      out_specs=P(*kept, *s.full_spec()),
       axis_names=set(self.axes) | others,
-    )
-    return mapped(g)
+    )(acc)
 
-  def _scattered_in_loop(self, s: _sharding.SplitSpec | None) -> bool:
-    """Whether a leaf's gradient is reduce-scattered in the loop: an FSDP
-    leaf in ``"per_micro_batch"`` mode."""
-    return self.options.fsdp_gather == "per_micro_batch" and _fsdp(s)
+  # -- the rest --------------------------------------------------------------
 
-  def _kept_axes(self, s: _sharding.SplitSpec) -> tuple[str, ...]:
-    """The data axes a leaf is replicated over (HSDP's replica axes)."""
-    return tuple(a for a in self.axes if a not in s.data_axes_used())
+  def _map(self, fun: Callable[..., Any], *trees: PyTree) -> PyTree:
+    return _map_placed(fun, self.placements, *trees)
 
   def _device_states(self, state: PyTree) -> PyTree:
     """Each device's copy of the state, ``(D, ...)``, with the device index
@@ -374,43 +536,147 @@ class DataParallel:
       else:
         copies = jnp.broadcast_to(jnp.asarray(x), (self.devices, *jnp.shape(x)))
       other = _sharding.split_spec(_compat.visible_spec(x), jnp.ndim(x), self.axes)
-      return self._constrain(copies, P(_entry(self.axes), *other.other_spec()))
+      return self.parallel.constrain(copies, P(_entry(self.axes), *other.other_spec()))
 
     return jax.tree.map(per_device, state)
 
-  def _reduce(self, sums: _engine.Sums, splits: Any, state_in: PyTree) -> _engine.Sums:
-    """The one reduction over devices, after the loop: the gradients summed
-    into each parameter's sharding; the aux in device-major order; the
-    devices' states made one."""
-    grads = _map_leaves(self._sum_over_devices, sums.grads, splits)
-    return sums._replace(
-      grads=grads,
-      aux=jax.tree.map(_device_major, sums.aux),
-      state=None if state_in is None else _reduce_state(sums.state, state_in),
+
+class _GlobalStep:
+  """``view="global"``: ``fun`` on the global micro-batch, as under plain
+  ``jit``, each micro-batch the ``i``-th slice of every device's rows (no row
+  moves); the partitioner places every collective. The accumulator is kept
+  sharded like the parameters, and FSDP leaves keep their gathers inside
+  the loop (an optimization barrier), as in the default view."""
+
+  def __init__(
+    self, parallel: DataParallel, engine: Engine, placements: tuple[Placement, ...]
+  ):
+    if engine.options.fsdp_gather == "once":
+      raise ValueError(
+        "fsdp_gather='once' keeps a gradient per device until after the loop, "
+        "which needs view='device' (fun on one device's rows); with "
+        "view='global' choose fsdp_gather='per_micro_batch' or 'cast_once'."
+      )
+    self.parallel = parallel
+    self.engine = engine
+    self.placements = placements
+
+  def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _engine.Result:
+    o = self.engine.options
+    split = self.engine.plan(args)
+    _engine.check_noise_estimable(o, split.num_micro_batches)
+    diff_args = tuple(args[n] for n in o.argnums)
+    call_args = list(args)
+    for n, placed in zip(
+      o.argnums, self._map(self._before_loop, diff_args), strict=True
+    ):
+      call_args[n] = placed
+    base = self.engine.micro_step(
+      tuple(call_args), kwargs, split, split.num_micro_batches, split.micro_batch_size
     )
 
-  def _sum_over_devices(
-    self, acc: jax.Array, s: _sharding.SplitSpec | None
-  ) -> jax.Array:
-    """An accumulator summed over its leading axis (devices), into the
-    parameter's sharding: reduce-scattered over the leaf's FSDP axes where
-    that was not done in the loop, all-reduced over the rest."""
-    if s is not None and _fsdp(s) and not self._scattered_in_loop(s):
-      acc = self._reduce_scatter(acc, s)
-    return self._like_parameter(jnp.sum(acc, axis=0), s)
+    def step(diff_args, micro, index, state):
+      return base(_with_barrier(diff_args, self.placements, index), micro, index, state)
 
-  def _like_parameter(self, g: jax.Array, s: _sharding.SplitSpec | None) -> jax.Array:
-    """``g`` sharded like its parameter, where that is known."""
-    return g if s is None else self._constrain(g, s.full_spec())
+    sums = self.engine.sums(
+      tuple(call_args), kwargs, split, step=step, accumulator=self._accumulator()
+    )
+    result = self.engine.finish(sums, diff_args)
+    return result._replace(grads=self._map(self._like_parameter, result.grads))
 
-  def _constrain(self, x: jax.Array, spec: P) -> jax.Array:
-    """``x`` laid out as ``spec`` on the mesh: a reshard on Explicit axes, a
-    sharding constraint on Auto ones."""
-    if self.explicit:
-      return jax.sharding.reshard(
-        x, NamedSharding(self.mesh, _explicit_only(spec, self.mesh))
-      )
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+  def _before_loop(self, x: jax.Array, p: Placement) -> jax.Array:
+    if p.before_loop != "cast_gather" or p.spec is None:
+      return x
+    gathered = x.astype(self.engine.options.gather_dtype)
+    return self.parallel.constrain(gathered, p.spec.other_spec())
+
+  def _accumulator(self) -> _engine.Accumulator:
+    """Float32 (or wider) sums, sharded like the parameters."""
+    dtype = self.engine.options.accum_dtype
+
+    def fold(g, p):
+      return self._like_parameter(g.astype(_normalize.accumulator_dtype(dtype, g)), p)
+
+    return _engine.Accumulator(
+      init=lambda diff: self._map(lambda x, p: fold(jnp.zeros_like(x), p), diff),
+      first=lambda grads: self._map(fold, grads),
+      add=lambda acc, grads: self._map(
+        lambda a, g, p: self._like_parameter(a + g.astype(a.dtype), p), acc, grads
+      ),
+    )
+
+  def _like_parameter(self, x: jax.Array, p: Placement) -> jax.Array:
+    return x if p.spec is None else self.parallel.constrain(x, p.spec.full_spec())
+
+  def _map(self, fun: Callable[..., Any], *trees: PyTree) -> PyTree:
+    return _map_placed(fun, self.placements, *trees)
+
+
+def _inner_spec(p: Placement) -> tuple[Any, ...]:
+  """The spec of one copy of a leaf inside the loop."""
+  if p.spec is None:
+    return ()
+  return tuple(p.spec.full_spec() if p.before_loop == "as_is" else p.spec.other_spec())
+
+
+def _accumulator_spec(p: Placement, ndim: int) -> tuple[Any, ...]:
+  """The spec of one copy of a leaf's accumulator: sharded like the
+  parameter, but for a leaf gathered once, whose whole gradient each device
+  keeps until after the loop."""
+  if p.spec is None:
+    return (P.UNCONSTRAINED,) * ndim
+  return tuple(p.spec.other_spec() if p.before_loop == "gather" else p.spec.full_spec())
+
+
+def _map_placed(
+  fun: Callable[..., Any], placements: tuple[Placement, ...], *trees: PyTree
+) -> PyTree:
+  """``fun(*leaves, placement)`` over the leaves of ``trees`` (shaped like
+  the differentiated arguments) and their placements."""
+  flat = [jax.tree.flatten(t) for t in trees]
+  leaves = [
+    fun(*xs, p) for *xs, p in zip(*(f[0] for f in flat), placements, strict=True)
+  ]
+  return jax.tree.unflatten(flat[0][1], leaves)
+
+
+def _with_barrier(
+  diff_args: tuple[PyTree, ...], placements: tuple[Placement, ...], index: jax.Array
+) -> tuple[PyTree, ...]:
+  """The leaves placed with a ``barrier`` pass an optimization barrier with
+  the micro-batch index: otherwise XLA sees a loop-invariant gather and
+  hoists it out of the loop, holding every full weight through it."""
+  leaves, treedef = jax.tree.flatten(diff_args)
+  held = [x for x, p in zip(leaves, placements, strict=True) if p.barrier]
+  if not held:
+    return diff_args
+  held, _ = jax.lax.optimization_barrier((held, index))
+  it = iter(held)
+  leaves = [
+    next(it) if p.barrier else x for x, p in zip(leaves, placements, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _vmap_level(
+  fun: Callable[..., Any], axis: str, diff_axes: list[int | None], has_state: bool
+) -> Callable[..., Any]:
+  """One ``vmap`` level over data axis ``axis``: the micro-batch, the index
+  and the state mapped; each differentiated leaf as ``diff_axes`` says."""
+
+  def level(diff_args, micro, index, state):
+    treedef = jax.tree.structure(diff_args)
+    in_axes = (
+      jax.tree.unflatten(treedef, diff_axes),
+      0,
+      0,
+      0 if has_state else None,
+    )
+    return jax.vmap(fun, in_axes=in_axes, spmd_axis_name=axis)(
+      diff_args, micro, index, state
+    )
+
+  return level
 
 
 def mesh_context(mesh: jax.sharding.Mesh | None) -> Any:
@@ -434,15 +700,28 @@ def _mesh_context(mesh: jax.sharding.Mesh) -> Any:
 def _explicit_only(spec: P, mesh: jax.sharding.Mesh) -> P:
   """``spec`` without the axes that are not Explicit (a reshard names only
   those)."""
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  explicit = {
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t == AxisType.Explicit
+  }
+  return P(*(_only(e, explicit) for e in spec))
 
-  def keep(entry):
-    if entry is None or entry is P.UNCONSTRAINED:
-      return None
-    names = entry if isinstance(entry, tuple) else (entry,)
-    return _entry(tuple(n for n in names if types.get(n) == AxisType.Explicit))
 
-  return P(*(keep(e) for e in spec))
+def _only(entry: Any, axes: set[str]) -> Any:
+  """A spec entry restricted to ``axes``."""
+  return _entry(tuple(n for n in _names(entry) if n in axes))
+
+
+def _without(entry: Any, axes: set[str]) -> Any:
+  """A spec entry without ``axes``."""
+  return _entry(tuple(n for n in _names(entry) if n not in axes))
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return entry if isinstance(entry, tuple) else (entry,)
 
 
 def _entry(names: tuple[str, ...]) -> Any:
@@ -466,13 +745,9 @@ def _fsdp(s: _sharding.SplitSpec | None) -> bool:
   return s is not None and bool(s.sharded_dims())
 
 
-def _map_leaves(fun: Callable[..., Any], tree: PyTree, layout: Layout) -> PyTree:
-  """``fun(leaf, split)`` over the leaves of ``tree`` and their split specs,
-  one per leaf in order (None where unknown)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return jax.tree.unflatten(
-    treedef, [fun(x, s) for x, s in zip(leaves, layout, strict=True)]
-  )
+def _kept_axes(s: _sharding.SplitSpec, axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The data axes a leaf is replicated over (HSDP's replica axes)."""
+  return tuple(a for a in axes if a not in s.data_axes_used())
 
 
 def _device_major(x: jax.Array) -> jax.Array:
@@ -506,10 +781,9 @@ def _reduce_state(state: PyTree, state_in: PyTree) -> PyTree:
 
 def _final_key(new: jax.Array, old: jax.Array) -> jax.Array:
   """``old`` if device 0 left its key as it got it, else device 0's key."""
-  data = jax.random.key_data(new)
-  if _compat.explicit_spec(data) is not None:  # device 0's entry, replicated
-    data = jax.sharding.reshard(data, P())
-  new_zero = jax.random.wrap_key_data(data[0], impl=jax.random.key_impl(new))
+  new_zero = jax.random.wrap_key_data(
+    jax.random.key_data(new)[0], impl=jax.random.key_impl(new)
+  )
   changed = jnp.any(
     jax.random.key_data(new_zero) != jax.random.key_data(_tree.fold_in(old, 0))
   )

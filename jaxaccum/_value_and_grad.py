@@ -40,6 +40,8 @@ def value_and_grad(
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: PyTree | None = None,
   fsdp_gather: str = "per_micro_batch",
+  gather_dtype: Any = None,
+  view: str = "device",
   noise_stats: bool = False,
   value_checks: bool = False,
 ) -> Callable[..., Any]:
@@ -102,36 +104,59 @@ def value_and_grad(
       checkpoint layers inside the model (``nnx.remat``, ``nn.remat``).
     mesh: a ``jax.sharding.Mesh`` for data parallelism. Each device splits
       its own shard of the batch into ``k`` micro-batches (or micro-batches of
-      ``micro_batch_size`` rows) and accumulates its own gradient; ONE
-      reduction of the gradients runs after the loop. ``fun`` sees one
+      ``micro_batch_size`` rows) and accumulates its own gradient; replicated
+      parameters are reduced ONCE, after the loop. ``fun`` sees one
       device's micro-batch, and the mesh as under plain ``jit``: annotations
-      on the other mesh axes work as there. The micro-batch index folded into
-      the key is global (``d * k + i`` on device ``d``). Each device threads
-      its own copy of the state; after the loop floating-point state is
-      averaged over devices, integers take their maximum, and a typed PRNG
-      key (``jax.random.key``; a raw ``uint32`` key counts as integers) that
-      ``fun`` advanced comes from device 0.
+      on the other mesh axes work as there (see ``view`` for the other
+      choice). The micro-batch index folded into the key is global (``d * k
+      + i`` on device ``d``). Each device threads its own copy of the state;
+      after the loop floating-point state is averaged over devices, integers
+      take their maximum, and a typed PRNG key (``jax.random.key``; a raw
+      ``uint32`` key counts as integers) that ``fun`` advanced comes from
+      device 0.
     data_axis: the mesh axis that the batch is sharded along, or a tuple of
       them (HSDP: ``("replica", "fsdp")``).
     param_specs: ``PartitionSpec``s of the differentiated arguments (a tree
       prefix per entry of ``argnums``). Only needed inside ``jit`` with an
       Auto mesh, where shardings are not visible at trace time; outside
       ``jit`` and with Explicit meshes they are read from the arrays.
-      Gradients of parameters sharded along ``data_axis`` (FSDP) are
-      reduce-scattered to that sharding.
+      Gradients come back sharded like the parameters.
     fsdp_gather: how parameters sharded along ``data_axis`` (FSDP) are
       handled; replicated parameters are always reduced once, after the
-      loop. ``"per_micro_batch"`` (the default, for memory): each
-      micro-batch's forward uses the weights gathered where they are needed,
-      as the full-batch step does, and its gradient is reduce-scattered into
-      a float32 accumulator sharded like the parameter (``P / D`` per
-      device); HSDP's replica axes are reduced once, after the loop.
-      ``"once"`` (for communication): the weights are gathered before the
-      loop, the full gradient accumulated per device, and reduce-scattered
-      once after it, with no collective inside the loop; it holds a
-      full-size float32 accumulator per device. Choose ``"once"`` when the
-      step is communication-bound and the memory is there.
+      loop.
 
+      - ``"per_micro_batch"`` (default, for memory): each micro-batch's
+        forward gathers the weights where it uses them, as the full-batch
+        step does, and the gradient is taken of the devices' summed loss, so
+        that the partitioner reduce-scatters each layer's gradient inside
+        the backward pass, as plain ``jit`` does, into a float32 accumulator
+        sharded like the parameter (``P / D`` per device). HSDP's replica
+        axes are reduced once, after the loop.
+      - ``"cast_once"`` (for fewer bytes at about the same memory): each
+        FSDP leaf is cast to ``gather_dtype`` and gathered once per step,
+        before the loop; its gradients are reduce-scattered per micro-batch
+        as above. Exact when ``fun``'s first use of each FSDP leaf is that
+        cast (a bfloat16 model with float32 master weights): otherwise
+        ``fun`` computes with rounded weights.
+      - ``"once"`` (no collective inside the loop): the weights are gathered
+        before the loop, the full gradient accumulated per device, and
+        reduce-scattered once after it; it holds a full-size float32
+        accumulator per device.
+
+      :func:`jaxaccum.plan_micro_batches` picks the mode that moves the
+      fewest bytes within a memory budget.
+    gather_dtype: the dtype FSDP leaves are gathered in with
+      ``fsdp_gather="cast_once"`` (which needs it), e.g. ``jnp.bfloat16``.
+    view: what ``fun`` sees under ``mesh=``. ``"device"`` (default): one
+      device's micro-batch, a key per device, a state per device; naming a
+      data axis in a sharding annotation is an error (the data axes are
+      jaxaccum's). ``"global"``: the global micro-batch, as under plain
+      ``jit`` (micro-batch ``i`` is the ``i``-th slice of every device's
+      rows, so no row moves), a key per micro-batch (``fold_in(key, i)``),
+      one threaded state; annotations may name the data axes (MaxText's
+      activation rules work as written). The partitioner then places every
+      collective: replicated parameters are all-reduced once per
+      micro-batch, and ``fsdp_gather="once"`` is not available.
   Returns:
     A function of the same arguments as ``fun`` that returns
     ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``.
@@ -242,6 +267,15 @@ class Step:
     if self.parallel is not None:
       return self.parallel(engine, layout, args, kwargs)
     return engine.local(args, kwargs)
+
+  def micro_batches(self, args: tuple[Any, ...]) -> int:
+    """``k``: the micro-batches of these arguments (per device with
+    ``mesh=``, as the step runs them)."""
+    engine = self.engine(len(args))
+    o = engine.options
+    if o.mesh is None or o.view == "global":
+      return engine.plan(args).num_micro_batches
+    return engine.plan(args, devices=o.data_devices).num_micro_batches
 
   def validate(self, args: tuple[Any, ...]) -> None:
     """The checks that must precede ``jit`` (a string in the batch would

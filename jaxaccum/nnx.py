@@ -73,6 +73,8 @@ def value_and_grad(
   data_axis: str | tuple[str, ...] | None = None,
   param_specs: Any = None,
   fsdp_gather: str = "per_micro_batch",
+  gather_dtype: Any = None,
+  view: str = "device",
   noise_stats: bool = False,
   value_checks: bool = False,
 ) -> Callable[..., Any]:
@@ -96,8 +98,9 @@ def value_and_grad(
       (the model is position 0, so the default 1 is the first after it).
     accum_dtype: the dtype of the sums; float32 by default.
     remat: as in :func:`jaxaccum.value_and_grad`.
-    mesh, data_axis, param_specs, fsdp_gather: the data-parallel path, as in
-      :func:`jaxaccum.value_and_grad`; ``param_specs`` mirrors the ``wrt``
+    mesh, data_axis, param_specs, fsdp_gather, gather_dtype, view: the
+      data-parallel path, as in :func:`jaxaccum.value_and_grad`;
+      ``param_specs`` mirrors the ``wrt``
       state (a tuple of them for a tuple ``argnums``), e.g.
       ``nnx.get_partition_spec(nnx.state(model, nnx.Param))``.
     noise_stats: also return the :class:`jaxaccum.GradientNoise`, as in

@@ -105,11 +105,13 @@ def divergent_decisions(
   []
   """
   names = (axes,) if isinstance(axes, str) else axes
+  inputs = [_sharded_axes(s, mesh) for s in jax.tree.leaves(compiled.input_shardings)]
   outputs = [_sharded_axes(s, mesh) for s in jax.tree.leaves(compiled.output_shardings)]
   return _agreement.divergences(
     compiled.as_text(),
     mesh.devices.shape,
     mesh.axis_names,
+    input_axes=inputs,
     output_axes=outputs,
     checked=names,
   )

@@ -214,22 +214,34 @@ def test_no_data_axis_collective_inside_the_loop_when_gathered_once(layout, mode
   assert all(n == 1 for _, n in counts[2])
 
 
-def test_per_micro_batch_fsdp_gathers_and_reduce_scatters_in_the_loop_only(
-  layout, mode
-):
+def test_per_micro_batch_fsdp_reduces_over_its_fsdp_axes_in_the_loop_only(layout, mode):
   """The default: each micro-batch gathers the FSDP weights it uses (as the
-  full-batch step does) and reduce-scatters its FSDP gradients over the FSDP
-  axes (k times a step each); no all-reduce over a data axis runs in the
-  loop: replicated leaves and HSDP's replica axes are reduced once."""
+  full-batch step does) and reduces its FSDP gradients inside the loop, k
+  times a step, over the axes they are sharded over only (the partitioner
+  places it in the backward pass: a reduce-scatter on a GPU or TPU, see
+  tests/test_targets.py; an all-reduce and a slice on the CPU). Replicated
+  leaves and HSDP's replica axes are reduced once, after the loop: no
+  reduction in the loop spans an axis a leaf is replicated over."""
   mesh = layout.mesh(mode)
+  used = {n for spec in layout.specs.values() for e in spec if e for n in _names(e)}
+  data = (
+    layout.data_axis if isinstance(layout.data_axis, tuple) else (layout.data_axis,)
+  )
+  replica_dims = [layout.axis_names.index(a) for a in data if a not in used]
   for k in (2, 8):
     _, over_data = data_collectives(layout, mesh, mode, k, "per_micro_batch")
     in_loop = [c for c in over_data if c.in_loop]
     ops = {c.op.removesuffix("-start") for c in in_loop}
-    assert "reduce-scatter" in ops and ops <= {"reduce-scatter", "all-gather"}, in_loop
+    assert "all-gather" in ops and ops & {"all-reduce", "reduce-scatter"}, in_loop
+    assert ops <= {"all-gather", "all-reduce", "reduce-scatter"}, in_loop
     assert all(c.executions == k for c in in_loop), in_loop
-    after = [c for c in over_data if not c.in_loop]
-    assert all(c.executions == 1 for c in after), after
+    assert not [c for c in in_loop if c.spans(layout.shape, replica_dims)], in_loop
+    after = [c for c in over_data if not c.in_loop and c.op.startswith("all-reduce")]
+    assert after and all(c.executions == 1 for c in after), over_data
+
+
+def _names(entry):
+  return entry if isinstance(entry, tuple) else (entry,)
 
 
 @pytest.mark.parametrize("k", [2, 8])

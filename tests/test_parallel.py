@@ -11,6 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+from jaxaccum import _hlo as hlo_text_reader
 from jaxaccum import testing as _hlo
 
 D = 8  # devices, from conftest.py's XLA_FLAGS
@@ -208,10 +209,12 @@ def test_state_is_threaded_per_device_and_averaged(mesh):
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_fsdp_per_micro_batch_reduce_scatters_each_micro_batch(k):
-  """The default FSDP mode: every micro-batch's gradient is reduce-scattered
-  into an accumulator sharded like the parameter (k reduce-scatters of 1/D
-  of the gradient each); replicated leaves are reduced once."""
+def test_fsdp_per_micro_batch_reduces_each_micro_batch_into_a_sharded_accumulator(k):
+  """The default FSDP mode: every micro-batch's gradient is reduced over the
+  data axis inside the loop (k times; a reduce-scatter where the compiler
+  makes one, an all-reduce and a slice on the CPU) into a float32
+  accumulator sharded like the parameter: the loop carries 1/D of each
+  FSDP gradient, never a whole one."""
   mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Explicit,))
   params, batch = problem()
   params = {"w1": jnp.tile(params["w1"], (1, 4)), "w2": jnp.tile(params["w2"], 4)}
@@ -224,12 +227,26 @@ def test_fsdp_per_micro_batch_reduce_scatters_each_micro_batch(k):
   assert grads["w1"].sharding.spec == P(None, "data")
   assert grads["w2"].sharding.spec == P("data")
   assert_close((value, grads), jax.value_and_grad(mlp_loss)(params, batch))
-  colls = _hlo.collectives(_hlo.compiled_text(fun, sharded, shard(mesh, batch)))
-  scatters = [c for c in colls if c.op == "reduce-scatter"]
-  full = sum(x.size * 4 for x in jax.tree.leaves(params))  # float32
-  assert all(c.in_loop and c.executions == k for c in scatters), scatters
-  assert sum(c.bytes * c.executions for c in scatters) == k * full // D
-  assert not [c for c in colls if c.in_loop and c.op.startswith("all-reduce")], colls
+  text = _hlo.compiled_text(fun, sharded, shard(mesh, batch))
+  reductions = [
+    c
+    for c in _hlo.collectives(text)
+    if c.op.startswith(("all-reduce", "reduce-scatter"))
+  ]
+  in_loop = [c for c in reductions if c.in_loop]
+  assert in_loop and all(c.executions == k for c in in_loop), reductions
+  carried = loop_carry(text)
+  w1, w2 = params["w1"].shape, params["w2"].shape
+  assert f"f32[{w1[0]},{w1[1] // D}]" in carried, carried  # 1/D of each
+  assert f"f32[{w2[0] // D}]" in carried, carried
+  assert not [t for t in carried if t in (f"f32[{w1[0]},{w1[1]}]", f"f32[{w2[0]}]")]
+
+
+def loop_carry(hlo_text):
+  """The array types the entry computation's while loop carries."""
+  module = hlo_text_reader.parse(hlo_text)
+  (loop,) = [i for i in module.computations[module.entry] if i.op == "while"]
+  return [t.split("{")[0] for t in hlo_text_reader._top_level(loop.type)]
 
 
 def test_fsdp_params_get_reduce_scattered_grads():
