@@ -821,13 +821,15 @@ def _explained(step: Callable[..., Any], axes: tuple[str, ...]) -> Callable[...,
       if not _compat.names_spmd_axis(error, axes):
         raise
       raise ValueError(
-        f"fun names the data axes {axes} in a sharding annotation. Inside "
-        "jaxaccum's mesh path fun runs on one device's micro-batch, one "
-        f"entry of a vmap over the data axes, whose sharding jaxaccum sets. "
-        "Drop the data axes from the annotation (P(None, 'model') for "
-        "P('data', 'model')), or read the batch axis from the input's type, "
-        "which works under plain jit and inside jaxaccum alike: "
-        f"P(jax.typeof(x).sharding.spec[0], ...). JAX said: {error}"
+        f"fun names the data axes {axes} in a sharding annotation. In "
+        "jaxaccum's default view (view='device') fun runs on one device's "
+        "micro-batch, one entry of a vmap over the data axes, whose sharding "
+        "jaxaccum sets. Pass view='global' to run fun on the global "
+        "micro-batch, as under plain jit, where such annotations are valid as "
+        "written (MaxText's activation rules, for one); or drop the data axes "
+        "from the annotation (P(None, 'model') for P('data', 'model')); on "
+        "Explicit axes, P(jax.typeof(x).sharding.spec[0], ...) names the "
+        f"batch axis in both views. JAX said: {error}"
       ) from error
 
   return explained

@@ -305,8 +305,11 @@ def test_naming_the_data_axis_in_fun_is_a_clear_error():
   fun = jaxaccum.value_and_grad(loss, 2, mesh=mesh, data_axis="data")
   with pytest.raises(
     ValueError,
-    match=r"^fun names the data axes \('data',\) in a sharding annotation\. .*"
-    r"P\(jax\.typeof\(x\)\.sharding\.spec\[0\], \.\.\.\)",
+    match=r"^fun names the data axes \('data',\) in a sharding annotation\. In "
+    r"jaxaccum's default view \(view='device'\) .* Pass view='global' to run fun "
+    r"on the global micro-batch, as under plain jit, where such annotations are "
+    r"valid as written .* P\(jax\.typeof\(x\)\.sharding\.spec\[0\], \.\.\.\) "
+    r"names the batch axis in both views\. JAX said: ",
   ):
     fun(sharded, sharded_batch)
 
