@@ -30,7 +30,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _checks, _noise, _normalize, _split, _tree
+from jaxaccum import _checks, _noise, _normalize, _privacy, _split, _tree
 from jaxaccum._options import Options
 
 PyTree = Any
@@ -188,9 +188,20 @@ class Engine:
     or the key itself when the step has one micro-batch in ``total`` (then
     jaxaccum is the user's own step, bit for bit)."""
     o = self.options
-    value_and_grad = jax.value_and_grad(
-      self._loss(args, kwargs, split.batch_size), argnums=o.argnums, has_aux=True
-    )
+    loss_fn = self._loss(args, kwargs, split.batch_size)
+    if o.clip_per_example is None:
+      value_and_grad = jax.value_and_grad(loss_fn, argnums=o.argnums, has_aux=True)
+    else:  # DP-SGD: each example's gradient clipped, then summed
+      value_and_grad = _privacy.clipped_value_and_grad(
+        loss_fn,
+        argnums=o.argnums,
+        batch_argnums=o.batch_argnums,
+        clip_norm=o.clip_per_example,
+        accum_dtype=o.accum_dtype,
+        rng_argnum=o.rng_argnum,
+        state_argnum=o.state_argnum,
+        mask_argnum=o.example_mask,
+      )
     fold = total > 1
 
     def step(diff_args, micro, index, state):
@@ -221,6 +232,8 @@ class Engine:
     o = self.options
 
     def loss_fn(*call_args):
+      if o.example_mask is not None:  # jaxaccum's own argument, last
+        call_args = call_args[: o.example_mask]
       try:
         out = self.fun(*call_args, **kwargs)
       except (TypeError, ValueError) as error:
@@ -233,6 +246,8 @@ class Engine:
       if o.state_argnum is not None:
         aux, new_state = _unpack_state(aux)
       _checks.check_aux(aux)
+      if o.clip_per_example is not None:
+        _privacy.check_per_example_value(value, o.normalize)
       loss, weight = o.normalization.loss_and_weight(value)
       return loss, (weight, aux, new_state)
 
