@@ -37,6 +37,9 @@ folder) and the table into ``benchmarks/README.md`` (this file's
 ``report``, between the ``dp`` markers).
 """
 
+# The manual's typography: multiplication signs for ratios, en dashes.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import os
@@ -113,7 +116,9 @@ def step_peak(
   return int(stats.peak_bytes)
 
 
-def largest_whole_batch(cfg: Any, target: Any, budget: int, start: int) -> dict[str, Any]:
+def largest_whole_batch(
+  cfg: Any, target: Any, budget: int, start: int
+) -> dict[str, Any]:
   """Bisection over the batch size of the k = 1 step (clipping on the whole
   batch): the largest batch whose peak is at most ``budget``."""
   low, high = 0, start
@@ -140,7 +145,10 @@ def largest_accumulated_batch(
   the number of micro-batches (the batch's tokens); the largest batch under
   ``budget`` from two compiled sizes, then compiled to check."""
   k1, k2 = 8, 64
-  p1, p2 = step_peak(cfg, target, micro * k1, k1), step_peak(cfg, target, micro * k2, k2)
+  p1, p2 = (
+    step_peak(cfg, target, micro * k1, k1),
+    step_peak(cfg, target, micro * k2, k2),
+  )
   assert p1 is not None and p2 is not None
   per_micro_batch = (p2 - p1) / (k2 - k1)
   k = int((budget - p1) // per_micro_batch) + k1
@@ -185,7 +193,9 @@ def memory_part(preset: str, ks: tuple[int, ...], search: bool) -> dict[str, Any
   if search:
     budget = target.memory_bytes
     result["largest_whole_batch"] = largest_whole_batch(cfg, target, budget, batch)
-    print(f"  k=1 (whole batch): largest batch {result['largest_whole_batch']['batch']}")
+    print(
+      f"  k=1 (whole batch): largest batch {result['largest_whole_batch']['batch']}"
+    )
     fits = [r for r in rows if r["peak"] is not None and r["peak"] <= budget]
     micro = max(r["micro_batch_size"] for r in fits)
     result["largest_accumulated_batch"] = largest_accumulated_batch(
@@ -245,7 +255,9 @@ def jaxaccum_step(cfg: Any, batch: int, k: int) -> tuple[Callable[..., Any], Any
   return run, tx
 
 
-def time_part(preset: str, ks: tuple[int, ...], rounds: int, repeats: int) -> dict[str, Any]:
+def time_part(
+  preset: str, ks: tuple[int, ...], rounds: int, repeats: int
+) -> dict[str, Any]:
   cfg = _models.PRESETS[preset]["transformer"]
   model = _models.build("transformer", preset)
   batch = cfg.batch_size
@@ -258,11 +270,16 @@ def time_part(preset: str, ks: tuple[int, ...], rounds: int, repeats: int) -> di
     states = {
       "jaxaccum": (params, tx.init(params), model.batch, mask),
       "jaxaccum_again": (params, tx.init(params), model.batch, mask),
-      "jax_privacy": (params, optax.adam(1e-4).init(params), model.batch, jax.random.key(1)),
+      "jax_privacy": (
+        params,
+        optax.adam(1e-4).init(params),
+        model.batch,
+        jax.random.key(1),
+      ),
     }
     runs = {"jaxaccum": run_a, "jaxaccum_again": run_a, "jax_privacy": run_b}
-    for name in runs:  # compile and warm up
-      states[name] = jax.block_until_ready(runs[name](states[name]))
+    for name, run in runs.items():  # compile and warm up
+      states[name] = jax.block_until_ready(run(states[name]))
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for r in range(rounds):
@@ -328,8 +345,9 @@ def memory_table(results: dict[str, Any]) -> str:
     for r in memory["rows"]
   ]
   lines.append(_report.table(("k", "examples per micro-batch", "peak"), rows))
-  whole, accumulated = memory.get("largest_whole_batch"), memory.get(
-    "largest_accumulated_batch"
+  whole, accumulated = (
+    memory.get("largest_whole_batch"),
+    memory.get("largest_accumulated_batch"),
   )
   if whole and accumulated:
     lines += [
@@ -400,33 +418,40 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
   parser.add_argument("--out", type=pathlib.Path, default=None)
-  parser.add_argument("--skip-memory", action="store_true")
+  parser.add_argument(
+    "--part",
+    choices=("both", "time", "memory"),
+    default="both",
+    help="measure one part and keep the other from the existing JSON",
+  )
   args = parser.parse_args(argv)
   quick = args.quick
   out = args.out or (pathlib.Path(tempfile.gettempdir()) if quick else HERE / "results")
   name = "dp_quick.json" if quick else "dp.json"
-  results: dict[str, Any] = {
-    "date": datetime.date.today().isoformat(),
-    "machine": f"{os.cpu_count()}-core {_report.cpu_model()}",
-    "versions": {
+  path = out / name
+  results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+  results.update(
+    date=datetime.date.today().isoformat(),
+    machine=f"{os.cpu_count()}-core {_report.cpu_model()}",
+    versions={
       p: importlib.metadata.version(p) for p in ("jax", "jax-privacy", "optax")
     },
-  }
-  print("Part 2: step time on this CPU")
-  results["time"] = time_part(
-    "cpu-quick" if quick else "cpu",
-    (1, 4) if quick else (1, 2, 4, 8),
-    rounds=3 if quick else 15,
-    repeats=2 if quick else 5,
   )
-  if not args.skip_memory:
+  if args.part in ("both", "time"):
+    print("Part 2: step time on this CPU")
+    results["time"] = time_part(
+      "cpu-quick" if quick else "cpu",
+      (1, 4) if quick else (1, 2, 4, 8),
+      rounds=3 if quick else 15,
+      repeats=2 if quick else 5,
+    )
+  if args.part in ("both", "memory"):
     print("Part 1: memory on a compile-only H100")
     results["memory"] = memory_part(
       "gpu-quick" if quick else "gpu",
       (1, 4) if quick else (1, 2, 4, 8, 16, 64),
       search=not quick,
     )
-  path = out / name
   path.write_text(json.dumps(results, indent=1) + "\n")
   print(f"wrote {path}")
   if not quick:

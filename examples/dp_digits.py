@@ -124,6 +124,7 @@ def accuracy(params, x, y) -> float:
 
 
 def main(
+  *,
   steps: int = 200,
   expected_batch_size: int = 1024,
   num_micro_batches: int = 8,

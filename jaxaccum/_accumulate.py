@@ -322,6 +322,13 @@ def accumulate(
       overflowed is skipped as a whole, and the scale is adjusted once per
       window, never within one.
 
+  DP-SGD: with :func:`jaxaccum.dp_noise` first in ``inner``, feed each
+  micro-batch's clipped *sum* (``clip_per_example`` with
+  ``normalize="sum"``) and ``weight=`` its number of real examples; the
+  noise is added once per window, inside the branch that runs ``inner``, to
+  the window's clipped sum. With ``normalize="poisson"`` a window without
+  examples still applies its noise.
+
   Dtypes: ``inner`` gets the window's mean in the dtype of the gradients
   passed (float32 with ``loss_scale``) and its updates come back as it makes
   them, zeros of those dtypes on the other calls. Its state keeps the dtypes

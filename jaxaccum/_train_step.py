@@ -61,11 +61,19 @@ def make_train_step(
       nothing sees the gradients before they are unscaled (anywhere else,
       e.g. under ``optax.masked``, the step raises a ``ValueError``). With
       ``noise_stats``, the noise is reported unscaled.
+      With ``clip_per_example`` (DP-SGD) the value does not count, and a
+      batch without real examples is skipped unless ``tx`` holds a
+      :func:`jaxaccum.dp_noise` with ``normalize="poisson"``, whose empty
+      draws are steps of noise.
     donate: donate ``params`` and ``opt_state`` to the step. Do not use the
       arrays you passed in after the call.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
       (``micro_batch_size``, ``batch_argnums``, ``has_aux``, ``normalize``,
-      ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``, ...).
+      ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``,
+      ``clip_per_example``, ...). With ``clip_per_example`` the step takes
+      ``example_mask=``; put :func:`jaxaccum.dp_noise` first in ``tx`` and
+      the step passes it ``divided_by`` and checks that its ``clip_norm`` is
+      ``clip_per_example``.
 
   Returns:
     The jitted step. It is ``jax.jit``-like (``.lower(...)`` works on it),
