@@ -470,6 +470,19 @@ def test_a_draw_keeps_the_drawn_rows_in_order_and_masks_the_rest():
   np.testing.assert_array_equal(mask, np.arange(sampler.max_batch_size) < n)
 
 
+@pytest.mark.parametrize(("seed", "drawn"), [(1, 1), (2, 0)])
+def test_a_draw_of_one_example_keeps_it_and_an_empty_draw_is_all_padding(seed, drawn):
+  # mutmut: _privacy.PoissonSampler.sample
+  sampler = jaxaccum.PoissonSampler(20, 1, overflow_probability=1e-3)
+  data = np.arange(20.0) + 100
+  indices = sampler.sample_indices(np.random.default_rng(seed))
+  assert len(indices) == drawn
+  batch, mask = sampler.sample(data, np.random.default_rng(seed))
+  assert mask.shape == batch.shape == (sampler.max_batch_size,)
+  assert mask.tolist() == [1.0] * drawn + [0.0] * (sampler.max_batch_size - drawn)
+  assert batch[0] == data[indices[0] if drawn else 0]
+
+
 # ---------------------------------------------------------------- accounting
 
 
