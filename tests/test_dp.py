@@ -122,6 +122,13 @@ def test_weighted_divides_by_the_total_weight_of_real_examples(k):
   assert_tree_close(grads, jax.tree.map(lambda g: g / 20, want), tolerance(B) / 20)
 
 
+def test_verify_equivalence_compares_with_one_vmap_over_the_whole_batch():
+  deviation = jaxaccum.verify_equivalence(
+    example_loss, (params0(), data()), 8, clip_per_example=C
+  )
+  assert deviation.grads < tolerance(B) / B
+
+
 def test_the_norm_is_global_over_all_leaves_not_per_leaf():
   # One example whose two leaves each have norm 0.4 < C: a per-leaf clip
   # keeps both, the global norm 0.566 > C scales both.
