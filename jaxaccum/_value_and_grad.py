@@ -143,7 +143,9 @@ def value_and_grad(
       ``"weighted"`` by their total weight, ``"sum"`` by nothing. The
       function then also takes ``example_mask=``, a vector with one entry per
       row: a row whose entry is 0 (padding) adds exactly zero to the sum, the
-      value and the count, and so does a row whose gradient is not finite.
+      value and the count. A real row whose gradient is not finite adds zero
+      to the sum (one example cannot poison a step); it still counts, and its
+      loss shows in the value.
       Row ``j`` of micro-batch ``i`` gets the key ``fold_in(key_i, j)``. Add
       the noise with :func:`jaxaccum.dp_noise`.
 
