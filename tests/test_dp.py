@@ -317,6 +317,7 @@ def test_train_step_update_equals_full_batch_dp_sgd_with_the_same_key(
   want = full_batch_dp_sgd(params, batch, mask, key, sigma=sigma, divide_by=divide_by)
   assert_tree_close(new, want, tolerance(B) + 1e-6)
   assert int(opt_state[0].draws) == 1
+  assert opt_state[0].draws.dtype == jnp.int32  # mutmut: _privacy.dp_noise
 
 
 def test_a_poisson_step_on_padding_only_is_noise_not_skipped():
