@@ -320,6 +320,25 @@ def test_train_step_update_equals_full_batch_dp_sgd_with_the_same_key(
   assert opt_state[0].draws.dtype == jnp.int32  # mutmut: _privacy.dp_noise
 
 
+@pytest.mark.parametrize("divided_by", [0.0, 1.0, 4.0])
+def test_fixed_noise_is_divided_like_the_sum_and_nothing_divides_by_zero(divided_by):
+  # mutmut: _privacy.dp_noise
+  key, g = jax.random.key(5), {"a": jnp.full(3, 0.5), "b": jnp.ones(())}
+  tx = jaxaccum.dp_noise(2.0, C, key, normalize="fixed")
+  out, _ = tx.update(g, tx.init(g), divided_by=divided_by)
+  leaves, treedef = jax.tree.flatten(g)
+  keys = jax.random.split(jax.random.fold_in(key, 0), len(leaves))
+  z = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+  if divided_by == 0:  # no examples: zeros, never inf or NaN
+    want = jax.tree.map(jnp.zeros_like, g)
+  else:
+    want = jax.tree.unflatten(
+      treedef,
+      [x + 2.0 * C * n / divided_by for x, n in zip(leaves, z, strict=True)],
+    )
+  assert_tree_close(out, want, 4 * EPS)
+
+
 def test_a_poisson_step_on_padding_only_is_noise_not_skipped():
   params, batch = params0(), data()
   key, sigma = jax.random.key(7), 0.8
