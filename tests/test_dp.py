@@ -777,6 +777,13 @@ def test_sampler_arguments_are_named(args, kwargs, want):
   assert message(error) == want
 
 
+def test_sampler_data_that_is_not_arrays_is_named():
+  # mutmut: _privacy.PoissonSampler.sample
+  with pytest.raises(TypeError) as error:
+    jaxaccum.PoissonSampler(10, 5).sample("abc", np.random.default_rng(0))
+  assert message(error).startswith("Batch leaf data is a str ('abc'), not an array")
+
+
 def test_sampler_data_of_another_size_is_named():
   sampler = jaxaccum.PoissonSampler(10, 5)
   with pytest.raises(ValueError) as error:
