@@ -327,7 +327,7 @@ def memory_table(results: dict[str, Any]) -> str:
   memory = results["memory"]
   model = memory["model"]
   lines = [
-    f"Compiled for {memory['target']} ({_report.gib(memory['memory_bytes'], 0)}), "
+    f"Compiled for {memory['target']} ({_report.gib(memory['memory_bytes'], 0)} GiB), "
     f"never run: the transformer of `step_time.py`'s `gpu` preset "
     f"({model['num_layers']} layers, d_model {model['d_model']}, vocabulary "
     f"{model['vocab']:,}, {model['seq_len']} tokens; "
@@ -344,21 +344,21 @@ def memory_table(results: dict[str, Any]) -> str:
     )
     for r in memory["rows"]
   ]
-  lines.append(_report.table(("k", "examples per micro-batch", "peak"), rows))
+  lines.append(_report.table(("k", "examples per micro-batch", "peak, GiB"), rows))
   whole = memory.get("largest_whole_batch")
   accumulated = memory.get("largest_accumulated_batch")
   if whole and accumulated:
-    budget = _report.gib(memory["memory_bytes"], 0)
+    budget = f"{_report.gib(memory['memory_bytes'], 0)} GiB"
     lines += [
       "",
       f"In {budget}: per-example clipping on the whole batch (k = 1) fits "
-      f"**{whole['batch']:,} sequences** (peak {_report.gib(whole['peak'], 1)}; "
+      f"**{whole['batch']:,} sequences** (peak {_report.gib(whole['peak'], 1)} GiB; "
       f"{whole['batch'] + 1:,} does not compile within it). jaxaccum at "
       f"{accumulated['micro_batch_size']} sequences per micro-batch fits **at "
       f"least {accumulated['batch']:,} sequences**, "
       f"{accumulated['batch'] / whole['batch']:,.0f} times as many (k = "
       f"{accumulated['num_micro_batches']:,}, compiled: peak "
-      f"{_report.gib(accumulated['peak'], 1)}). That batch is a lower bound: the "
+      f"{_report.gib(accumulated['peak'], 1)} GiB). That batch is a lower bound: the "
       "search drew a line through the peaks at k = 8 and 64, "
       f"{accumulated['bytes_per_micro_batch'] / 1024:.0f} KiB per micro-batch "
       "(its tokens), and the compiled peak at the line's k came out below the "
