@@ -369,8 +369,10 @@ def accumulate(
     return _init_state(inner, params, accum_dtype, loss_scale, every_k)
 
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
+    counted = weight is not None
+    weight = _check_update_args(grads, state, weight)
     noise_config = _privacy.find_noise(state.inner_state)
-    if noise_config is not None and weight is None:
+    if noise_config is not None and not counted:
       raise ValueError(
         "accumulate() with jaxaccum.dp_noise in its inner optimizer needs "
         "weight=, each call's number of real examples: pass the micro-batch's "
@@ -378,7 +380,6 @@ def accumulate(
         "and weight=jnp.sum(example_mask), so that the window's noise is added "
         "to its clipped sum and divided as dp_noise says."
       )
-    weight = _check_update_args(grads, state, weight)
     scale = state.loss_scale
     summand = grads if scale is None else scale.unscale(grads)
     window = _add_micro_batch(
