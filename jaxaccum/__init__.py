@@ -21,6 +21,11 @@ The public surface:
 - :class:`GradientNoise`, :func:`noise_scale_update`,
   :func:`critical_batch_size`: is the larger effective batch worth it?
 - :func:`dynamic_loss_scale`: float16 loss scaling, adjusted per window.
+- Differentially private training (DP-SGD): ``clip_per_example=`` of
+  :func:`value_and_grad` clips each example's gradient; :func:`dp_noise`
+  adds the noise once per logical batch; :class:`PoissonSampler` draws
+  batches at one padded size; :func:`dp_epsilon` accounts with
+  ``dp-accounting``.
 - :mod:`jaxaccum.testing`: reading collectives out of compiled HLO, to check
   that a step communicates what it should.
 """
@@ -46,6 +51,10 @@ from jaxaccum._noise import noise_scale_update as noise_scale_update
 from jaxaccum._opt_state import has_updated as has_updated
 from jaxaccum._opt_state import inner_step as inner_step
 from jaxaccum._opt_state import window_size as window_size
+from jaxaccum._privacy import DPNoiseState as DPNoiseState
+from jaxaccum._privacy import PoissonSampler as PoissonSampler
+from jaxaccum._privacy import dp_epsilon as dp_epsilon
+from jaxaccum._privacy import dp_noise as dp_noise
 from jaxaccum._scaling import AdamHyperparams as AdamHyperparams
 from jaxaccum._scaling import kappa as kappa
 from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _autopilot, _compat, _noise, _normalize, _tree
+from jaxaccum import _autopilot, _compat, _noise, _normalize, _privacy, _tree
 from jaxaccum._loss_scale import DynamicLossScale
 
 PyTree = Any
@@ -322,6 +322,13 @@ def accumulate(
       overflowed is skipped as a whole, and the scale is adjusted once per
       window, never within one.
 
+  DP-SGD: with :func:`jaxaccum.dp_noise` first in ``inner``, feed each
+  micro-batch's clipped *sum* (``clip_per_example`` with
+  ``normalize="sum"``) and ``weight=`` its number of real examples; the
+  noise is added once per window, inside the branch that runs ``inner``, to
+  the window's clipped sum. With ``normalize="poisson"`` a window without
+  examples still applies its noise.
+
   Dtypes: ``inner`` gets the window's mean in the dtype of the gradients
   passed (float32 with ``loss_scale``) and its updates come back as it makes
   them, zeros of those dtypes on the other calls. Its state keeps the dtypes
@@ -362,7 +369,17 @@ def accumulate(
     return _init_state(inner, params, accum_dtype, loss_scale, every_k)
 
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
+    counted = weight is not None
     weight = _check_update_args(grads, state, weight)
+    noise_config = _privacy.find_noise(state.inner_state)
+    if noise_config is not None and not counted:
+      raise ValueError(
+        "accumulate() with jaxaccum.dp_noise in its inner optimizer needs "
+        "weight=, each call's number of real examples: pass the micro-batch's "
+        'clipped sum (value_and_grad(..., clip_per_example=C, normalize="sum")) '
+        "and weight=jnp.sum(example_mask), so that the window's noise is added "
+        "to its clipped sum and divided as dp_noise says."
+      )
     scale = state.loss_scale
     summand = grads if scale is None else scale.unscale(grads)
     window = _add_micro_batch(
@@ -374,7 +391,13 @@ def accumulate(
     )
     micro_step = state.micro_step + 1
     done = (micro_step >= state.window_size) | jnp.asarray(flush)
-    apply = done & (window.acc_weight > 0)
+    if noise_config is not None and noise_config.normalize == "poisson":
+      # An empty Poisson draw is part of the mechanism: its update is noise.
+      apply = done
+    else:
+      apply = done & (window.acc_weight > 0)
+    if noise_config is not None:  # dp_noise adds to the sum: Σ g = mean * Σ w
+      extra_args = {**extra_args, "divided_by": window.acc_weight}
     if scale is not None:
       apply = apply & window.window_finite
 

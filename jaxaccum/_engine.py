@@ -30,7 +30,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _checks, _noise, _normalize, _split, _tree
+from jaxaccum import _checks, _noise, _normalize, _privacy, _split, _tree
 from jaxaccum._options import Options
 
 PyTree = Any
@@ -191,24 +191,14 @@ class Engine:
     index)``, or the key itself when the step has one micro-batch in
     ``total`` (then jaxaccum is the user's own step, bit for bit). The
     data-parallel path differentiates it in its own way."""
-    o = self.options
     loss_fn = self._loss(args, kwargs, split.batch_size)
-    fold = total > 1
+    assemble = self._call_args(args, total)
 
     def loss(diff_args, micro, index, state):
-      call_args = list(args)
-      for n, d in zip(o.argnums, diff_args, strict=True):
-        call_args[n] = d
-      for n, b in zip(o.batch_argnums, micro, strict=True):
-        call_args[n] = b
-      if o.rng_argnum is not None and fold:
-        call_args[o.rng_argnum] = jax.random.fold_in(args[o.rng_argnum], index)
-      if o.state_argnum is not None:
-        call_args[o.state_argnum] = state
-      value, (weight, aux, new_state) = loss_fn(*call_args)
-      if o.state_argnum is not None:
-        new_state = _match_state(new_state, state)
-      return value, (weight, aux, new_state)
+      value, (weight, aux, new_state) = loss_fn(
+        *assemble(diff_args, micro, index, state)
+      )
+      return value, (weight, aux, self._kept_state(new_state, state))
 
     return loss
 
@@ -221,11 +211,32 @@ class Engine:
     rows: int,
   ) -> Callable[..., tuple[MicroOut, tuple[PyTree, ...]]]:
     """``step(diff_args, micro, index, state) -> (MicroOut, grads)``: forward
-    and backward on one micro-batch of ``rows`` rows (:meth:`micro_loss`)."""
+    and backward on one micro-batch of ``rows`` rows (:meth:`micro_loss`);
+    with ``clip_per_example``, each example's gradient clipped, then summed
+    (:func:`jaxaccum._privacy.clipped_value_and_grad`)."""
     o = self.options
-    value_and_grad = jax.value_and_grad(
-      self.micro_loss(args, kwargs, split, total), has_aux=True
-    )
+    if o.clip_per_example is None:
+      value_and_grad = jax.value_and_grad(
+        self.micro_loss(args, kwargs, split, total), has_aux=True
+      )
+    else:  # DP-SGD: each example's gradient clipped, then summed
+      clipped = _privacy.clipped_value_and_grad(
+        self._loss(args, kwargs, split.batch_size),
+        argnums=o.argnums,
+        batch_argnums=o.batch_argnums,
+        clip_norm=o.clip_per_example,
+        accum_dtype=o.accum_dtype,
+        rng_argnum=o.rng_argnum,
+        state_argnum=o.state_argnum,
+        mask_argnum=o.example_mask,
+      )
+      assemble = self._call_args(args, total)
+
+      def value_and_grad(diff_args, micro, index, state):
+        (value, (weight, aux, new_state)), grads = clipped(
+          *assemble(diff_args, micro, index, state)
+        )
+        return (value, (weight, aux, self._kept_state(new_state, state))), grads
 
     def step(diff_args, micro, index, state):
       (loss, (weight, aux, new_state)), grads = value_and_grad(
@@ -237,6 +248,34 @@ class Engine:
       return MicroOut(loss, weight, aux, new_state, noise), grads
 
     return self.rematerialized(step)
+
+  def _call_args(self, args: tuple[Any, ...], total: int) -> Callable[..., list[Any]]:
+    """``(diff_args, micro, index, state) -> fun's positional arguments`` for
+    one micro-batch: the differentiated and batch arguments in their places,
+    the key folded with the micro-batch index (unless the step has one
+    micro-batch in ``total``), the threaded state."""
+    o = self.options
+    fold = total > 1
+
+    def assemble(diff_args, micro, index, state):
+      call_args = list(args)
+      for n, d in zip(o.argnums, diff_args, strict=True):
+        call_args[n] = d
+      for n, b in zip(o.batch_argnums, micro, strict=True):
+        call_args[n] = b
+      if o.rng_argnum is not None and fold:
+        call_args[o.rng_argnum] = jax.random.fold_in(args[o.rng_argnum], index)
+      if o.state_argnum is not None:
+        call_args[o.state_argnum] = state
+      return call_args
+
+    return assemble
+
+  def _kept_state(self, new_state: PyTree, state: PyTree) -> PyTree:
+    """``fun``'s new state, checked against the one it was given."""
+    if self.options.state_argnum is None:
+      return new_state
+    return _match_state(new_state, state)
 
   def rematerialized(self, step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` under ``jax.checkpoint`` as ``remat`` asks."""
@@ -253,6 +292,8 @@ class Engine:
     o = self.options
 
     def loss_fn(*call_args):
+      if o.example_mask is not None:  # jaxaccum's own argument, last
+        call_args = call_args[: o.example_mask]
       try:
         out = self.fun(*call_args, **kwargs)
       except (TypeError, ValueError) as error:
@@ -265,6 +306,8 @@ class Engine:
       if o.state_argnum is not None:
         aux, new_state = _unpack_state(aux)
       _checks.check_aux(aux)
+      if o.clip_per_example is not None:
+        _privacy.check_per_example_value(value, o.normalize)
       loss, weight = o.normalization.loss_and_weight(value)
       return loss, (weight, aux, new_state)
 

@@ -83,6 +83,9 @@ def verify_equivalence(
   ``loss_sum / weight``), and compares value and gradients leaf by leaf with
   ``chex``. With ``mesh=`` and ``data_axis=`` the accumulated side runs
   data-parallel and the reference is the full batch on the same arrays.
+  With ``clip_per_example`` the reference is the same function with one
+  micro-batch: every example's clipped gradient from one ``vmap`` over the
+  whole batch.
 
   This holds for losses in which examples do not interact. Per-micro-batch
   keys (``rng_argnum``) and threaded state (``state_argnum``) have no
@@ -123,7 +126,12 @@ def verify_equivalence(
   fun_kwargs = dict(fun_kwargs or {})
   o = o.resolve(len(args))
   accumulated = value_and_grad(fun, num_micro_batches, **options)
-  reference = jax.jit(functools.partial(_full_batch(fun, o), **fun_kwargs))
+  full = _full_batch(fun, o)
+  if o.clip_per_example is not None:
+    # DP-SGD's full batch: every example's clipped gradient in one vmap.
+    whole = {n: v for n, v in options.items() if n != "micro_batch_size"}
+    full = value_and_grad(fun, 1, **whole)
+  reference = jax.jit(functools.partial(full, **fun_kwargs))
   (value, grads) = accumulated(*args, **fun_kwargs)
   ref_value, ref_grads = reference(*args)
   if o.has_aux:

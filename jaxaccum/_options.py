@@ -72,7 +72,10 @@ class Options:
     as one tree rather than a tuple (as in ``jax.value_and_grad``);
   - ``normalization``: the mode as a value (:mod:`jaxaccum._normalize`);
   - ``data_axes``: ``data_axis`` as a tuple (None without a mesh);
-  - ``names``: how errors name argument positions.
+  - ``names``: how errors name argument positions;
+  - ``example_mask``: with ``clip_per_example``, the engine position of the
+    row mask that the call's ``example_mask=`` keyword became (one of
+    ``batch_argnums``; ``fun`` never sees it), or None.
   """
 
   num_micro_batches: int | None = None
@@ -93,8 +96,10 @@ class Options:
   view: str = "device"
   noise_stats: bool = False
   value_checks: bool = False
+  clip_per_example: float | None = None
   tree_grads: bool = True
   names: ArgNames = ArgNames()
+  example_mask: int | None = None
 
   @property
   def normalization(self) -> _normalize.Normalization:
@@ -161,7 +166,8 @@ class Options:
 
 # The keyword arguments of jaxaccum.value_and_grad.
 KEYWORDS = frozenset(
-  {f.name for f in dataclasses.fields(Options)} - {"data_axes", "tree_grads", "names"}
+  {f.name for f in dataclasses.fields(Options)}
+  - {"data_axes", "tree_grads", "names", "example_mask"}
 ) | {"data_axis"}
 
 
@@ -206,6 +212,9 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   if view not in VIEWS:
     raise ValueError(f"Unknown {view=}; choose one of {list(VIEWS)}.")
   mesh, data_axes = _mesh_and_axes(get("mesh"), kwargs.get("data_axis"))
+  clip = check_clip_norm("clip_per_example", get("clip_per_example"))
+  if clip is not None:
+    _check_clip_compatible(state_argnum, bool(get("noise_stats")))
   if get("param_specs") is not None and mesh is None:
     raise ValueError("param_specs is for the data-parallel path; pass mesh= too.")
   if kwargs.get("view", "device") != "device" and mesh is None:
@@ -229,6 +238,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     view=view,
     noise_stats=bool(get("noise_stats")),
     value_checks=bool(get("value_checks")),
+    clip_per_example=clip,
     tree_grads=isinstance(argnums, numbers.Integral),
   )
   # Positions that are all counted from the front can be checked now.
@@ -257,6 +267,45 @@ def check_split_sizes(num_micro_batches: Any, micro_batch_size: Any) -> None:
       )
     if size <= 0:
       raise ValueError(f"{name} must be positive, got {name}={size}.")
+
+
+def check_clip_norm(name: str, value: Any) -> float | None:
+  """A clipping norm: None, or a positive finite real number (as a float).
+
+  >>> check_clip_norm("clip_per_example", 0.0)
+  Traceback (most recent call last):
+  ValueError: clip_per_example must be a positive number, the L2 norm C that each example's gradient is clipped to, got clip_per_example=0.0. Pass e.g. clip_per_example=1.0.
+  """
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(
+      f"{name} must be a Python or numpy number (the clipping norm C), got "
+      f"{value!r} of type {type(value).__name__}."
+    )
+  if not (math.isfinite(value) and float(value) > 0):
+    raise ValueError(
+      f"{name} must be a positive number, the L2 norm C that each example's "
+      f"gradient is clipped to, got {name}={value!r}. Pass e.g. {name}=1.0."
+    )
+  return float(value)
+
+
+def _check_clip_compatible(state_argnum: int | None, noise_stats: bool) -> None:
+  """Per-example clipping takes neither threaded state nor noise stats."""
+  if state_argnum is not None:
+    raise ValueError(
+      f"clip_per_example does not take state_argnum={state_argnum}: each "
+      "example's gradient is computed apart from the others, so there is no "
+      "order in which to thread state (BatchNorm statistics mix examples, which "
+      "differential privacy forbids). Use a model without BatchNorm (GroupNorm "
+      "or LayerNorm work per example) and pass dropout keys with rng_argnum."
+    )
+  if noise_stats:
+    raise ValueError(
+      "clip_per_example does not take noise_stats=True: the gradient noise "
+      "scale is measured on unclipped micro-batch gradients. Leave one out."
+    )
 
 
 def _check_positions(options: Options) -> None:

@@ -154,6 +154,10 @@ class DataParallel:
     """Each leaf's :class:`Placement`: the one place the strategy is chosen
     (see the module docstring)."""
     mode = self.options.fsdp_gather
+    if self.options.clip_per_example is not None and self.options.view == "device":
+      # Each example's gradient is clipped by its norm over every leaf, so
+      # each device computes whole gradients: FSDP leaves gathered once.
+      mode = "once"
     placed = []
     for s in layout:
       if s is None or not _fsdp(s):
@@ -388,15 +392,17 @@ class _Step:
     the gradient of the sum of their losses (see the module docstring)."""
     o = self.options
     k = self.split.num_micro_batches
-    loss = _explained(
-      self.engine.micro_loss(args, kwargs, self.split, self.devices * k), self.axes
-    )
-    per_device = self._nested_vmap(loss, o.state_argnum is not None)
     offsets = self.parallel.constrain(
       (jnp.arange(self.devices, dtype=jnp.int32) * k).reshape(self.sizes),
       P(*self.axes),
     )
     rows = self.split.micro_batch_size // self.split.shards
+    if o.clip_per_example is not None:
+      return self._clipped_micro_step(args, kwargs, offsets, rows)
+    loss = _explained(
+      self.engine.micro_loss(args, kwargs, self.split, self.devices * k), self.axes
+    )
+    per_device = self._nested_vmap(loss, o.state_argnum is not None)
 
     def step(diff_args, micro, index, state):
       diff_args = _with_barrier(diff_args, self.placements, index)
@@ -416,6 +422,32 @@ class _Step:
       return _engine.MicroOut(losses, weights, aux, new_state, noise), grads
 
     return self.engine.rematerialized(step)
+
+  def _clipped_micro_step(
+    self,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    offsets: jax.Array,
+    rows: int,
+  ) -> Callable[..., Any]:
+    """DP-SGD's micro step: the engine's clipped step on every device, each
+    device's clipped sum its own (every leaf a copy per device, see
+    :meth:`DataParallel.placements`)."""
+    base = self.engine.micro_step(
+      args, kwargs, self.split, self.devices * self.split.num_micro_batches, rows
+    )
+    per_device = self._nested_vmap(
+      _explained(base, self.axes), self.options.state_argnum is not None
+    )
+
+    def step(diff_args, micro, index, state):
+      micro = jax.tree.map(self._unflatten_devices, micro)
+      if state is not None:
+        state = jax.tree.map(self._unflatten_devices, state)
+      out, grads = per_device(diff_args, micro, offsets + index, state)
+      return jax.tree.map(self._flatten_devices, out), grads
+
+    return step
 
   def _nested_vmap(
     self, loss: Callable[..., Any], has_state: bool

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _calls, _compat, _options, _tree, _value_and_grad
+from jaxaccum import _calls, _compat, _options, _privacy, _tree, _value_and_grad
 from jaxaccum._engine import Result
 from jaxaccum._loss_scale import DynamicLossScale
 from jaxaccum._opt_state import find_loss_scale
@@ -61,11 +61,19 @@ def make_train_step(
       nothing sees the gradients before they are unscaled (anywhere else,
       e.g. under ``optax.masked``, the step raises a ``ValueError``). With
       ``noise_stats``, the noise is reported unscaled.
+      With ``clip_per_example`` (DP-SGD) the value does not count, and a
+      batch without real examples is skipped unless ``tx`` holds a
+      :func:`jaxaccum.dp_noise` with ``normalize="poisson"``, whose empty
+      draws are steps of noise.
     donate: donate ``params`` and ``opt_state`` to the step. Do not use the
       arrays you passed in after the call.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
       (``micro_batch_size``, ``batch_argnums``, ``has_aux``, ``normalize``,
-      ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``, ...).
+      ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``,
+      ``clip_per_example``, ...). With ``clip_per_example`` the step takes
+      ``example_mask=``; put :func:`jaxaccum.dp_noise` first in ``tx`` and
+      the step passes it ``divided_by`` and checks that its ``clip_norm`` is
+      ``clip_per_example``.
 
   Returns:
     The jitted step. It is ``jax.jit``-like (``.lower(...)`` works on it),
@@ -99,7 +107,12 @@ def make_train_step(
       result = scaled(params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs)
       result = _unscaled(result, loss_scale)
     engine_options = plain.engine(len(args) + 1).options
-    ok = _worth_a_step(result, options)
+    noise = _privacy.find_noise(opt_state)
+    extra: dict[str, Any] = {}
+    if noise is not None:
+      _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
+      extra["divided_by"] = _privacy.divided_by(result.total_weight, options.normalize)
+    ok = _worth_a_step(result, options, noise)
     if engine_options.state_argnum is not None and skip_nonfinite:
       # A skipped step leaves the threaded state (BatchNorm statistics) as it
       # was too: one bad batch must not poison every later step.
@@ -109,7 +122,7 @@ def make_train_step(
     if not skip_nonfinite or loss_scale is not None:
       # float16: accumulate() unscales, skips overflowing windows and adjusts
       # the scale itself.
-      params, opt_state = _apply(tx, params, opt_state, result.grads[0])
+      params, opt_state = _apply(tx, params, opt_state, result.grads[0], extra)
     else:
       # Select, do not branch: a lax.cond returning either the inputs or the
       # new values cannot update the donated buffers in place, and held a
@@ -117,7 +130,7 @@ def make_train_step(
       # a 109M-parameter Adam step on an H100 target). A skipped step's
       # update is computed from its non-finite gradient and dropped here;
       # zeroing that gradient first would cost another copy of it.
-      new_params, new_state = _apply(tx, params, opt_state, result.grads[0])
+      new_params, new_state = _apply(tx, params, opt_state, result.grads[0], extra)
       if plain.micro_batches((params, *args)) == 1:
         # One micro-batch: the gradients come straight from the backward
         # pass. Fused with the select, each parameter's update waited for
@@ -164,20 +177,39 @@ def _unscaled(result: Result, loss_scale: DynamicLossScale) -> Result:
   )
 
 
-def _worth_a_step(result: Result, options: _options.Options) -> jax.Array:
+def _worth_a_step(
+  result: Result, options: _options.Options, noise: _privacy.NoiseConfig | None
+) -> jax.Array:
   """The step is taken only if its value and gradients are finite and, with
   ``normalize="weighted"``, its total weight is not zero (a batch of padding
-  only has nothing to learn from: Adam's momentum would still move)."""
-  ok = _tree.all_finite(result.grads) & jnp.all(jnp.isfinite(result.value))
+  only has nothing to learn from: Adam's momentum would still move).
+
+  With ``clip_per_example`` the value does not count (an example whose loss
+  is not finite already added nothing to the gradient, and a step must not
+  depend on one example), and a batch without real examples is skipped
+  unless the noise is divided by the expected batch size: under Poisson
+  sampling an empty draw is part of the mechanism, and its step is noise."""
+  ok = _tree.all_finite(result.grads)
+  if options.clip_per_example is not None:
+    if noise is None or noise.normalize == "fixed":
+      ok = ok & (result.total_weight != 0)
+    return ok
+  ok = ok & jnp.all(jnp.isfinite(result.value))
   if options.normalize == "weighted":
     ok = ok & (result.total_weight != 0)
   return ok
 
 
 def _apply(
-  tx: optax.GradientTransformation, params: PyTree, opt_state: PyTree, grads: PyTree
+  tx: optax.GradientTransformation,
+  params: PyTree,
+  opt_state: PyTree,
+  grads: PyTree,
+  extra: dict[str, Any],
 ):
-  updates, next_state = tx.update(grads, opt_state, params)
+  if extra:  # dp_noise's divided_by, through chains of plain transformations
+    tx = optax.with_extra_args_support(tx)
+  updates, next_state = tx.update(grads, opt_state, params, **extra)
   # The state keeps its dtypes (adam's mu would come back promoted with the
   # gradients'): the select, donation and the next call need the same types.
   next_state = _tree.cast_like(next_state, opt_state)

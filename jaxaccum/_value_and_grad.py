@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _calls, _compat, _engine, _options, _parallel, _split
+from jaxaccum import _calls, _compat, _engine, _options, _parallel, _privacy, _split
 
 PyTree = Any
 
@@ -44,6 +44,7 @@ def value_and_grad(
   view: str = "device",
   noise_stats: bool = False,
   value_checks: bool = False,
+  clip_per_example: float | None = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -157,6 +158,23 @@ def value_and_grad(
       activation rules work as written). The partitioner then places every
       collective: replicated parameters are all-reduced once per
       micro-batch, and ``fsdp_gather="once"`` is not available.
+    clip_per_example: differentially private training (DP-SGD): ``fun`` is
+      called on ONE example (each batch leaf without its leading axis; a
+      ``vmap`` runs it over the micro-batch) and returns that example's
+      scalar loss (``(loss_sum, weight)`` with ``"weighted"``). Each
+      example's gradient, over all differentiated leaves together, is scaled
+      to L2 norm at most ``clip_per_example`` and the clipped gradients are
+      summed in float32. The count of examples replaces the count of
+      micro-batches: ``"mean"`` divides by the number of real examples,
+      ``"weighted"`` by their total weight, ``"sum"`` by nothing. The
+      function then also takes ``example_mask=``, a vector with one entry per
+      row: a row whose entry is 0 (padding) adds exactly zero to the sum, the
+      value and the count. A real row whose gradient is not finite adds zero
+      to the sum (one example cannot poison a step); it still counts, and its
+      loss shows in the value.
+      Row ``j`` of micro-batch ``i`` gets the key ``fold_in(key_i, j)``. Add
+      the noise with :func:`jaxaccum.dp_noise`.
+
   Returns:
     A function of the same arguments as ``fun`` that returns
     ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``.
@@ -262,8 +280,28 @@ class Step:
       return None
     return self.parallel.layout(self.engine(len(args)).options, args)
 
+  def masked_engine(self, num_args: int) -> _engine.Engine:
+    """The engine for a call with ``example_mask=``: the mask goes after the
+    ``num_args`` arguments, as one more batch argument that ``fun`` never
+    sees."""
+    engine = self._engines.get(-num_args)
+    if engine is None:
+      o = self.engine(num_args).options
+      engine = _engine.Engine(
+        self.fun,
+        o.replace(batch_argnums=(*o.batch_argnums, num_args), example_mask=num_args),
+      )
+      self._engines[-num_args] = engine
+    return engine
+
   def traced(self, layout: Any, /, *args: Any, **kwargs: Any) -> _engine.Result:
-    engine = self.engine(len(args))
+    if self.options.clip_per_example is not None and _privacy.MASK_KEYWORD in kwargs:
+      kwargs = dict(kwargs)
+      mask = _privacy.check_mask(kwargs.pop(_privacy.MASK_KEYWORD))
+      engine = self.masked_engine(len(args))
+      args = (*args, mask)
+    else:
+      engine = self.engine(len(args))
     if self.parallel is not None:
       return self.parallel(engine, layout, args, kwargs)
     return engine.local(args, kwargs)

@@ -77,6 +77,7 @@ def value_and_grad(
   view: str = "device",
   noise_stats: bool = False,
   value_checks: bool = False,
+  clip_per_example: float | None = None,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -107,6 +108,11 @@ def value_and_grad(
       :func:`jaxaccum.value_and_grad`: the result is then
       ``(output, noise)``.
     value_checks: as in :func:`jaxaccum.value_and_grad`.
+    clip_per_example: DP-SGD's per-example clipping, as in
+      :func:`jaxaccum.value_and_grad`: ``fun(model, example)`` sees one
+      example, and the function takes ``example_mask=``. The model may hold
+      no variables besides its parameters (no BatchNorm, no stored RNG
+      streams).
 
   Returns:
     A function ``(*args, **kwargs) -> (value, grads)`` (or

@@ -22,7 +22,7 @@ HEAVY |= {"matplotlib", "tqdm"}
 
 
 def test_every_example_is_covered():
-  assert len(SCRIPTS) == 9, SCRIPTS
+  assert len(SCRIPTS) == 10, SCRIPTS
   assert "quickstart" in SCRIPTS and "input_pipeline" in SCRIPTS
 
 

@@ -61,7 +61,8 @@ def describe_public_api() -> str:
 def test_the_public_api_is_the_snapshot():
   assert describe_public_api() == SNAPSHOT.read_text(), (
     "The public API changed. If that is intended (an extension, never a "
-    "rename), rewrite tests/data/public_api.txt: python tests/test_public_api.py"
+    "rename), rewrite tests/data/public_api.txt: "
+    "python tests/test_public_api.py > tests/data/public_api.txt"
   )
 
 

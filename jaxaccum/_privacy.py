@@ -1,0 +1,681 @@
+"""Differentially private training (DP-SGD) over micro-batches.
+
+Three pieces, each usable alone:
+
+1. **Per-example clipping** (:func:`clipped_value_and_grad`), the gradient
+   function of the engine's micro step under ``clip_per_example=C``: one
+   ``vmap`` of ``value_and_grad`` over the micro-batch's examples, one global
+   L2 norm per example over every differentiated leaf, one select. Each
+   example's gradient is scaled to norm at most ``C`` and the clipped
+   gradients are summed into the float32 accumulator. A masked row (padding)
+   and a row whose gradient is not finite add exactly zero: they are
+   selected away, never multiplied.
+2. **Noise** (:func:`dp_noise`), an optax transformation that adds
+   ``N(0, (sigma * C)^2)`` to the clipped *sum* once per update, i.e. once
+   per logical batch: once per ``make_train_step`` step, once per window of
+   ``accumulate()`` (its inner optimizer runs once per window). It then
+   divides by the expected batch size (``normalize="poisson"``) or the actual
+   one (``normalize="fixed"``).
+3. **Sampling and accounting**: :class:`PoissonSampler` draws each example
+   with probability ``q`` and pads the draw to one fixed size, so that one
+   compiled step serves every draw; :func:`dp_epsilon` asks Google's
+   ``dp-accounting`` package for epsilon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxaccum import _compat, _normalize, _split
+
+PyTree = Any
+
+#: The keyword of an accumulated function that takes the row mask.
+MASK_KEYWORD = "example_mask"
+
+NORMALIZATIONS = ("poisson", "fixed")
+
+
+# ---------------------------------------------------------------- clipping
+
+
+def check_per_example_value(value: Any, normalize: str) -> None:
+  """Raises unless ``fun``'s value for one example is a scalar (the pair of
+  scalars ``(loss_sum, weight)`` with ``normalize="weighted"``)."""
+  loss = value[0] if normalize == "weighted" and isinstance(value, tuple) else value
+  if isinstance(loss, (tuple, list)) or jnp.shape(loss) != ():
+    got = (
+      f"a {type(loss).__name__} of length {len(loss)}"
+      if isinstance(loss, (tuple, list))
+      else f"shape={jnp.shape(loss)}"
+    )
+    raise ValueError(
+      "With clip_per_example, fun is called on one example (each batch leaf "
+      "without its leading axis) and must return that example's loss as a "
+      f"scalar, got {got}. Reduce over the example's own axes (e.g. "
+      "jnp.sum over its tokens), or drop clip_per_example for a loss over a "
+      "batch."
+    )
+
+
+def clipped_value_and_grad(
+  loss_fn: Callable[..., Any],
+  *,
+  argnums: tuple[int, ...],
+  batch_argnums: tuple[int, ...],
+  clip_norm: float,
+  accum_dtype: Any,
+  rng_argnum: int | None = None,
+  state_argnum: int | None = None,
+  mask_argnum: int | None = None,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad(loss_fn, argnums, has_aux=True)`` over a
+  micro-batch, with each example's gradient clipped to L2 norm
+  ``clip_norm`` before the sum.
+
+  ``loss_fn(*args)`` returns ``(loss, (weight, aux, new_state))`` for one
+  example. The returned function takes the same arguments with the batch
+  arguments holding ``m`` rows (and, at ``mask_argnum``, a row mask that
+  ``loss_fn`` does not see), and returns ``((loss, (weight, aux, state)),
+  grads)``: the sums of the kept rows' losses and weights, the per-example
+  aux stacked over the rows, the state unchanged, and the sum of the kept
+  rows' clipped gradients in (at least) ``accum_dtype``. A row is kept when
+  its mask is non-zero and its gradient is finite; row ``j`` gets the key
+  ``fold_in(key, j)``.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, argnums=argnums, has_aux=True)
+  mapped = set(batch_argnums) - {mask_argnum}
+
+  def value_and_clipped_grad(*call_args):
+    args = list(call_args)
+    rows = jax.tree.leaves([args[n] for n in sorted(mapped)])[0].shape[0]
+    in_axes = [0 if n in mapped else None for n in range(len(args))]
+    mask = None
+    if mask_argnum is not None:
+      mask, args[mask_argnum] = args[mask_argnum], None
+    if rng_argnum is not None:
+      key = args[rng_argnum]
+      args[rng_argnum] = jax.vmap(lambda j: jax.random.fold_in(key, j))(
+        jnp.arange(rows, dtype=jnp.int32)
+      )
+      in_axes[rng_argnum] = 0
+    state = None if state_argnum is None else args[state_argnum]
+    if jax.tree.leaves(state):
+      raise ValueError(
+        "clip_per_example does not thread state: fun's model holds "
+        f"{len(jax.tree.leaves(state))} variables besides its parameters "
+        "(BatchNorm statistics, RNG streams), and each example's gradient is "
+        "computed apart from the others. Use a model without them: LayerNorm "
+        "or GroupNorm instead of BatchNorm, and dropout keys by rng_argnum."
+      )
+    rows_over = _row_axes([args[n] for n in sorted(mapped)])
+    if rows_over:
+      args = [
+        a if axis == 0 else jax.tree.map(lambda x: _unsharded(x, rows_over), a)
+        for a, axis in zip(args, in_axes, strict=True)
+      ]
+    (loss, (weight, aux, _)), grads = jax.vmap(grad_fn, in_axes=tuple(in_axes))(*args)
+    present = jnp.ones((rows,), bool) if mask is None else mask != 0
+    clipped, _ = clip_and_sum(grads, clip_norm, present, accum_dtype)
+
+    def kept_sum(v):
+      which = _rows_like(present, v)
+      v = _rows_like(v, which)
+      return jnp.sum(jnp.where(which, v, jnp.zeros_like(v)))
+
+    loss = kept_sum(loss)
+    weight = kept_sum(jnp.asarray(weight, jnp.float32))
+    return (loss, (weight, aux, state)), clipped
+
+  return value_and_clipped_grad
+
+
+def _row_axes(batch: list[Any]) -> set[str]:
+  """The Explicit mesh axes the rows of ``batch`` are sharded over."""
+  axes: set[str] = set()
+  for x in jax.tree.leaves(batch):
+    spec = _compat.explicit_spec(x)
+    if spec is not None and len(spec) and spec[0] is not None:
+      axes.update((spec[0],) if isinstance(spec[0], str) else spec[0])
+  return axes
+
+
+def _rows_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` with its rows laid out like ``like``'s, on an Explicit mesh
+  (where operands of one select must agree)."""
+  spec = _compat.explicit_spec(like)
+  if spec is None or _compat.explicit_spec(x) == spec:
+    return x
+  return jax.sharding.reshard(x, spec)
+
+
+def _unsharded(x: Any, axes: set[str]) -> Any:
+  """``x`` no longer sharded over ``axes``: an argument shared by every
+  example (a parameter) is whole along the axes the examples are spread
+  over, as ``vmap`` over them needs on an Explicit mesh."""
+  spec = _compat.explicit_spec(x)
+  if spec is None:
+    return x
+
+  def keep(entry):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    kept = tuple(n for n in names if n not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+  new = jax.sharding.PartitionSpec(*(keep(e) for e in spec))
+  return x if new == spec else jax.sharding.reshard(x, new)
+
+
+def clip_and_sum(
+  per_example: PyTree, clip_norm: float, present: jax.Array, accum_dtype: Any
+) -> tuple[PyTree, jax.Array]:
+  """The sum over the leading (example) axis of ``per_example``'s gradients,
+  each scaled to global L2 norm at most ``clip_norm``, and the rows kept.
+
+  A row is kept when ``present`` and its norm is finite; the others add
+  exactly zero (a select, so a NaN there does not spread).
+
+  >>> g = {"w": jnp.array([[3.0, 4.0], [0.3, 0.4], [jnp.nan, 0.0]])}
+  >>> total, kept = clip_and_sum(g, 1.0, jnp.array([True, True, True]), jnp.float32)
+  >>> [round(float(x), 4) for x in total["w"]], kept.tolist()
+  ([0.9, 1.2], [True, True, False])
+  """
+  leaves = jax.tree.leaves(per_example)
+  sq = sum(
+    (
+      jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), axis=1)
+      for g in leaves
+    ),
+    start=jnp.zeros(present.shape, jnp.float32),
+  )
+  norm = jnp.sqrt(sq)
+  kept = _rows_like(present, norm) & jnp.isfinite(norm)
+  clip = jnp.float32(clip_norm)
+  # min(1, C / norm) without dividing by zero: C / max(norm, C).
+  scale = jnp.where(kept, clip / jnp.maximum(norm, clip), jnp.float32(0))
+
+  def one(g):
+    dtype = _normalize.accumulator_dtype(accum_dtype, g)
+    shape = (g.shape[0],) + (1,) * (g.ndim - 1)
+    scaled = g.astype(dtype) * scale.astype(dtype).reshape(shape)
+    return jnp.sum(jnp.where(kept.reshape(shape), scaled, jnp.zeros_like(scaled)), 0)
+
+  return jax.tree.map(one, per_example), kept
+
+
+def check_mask(mask: Any) -> jax.Array:
+  """The ``example_mask=`` of a call: one entry per row, as an array."""
+  if mask is None or jnp.ndim(mask) != 1:
+    got = "None" if mask is None else f"shape={jnp.shape(mask)}"
+    raise ValueError(
+      f"{MASK_KEYWORD}= must be a vector with one entry per row of the batch "
+      f"(non-zero or True for a real example, 0 or False for padding), got "
+      f"{got}. jaxaccum.pad_batch and PoissonSampler return one."
+    )
+  return jnp.asarray(mask)
+
+
+# ---------------------------------------------------------------- noise
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseConfig:
+  """What :func:`dp_noise` adds and divides by; static (no array leaves), so
+  that ``make_train_step`` and ``accumulate`` read it at trace time.
+
+  Attributes:
+    noise_multiplier: sigma; the noise's standard deviation is
+      ``noise_multiplier * clip_norm``.
+    clip_norm: C, the per-example clipping norm.
+    normalize: ``"poisson"`` (divide by ``expected_batch_size``) or
+      ``"fixed"`` (divide by the actual number of examples).
+    expected_batch_size: ``q * N`` for Poisson sampling, else None.
+  """
+
+  noise_multiplier: float
+  clip_norm: float
+  normalize: str
+  expected_batch_size: float | None
+
+
+jax.tree_util.register_static(NoiseConfig)
+
+
+class DPNoiseState(NamedTuple):
+  """The state of :func:`dp_noise`.
+
+  Attributes:
+    draws: noise draws so far, one per update; shape=(), int32.
+    key: the key passed to :func:`dp_noise`; draw ``t`` uses
+      ``fold_in(key, t)``.
+    config: the :class:`NoiseConfig` (static: no leaves).
+  """
+
+  draws: jax.Array
+  key: jax.Array
+  config: NoiseConfig
+
+
+def _gaussian(key: jax.Array, like: PyTree) -> PyTree:
+  """Standard normal float32 noise shaped like ``like``: leaf ``i`` (in
+  ``jax.tree.leaves`` order) from ``jax.random.split(key, n)[i]``."""
+  leaves, treedef = jax.tree.flatten(like)
+  keys = jax.random.split(key, max(len(leaves), 1))
+  return jax.tree.unflatten(
+    treedef,
+    [
+      jax.random.normal(k, jnp.shape(x), jnp.float32)
+      for k, x in zip(keys, leaves, strict=False)
+    ],
+  )
+
+
+def dp_noise(
+  noise_multiplier: float,
+  clip_norm: float,
+  key: jax.Array | None,
+  *,
+  normalize: str,
+  expected_batch_size: float | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """DP-SGD's Gaussian noise, added once per update to the clipped sum.
+
+  ``update(grads, state, params=None, *, divided_by, **extra)`` takes the
+  clipped gradient as :func:`jaxaccum.value_and_grad` with
+  ``clip_per_example`` returns it, the clipped sum ``S`` divided by
+  ``divided_by`` (the number of real examples for ``normalize="mean"``,
+  their total weight for ``"weighted"``, 1 for ``"sum"``), and returns
+
+  - ``normalize="poisson"``: ``(S + N(0, (sigma C)^2)) / expected_batch_size``,
+    the unbiased estimate for Poisson sampling, where the number of examples
+    drawn is itself private;
+  - ``normalize="fixed"``: ``(S + N(0, (sigma C)^2)) / divided_by``, for
+    batches of a fixed, public size. With nothing to divide by
+    (``divided_by == 0``) it returns zeros, and ``make_train_step`` skips
+    the step.
+
+  ``make_train_step`` and ``accumulate`` pass ``divided_by`` themselves;
+  put ``dp_noise`` first in an ``optax.chain``, so that the optimizer sees
+  the noisy gradient. In ``make_train_step`` it runs once per step; inside
+  ``accumulate(optax.chain(dp_noise(...), ...), k)`` once per window.
+  Update ``t`` (``state.draws``) draws its noise from
+  ``jax.random.fold_in(key, t)``, leaf ``i`` of the gradient from
+  ``jax.random.split(that, number_of_leaves)[i]`` as float32.
+
+  Args:
+    noise_multiplier: sigma >= 0, the ratio of the noise's standard deviation
+      to ``clip_norm``; :func:`dp_epsilon` turns it into epsilon.
+    clip_norm: C, the same number as ``clip_per_example``
+      (``make_train_step`` checks it).
+    key: a PRNG key (``jax.random.key(seed)``), kept in the state. Use a
+      fresh seed for every training run.
+    normalize: ``"poisson"`` or ``"fixed"``, see above.
+    expected_batch_size: ``q * N`` (sampling rate times data set size);
+      needed for, and only for, ``"poisson"``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`DPNoiseState`.
+
+  >>> import jax, jax.numpy as jnp, jaxaccum
+  >>> tx = jaxaccum.dp_noise(0.0, 1.0, jax.random.key(0), normalize="fixed")
+  >>> state = tx.init(jnp.zeros(2))
+  >>> out, state = tx.update(jnp.array([0.5, 0.25]), state, divided_by=4.0)
+  >>> out.tolist(), int(state.draws)
+  ([0.5, 0.25], 1)
+  """
+  config = noise_config(
+    noise_multiplier, clip_norm, key, normalize, expected_batch_size
+  )
+  the_key: jax.Array = key  # type: ignore[assignment]  # checked: not None
+
+  def init_fn(params):
+    del params
+    return DPNoiseState(jnp.zeros((), jnp.int32), the_key, config)
+
+  def update_fn(grads, state, params=None, *, divided_by=None, **extra_args):
+    del params, extra_args
+    if divided_by is None:
+      raise ValueError(
+        "jaxaccum.dp_noise's update needs divided_by=, what the clipped sum "
+        "was divided by (the number of real examples, their total weight, or "
+        "1 for a sum). make_train_step and accumulate pass it when dp_noise "
+        "is first in the chain; in a loop of your own pass it yourself."
+      )
+    divided_by = jnp.asarray(divided_by, jnp.float32)
+    noise = _gaussian(jax.random.fold_in(state.key, state.draws), grads)
+    stddev = jnp.float32(config.noise_multiplier * config.clip_norm)
+    if config.normalize == "poisson":
+      assert config.expected_batch_size is not None
+      expected = jnp.float32(config.expected_batch_size)
+      noisy = jax.tree.map(
+        lambda g, z: (g.astype(jnp.float32) * divided_by + stddev * z) / expected,
+        grads,
+        noise,
+      )
+    else:
+      some = divided_by != 0
+      safe = jnp.where(some, divided_by, jnp.float32(1))
+      noisy = jax.tree.map(
+        lambda g, z: jnp.where(
+          some, g.astype(jnp.float32) + stddev * z / safe, jnp.zeros_like(z)
+        ),
+        grads,
+        noise,
+      )
+    noisy = jax.tree.map(lambda n, g: n.astype(g.dtype), noisy, grads)
+    return noisy, state._replace(draws=state.draws + 1)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def noise_config(
+  noise_multiplier: Any,
+  clip_norm: Any,
+  key: Any,
+  normalize: Any,
+  expected_batch_size: Any,
+) -> NoiseConfig:
+  """:func:`dp_noise`'s arguments, checked."""
+  from jaxaccum._options import check_clip_norm  # noqa: PLC0415 (the options import us)
+
+  if key is None:
+    raise ValueError(
+      "dp_noise needs a key: the noise must come from randomness you pass, "
+      "e.g. dp_noise(noise_multiplier, clip_norm, jax.random.key(seed), ...), "
+      "with a fresh seed for every training run."
+    )
+  _check_number("noise_multiplier", noise_multiplier)
+  if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+    raise ValueError(
+      "noise_multiplier must be a finite number >= 0 (sigma, the noise's "
+      f"standard deviation over clip_norm), got {noise_multiplier=}. Use e.g. "
+      "noise_multiplier=1.0; 0 adds no noise and gives no privacy."
+    )
+  clip = check_clip_norm("clip_norm", clip_norm)
+  assert clip is not None
+  if normalize not in NORMALIZATIONS:
+    raise ValueError(
+      f"Unknown {normalize=}; choose 'poisson' (Poisson sampling: divide by "
+      "expected_batch_size) or 'fixed' (batches of a fixed size: divide by "
+      "the actual number of examples)."
+    )
+  if normalize == "poisson":
+    if expected_batch_size is None:
+      raise ValueError(
+        'normalize="poisson" divides by the expected batch size: pass '
+        "expected_batch_size= (sampling rate times data set size), e.g. "
+        "PoissonSampler(...).expected_batch_size."
+      )
+    _check_number("expected_batch_size", expected_batch_size)
+    if not (math.isfinite(expected_batch_size) and expected_batch_size > 0):
+      raise ValueError(
+        f"expected_batch_size must be a positive number, got {expected_batch_size=}."
+      )
+    expected_batch_size = float(expected_batch_size)
+  elif expected_batch_size is not None:
+    raise ValueError(
+      f'normalize="fixed" divides by the actual number of examples and takes '
+      f"no {expected_batch_size=}: drop it, or use normalize='poisson'."
+    )
+  return NoiseConfig(float(noise_multiplier), clip, normalize, expected_batch_size)
+
+
+def _check_number(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a number, got {value!r}.")
+
+
+def find_noise(opt_state: PyTree) -> NoiseConfig | None:
+  """The :class:`NoiseConfig` of the one :func:`dp_noise` in ``opt_state``,
+  or None. More than one is an error (noise would be added twice)."""
+  is_noise = lambda x: isinstance(x, DPNoiseState)  # noqa: E731
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_noise) if is_noise(x)]
+  if len(found) > 1:
+    raise ValueError(
+      f"The optimizer state holds {len(found)} jaxaccum.dp_noise states: noise "
+      "would be added more than once per step. Keep one, first in the chain."
+    )
+  return found[0].config if found else None
+
+
+def check_noise_matches(
+  config: NoiseConfig, clip_per_example: float | None, normalize: str
+) -> None:
+  """``make_train_step``'s checks of a :func:`dp_noise` against its own
+  options, at trace time."""
+  if clip_per_example is None:
+    raise ValueError(
+      "The optimizer holds jaxaccum.dp_noise, but the step does not clip: "
+      f"pass clip_per_example={config.clip_norm} (noise calibrated to C "
+      "protects nothing unless each example's gradient is clipped to C)."
+    )
+  if clip_per_example != config.clip_norm:
+    raise ValueError(
+      f"clip_per_example={clip_per_example} differs from dp_noise's "
+      f"clip_norm={config.clip_norm}: the noise must be calibrated to the "
+      "norm the examples are clipped to. Pass the same number to both."
+    )
+  if config.normalize == "poisson" and normalize == "weighted":
+    raise ValueError(
+      'normalize="weighted" divides by the actual total weight, and dp_noise\'s '
+      'normalize="poisson" by the expected batch size: choose one. For '
+      'Poisson sampling use normalize="mean" (or "sum") and mark padding with '
+      "example_mask=; for a fixed batch size use dp_noise(..., "
+      'normalize="fixed").'
+    )
+
+
+def divided_by(total_weight: jax.Array, normalize: str) -> jax.Array:
+  """What ``value_and_grad`` with ``clip_per_example`` divided the clipped
+  sum by: the examples' count or weight, or 1 for ``"sum"``."""
+  if normalize == "sum":
+    return jnp.ones((), jnp.float32)
+  return jnp.asarray(total_weight, jnp.float32)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class PoissonSampler:
+  """Poisson sampling at one fixed, padded batch size.
+
+  Each example of a data set of ``num_examples`` is drawn independently with
+  probability ``q = expected_batch_size / num_examples``, the sampling that
+  DP-SGD's privacy analysis assumes (and :func:`dp_epsilon` accounts for).
+  The number drawn varies from step to step; each draw is padded to
+  ``max_batch_size`` rows with :func:`jaxaccum.pad_batch` and comes with a
+  row mask for ``example_mask=``, so one compiled step serves every draw.
+
+  ``max_batch_size`` is the smallest multiple of ``multiple_of`` for which a
+  draw exceeds it with probability at most ``overflow_probability`` per step
+  (the binomial tail, from scipy); :attr:`overflow_probability` holds the
+  exact tail at that size. A draw that does exceed it raises a
+  ``RuntimeError``: truncating it, or drawing again, would bias the sample
+  and void the guarantee.
+
+  The draws use the numpy ``Generator`` you pass. The privacy analysis
+  assumes true randomness; seed it from ``secrets.randbits(128)`` in
+  production rather than from a fixed number.
+
+  Args:
+    num_examples: N, the size of the data set.
+    expected_batch_size: ``q * N``, the mean number of examples per draw.
+    overflow_probability: the largest acceptable probability, per step, of a
+      draw larger than ``max_batch_size``.
+    multiple_of: round ``max_batch_size`` up to a multiple of this (the
+      number of micro-batches times the data-parallel devices).
+
+  >>> import numpy as np, jaxaccum
+  >>> sampler = jaxaccum.PoissonSampler(1000, 100, multiple_of=8)
+  >>> sampler.sampling_rate, sampler.max_batch_size, sampler.overflow_probability < 1e-6
+  (0.1, 152, True)
+  >>> x = np.arange(1000.0)
+  >>> batch, mask = sampler.sample(x, np.random.default_rng(0))
+  >>> batch.shape, mask.shape, int(mask.sum()) == len(np.unique(batch[mask > 0]))
+  ((152,), (152,), True)
+  """
+
+  def __init__(
+    self,
+    num_examples: int,
+    expected_batch_size: float,
+    *,
+    overflow_probability: float = 1e-6,
+    multiple_of: int = 1,
+  ):
+    from scipy import stats  # noqa: PLC0415 (jax depends on scipy)
+
+    for name, n in (("num_examples", num_examples), ("multiple_of", multiple_of)):
+      if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {name}={n!r}.")
+    _check_number("expected_batch_size", expected_batch_size)
+    if not 0 < expected_batch_size <= num_examples:
+      raise ValueError(
+        f"expected_batch_size must be in (0, num_examples], got "
+        f"{expected_batch_size=} for {num_examples=}."
+      )
+    _check_number("overflow_probability", overflow_probability)
+    if not 0 < overflow_probability < 1:
+      raise ValueError(
+        f"overflow_probability must be in (0, 1), got {overflow_probability=}."
+      )
+    self.num_examples = int(num_examples)
+    self.expected_batch_size = float(expected_batch_size)
+    self.sampling_rate = self.expected_batch_size / self.num_examples
+    binom = stats.binom(self.num_examples, self.sampling_rate)
+    # The smallest size M with P(draw > M) <= overflow_probability.
+    size = int(binom.isf(overflow_probability))
+    while size > 0 and binom.sf(size - 1) <= overflow_probability:
+      size -= 1
+    while binom.sf(size) > overflow_probability:
+      size += 1
+    size = max(size, 1)
+    multiple = int(multiple_of)
+    self.max_batch_size = min(-(-size // multiple) * multiple, self._cap(multiple))
+    #: P(a draw has more than max_batch_size examples), per step.
+    self.overflow_probability = float(binom.sf(self.max_batch_size))
+
+  def _cap(self, multiple: int) -> int:
+    """No draw has more than every example: N, rounded up."""
+    return -(-self.num_examples // multiple) * multiple
+
+  def sample_indices(self, rng: np.random.Generator) -> np.ndarray:
+    """The indices of one Poisson draw, in increasing order.
+
+    Raises:
+      RuntimeError: if more than ``max_batch_size`` examples were drawn.
+    """
+    drawn = np.flatnonzero(rng.random(self.num_examples) < self.sampling_rate)
+    if drawn.size > self.max_batch_size:
+      raise RuntimeError(
+        f"The Poisson draw holds {drawn.size} examples, more than "
+        f"max_batch_size={self.max_batch_size} (probability "
+        f"{self.overflow_probability:.2g} per step). It is not truncated: that "
+        "would break the privacy guarantee. Build the sampler with a smaller "
+        "overflow_probability."
+      )
+    return drawn
+
+  def sample(self, data: PyTree, rng: np.random.Generator) -> tuple[PyTree, Any]:
+    """One draw from ``data`` (a pytree of arrays with ``num_examples``
+    rows), padded to ``max_batch_size`` rows.
+
+    Returns:
+      ``(batch, mask)``: the drawn rows then padding (copies of the last
+      drawn row, or of row 0 for an empty draw), and a float32 mask, 1 for
+      drawn rows and 0 for padding; pass it as ``example_mask=``.
+    """
+    size = _split.leading_batch_size({"data": data})
+    if size != self.num_examples:
+      raise ValueError(
+        f"The data has {size} rows, but the sampler was built for "
+        f"num_examples={self.num_examples}."
+      )
+    drawn = self.sample_indices(rng)
+    if drawn.size == 0:  # pad_batch needs a row to repeat; mask it all
+      batch, _ = _split.pad_batch(
+        jax.tree.map(lambda x: x[:1], data), micro_batch_size=self.max_batch_size
+      )
+      return batch, np.zeros(self.max_batch_size, np.float32)
+    rows = jax.tree.map(lambda x: x[drawn], data)
+    return _split.pad_batch(rows, micro_batch_size=self.max_batch_size)
+
+
+# ---------------------------------------------------------------- accounting
+
+
+ACCOUNTANTS = ("pld", "rdp")
+
+
+def dp_epsilon(
+  sampling_rate: float,
+  noise_multiplier: float,
+  steps: int,
+  delta: float,
+  *,
+  accountant: str = "pld",
+) -> float:
+  """Epsilon of DP-SGD, from Google's ``dp-accounting`` package.
+
+  The mechanism is ``steps`` compositions of the Poisson-subsampled Gaussian
+  mechanism (``dp_accounting.PoissonSampledDpEvent`` of a
+  ``GaussianDpEvent``), under add-or-remove-one adjacency: what
+  :class:`PoissonSampler`, ``clip_per_example`` and :func:`dp_noise` with
+  ``normalize="poisson"`` implement. jaxaccum computes nothing itself.
+
+  Args:
+    sampling_rate: q, each example's probability of being drawn per step
+      (1 for the full batch every step).
+    noise_multiplier: sigma of :func:`dp_noise`.
+    steps: the number of steps (noise draws).
+    delta: the target delta, e.g. 1e-5; below 1 / N for N examples.
+    accountant: ``"pld"`` (privacy loss distributions: the tighter) or
+      ``"rdp"`` (Rényi DP: an upper bound).
+
+  Returns:
+    The smallest epsilon the accountant certifies at ``delta``.
+
+  >>> import jaxaccum
+  >>> round(jaxaccum.dp_epsilon(0.01, 1.1, 1000, 1e-5), 2)
+  1.52
+  """
+  try:
+    import dp_accounting  # noqa: PLC0415 (an optional dependency)
+  except ImportError:
+    raise ImportError(
+      "dp_epsilon needs Google's dp-accounting package: "
+      "pip install 'jaxaccum[dp]' (or pip install dp-accounting)."
+    ) from None
+  _check_number("sampling_rate", sampling_rate)
+  if not 0 < sampling_rate <= 1:
+    raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate=}.")
+  _check_number("noise_multiplier", noise_multiplier)
+  if not noise_multiplier >= 0:
+    raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier=}.")
+  if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+    raise ValueError(f"steps must be an integer >= 0, got {steps=}.")
+  _check_number("delta", delta)
+  if not 0 < delta < 1:
+    raise ValueError(f"delta must be in (0, 1), got {delta=}.")
+  if accountant not in ACCOUNTANTS:
+    raise ValueError(f"Unknown {accountant=}; choose one of {list(ACCOUNTANTS)}.")
+  event = dp_accounting.PoissonSampledDpEvent(
+    float(sampling_rate), dp_accounting.GaussianDpEvent(float(noise_multiplier))
+  )
+  counter = (
+    dp_accounting.pld.PLDAccountant()
+    if accountant == "pld"
+    else dp_accounting.rdp.RdpAccountant()
+  )
+  counter.compose(dp_accounting.SelfComposedDpEvent(event, int(steps)))
+  return float(counter.get_epsilon(float(delta)))
