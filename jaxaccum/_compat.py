@@ -108,9 +108,11 @@ def visible_spec(x: Any) -> jax.sharding.PartitionSpec | None:
   return explicit_spec(x)
 
 
-def spmd_vmap_axes(tree: Any) -> tuple[str, ...]:
+def spmd_vmap_axes(tree: Any, *, explicit: bool = False) -> tuple[str, ...]:
   """The mesh axes that ``vmap``s with ``spmd_axis_name`` map ``tree``'s
-  leaves over, innermost first; ``()`` outside such a ``vmap``.
+  leaves over, innermost first; ``()`` outside such a ``vmap``. With
+  ``explicit``, the Explicit mesh axes such ``vmap``s map over instead (JAX
+  records those apart).
 
   Under ``jax.vmap(..., spmd_axis_name=a)`` a mapped value is a batch
   tracer whose trace names ``a``; autodiff may wrap it (a JVP or linearize
@@ -133,7 +135,8 @@ def spmd_vmap_axes(tree: Any) -> tuple[str, ...]:
       value = leaf
       while isinstance(value, jax.core.Tracer):
         if isinstance(value, batching.BatchTracer):
-          names = value._trace.axis_data.spmd_name
+          data = value._trace.axis_data
+          names = data.explicit_mesh_axis if explicit else data.spmd_name
           if isinstance(value.batch_dim, int) and names:
             found.extend(n for n in names if n not in found)
           value = value.val

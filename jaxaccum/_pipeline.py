@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -344,7 +345,9 @@ def _find_mesh(stacked: PyTree, stage_axis: str, stages: int) -> Any:
 
 
 def _leaf_mesh(leaf: Any) -> Any:
-  sharding = getattr(leaf, "sharding", None)
+  """The mesh a leaf's sharding names, where it is visible: a concrete
+  array's, or a traced one's type on Explicit axes."""
+  sharding = None if _compat.is_tracer(leaf) else getattr(leaf, "sharding", None)
   if isinstance(sharding, jax.sharding.NamedSharding):
     return sharding.mesh
   if _compat.explicit_spec(leaf) is not None:
@@ -472,19 +475,30 @@ class _Pipe:
     _check_data_axes(data, mesh, axis)
     manual = tuple(a for a in data if a not in vmapped)
 
+    # The result's rows split over the stages as well, where they divide (not
+    # inside the mesh path's vmap over Explicit axes, where JAX cannot batch
+    # the reduce-scatter).
+    rows = jnp.shape(jax.tree.leaves(x)[0])[0]
+    shards = math.prod(mesh.shape[a] for a in manual)
+    split_rows = (rows // shards) % self.stages == 0 and not _compat.spmd_vmap_axes(
+      x, explicit=True
+    )
+    loop = _Loop(stage, axis, extra, devices=True, split_rows=split_rows)
+
     def body(w, x, traced):
       if not vmapped:  # cotangents summed over these axes here, once
         x = _vary(x, (axis,))
         w = _vary(w, manual)
       w = jax.tree.map(lambda a: a[None] if r == 1 else a, w)
-      return _Loop(stage, axis, extra, devices=True)(w, x, traced)
+      return loop(w, x, traced)
 
-    rows = P(_entry(manual))
+    rows_in = P(_entry(manual))
+    rows_out = P(_entry((*manual, axis))) if split_rows else rows_in
     mapped = jax.shard_map(
       body,
       mesh=mesh,
-      in_specs=(P(axis) if r == 1 else P(None, axis), rows, P()),
-      out_specs=rows,
+      in_specs=(P(axis) if r == 1 else P(None, axis), rows_in, P()),
+      out_specs=rows_out,
       axis_names=frozenset({axis, *manual, *vmapped}),
       # In the vmap, JAX's check of varying axes trips over the axes it maps.
       check_vma=not vmapped,
@@ -616,12 +630,15 @@ class _Loop:
     extra: ``pipe``'s extra arguments.
     devices: whether the stages are devices (else a ``vmap``, which wants
       every ``ppermute`` to be a permutation).
+    split_rows: return each stage its share of the result's rows (a
+      reduce-scatter), instead of all of them (an all-reduce).
   """
 
   stage_fn: _StageFn
   axis: str
   extra: _Args
   devices: bool
+  split_rows: bool = False
 
   def __call__(self, w: PyTree, x: PyTree, traced: list[Any]) -> PyTree:
     """``w``: this stage's layers, leaves ``(r, n, ...)``; ``x``: the whole
@@ -671,11 +688,19 @@ def _run_loop(loop: _Loop, w: PyTree, x: PyTree, args: list[Any]) -> PyTree:
   (buf, _), _ = jax.lax.scan(
     iteration, (buf, act), jnp.arange(schedule.iterations, dtype=jnp.int32)
   )
+  # The last stage's results to every stage: each gets its share of the rows
+  # (the head then runs on 1/S of them per device), or all of them.
   last = stage == S - 1
-  out = jax.tree.map(
-    lambda b: jax.lax.psum(jnp.where(last, b, jnp.zeros_like(b)), axis), buf
-  )
-  return jax.tree.map(_merge, out)
+
+  def collect(b):
+    a = _merge(b)
+    wide = a.dtype if a.dtype != jnp.bool_ else jnp.int32  # psum sums numbers
+    a = jnp.where(last, a, jnp.zeros_like(a)).astype(wide)
+    if loop.split_rows:
+      return jax.lax.psum_scatter(a, axis, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(a, axis).astype(b.dtype)
+
+  return jax.tree.map(lambda b: collect(b).astype(b.dtype), buf)
 
 
 def _split(a: jax.Array, m: int) -> jax.Array:
