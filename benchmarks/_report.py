@@ -1740,6 +1740,29 @@ def autopilot_summary(results: Results) -> str:
 
 # ---------------------------------------------------------------- rendering
 
+#: Benchmarks that render their own blocks (one file measures and renders):
+#: the JSON stem -> the script in this folder whose ``BLOCKS`` maps each block
+#: name to its writer. Registered on first use (importing them imports jax).
+SELF_RENDERED = {"pipeline": "pipeline"}
+
+
+def _register_self_rendered() -> None:
+  import importlib.util  # noqa: PLC0415
+
+  for stem, script in SELF_RENDERED.items():
+    if any(name.split()[0] == stem for name in BLOCKS):
+      continue
+    spec = importlib.util.spec_from_file_location(
+      f"_bench_{script}", HERE / f"{script}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for name, writer in module.BLOCKS.items():
+      block(name)(writer)
+
+
 #: Blocks whose data is several JSON files, and their stems.
 MULTI_SOURCES = {
   "input_pipeline": {
@@ -1757,6 +1780,7 @@ COMMANDS = {
   "input_pipeline": "python examples/input_pipeline.py",
   "autopilot": "python examples/autopilot.py --write-results",
   "readme_commands": "python benchmarks/readme_commands.py",
+  "pipeline": "python benchmarks/pipeline.py",
 }
 _MARKERS = re.compile(
   r"(<!-- begin: (?P<name>[\w\-]+ [\w\-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)",
@@ -1779,6 +1803,7 @@ def load(source: str, results_dir: pathlib.Path) -> Results | None:
 
 def write_block(name: str, results_dir: pathlib.Path = RESULTS) -> str:
   """The text of block ``name`` from the JSON in ``results_dir``."""
+  _register_self_rendered()
   source = name.split(maxsplit=1)[0]
   data = load(source, results_dir)
   if data is None:
@@ -1799,6 +1824,7 @@ def render(
     ValueError: for a block name :data:`BLOCKS` does not know or that
       belongs to another page, or a block of the page that the text lacks.
   """
+  _register_self_rendered()
   found = [m.group("name") for m in _MARKERS.finditer(text)]
   mine = {name for name, p in PAGE_OF.items() if p == page}
   unknown = sorted(set(found) - mine)

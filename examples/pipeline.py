@@ -298,7 +298,8 @@ def main(
   print("jaxaccum pipeline: the quickstart's character transformer in stages\n")
   print(
     f"model  {layers} blocks, width {width}, {params / 1e6:.2f}M parameters; "
-    f"{stages} stages of {layers // stages} blocks on {stages} CPU devices"
+    f"{stages} stages of {layers // stages} block{'s' * (layers != stages)} on "
+    f"{stages} CPU devices"
   )
   print(
     f"batch  {batch_size} sequences of {seq_len} = {num_micro_batches} pipeline "
