@@ -7,8 +7,8 @@ Usage::
 
 Compile-only: nothing runs, and no accelerator is needed (the ``targets``
 extra). The model is ``fsdp.py``'s Llama-style decoder (float32 master
-weights cast to bfloat16 in the loss, a global batch of 128 sequences of
-2,048 tokens), its decoder layers run by ``jaxaccum.pipeline`` on a
+weights cast to bfloat16 in the loss, each layer rematerialized with nothing
+saved, a global batch of 128 sequences of 2,048 tokens), its decoder layers run by ``jaxaccum.pipeline`` on a
 ``"stage"`` axis beside a ``"data"`` axis, 8 devices in all: stages × data
 = 8 × 1, 4 × 2 and 2 × 4. The embedding and the head run outside the
 pipeline on the whole batch, replicated over the stages and sharded over
@@ -111,6 +111,11 @@ def make_step(cfg: Any, stages: int, data: int, m: int, r: int) -> Any:
     h = fsdp._rms_norm(x, w["mlp_norm"])
     return x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
 
+  # Each layer rematerialized with nothing saved, as fsdp.py's (and MaxText's
+  # remat_policy: full): a stage's backward pass holds one layer's internals.
+  layer = jax.checkpoint(
+    layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+  )
   pipe = jaxaccum.pipeline(
     layer, num_stages=stages, num_micro_batches=m, repeats=r, data_axis="data"
   )
@@ -268,6 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           continue
         row = measure(target, cfg, config)
         rows.append(row)
+        if args.partial is not None:  # every row as it comes, for a long sweep
+          args.partial.write_text(json.dumps(rows, indent=1) + "\n")
         print(
           f"{target.name:<8} {name:<11} S={config.stages} D={config.data} "
           f"m={config.m:<3} r={config.r} peak {_gib(row['peak_bytes'])} GiB, "
@@ -439,6 +446,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="what the MaxText comparison gave (a sentence for the manual)",
   )
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+  parser.add_argument(
+    "--partial",
+    type=pathlib.Path,
+    default=None,
+    help="write the rows here as they come",
+  )
   parser.add_argument(
     "--render", action="store_true", help="only rewrite the manual's blocks"
   )

@@ -165,13 +165,21 @@ def pipeline(
     data_axis: mesh axes that the batch is sharded over (data parallelism
       beside the stages), under plain ``jit``: each device pipelines its own
       rows, and the weight gradients are summed over these axes once, after
-      the loop, instead of once per iteration. Leave it out under jaxaccum's
-      ``mesh=``, which already runs the loss per device.
+      the loop, instead of once per iteration. By default read from ``x``'s
+      type on Explicit mesh axes; on Auto axes, where it is hidden, name
+      them. Leave it out under jaxaccum's ``mesh=``, which already runs the
+      loss per device. ``()`` keeps every other axis automatic (FSDP over
+      the batch's axis inside a stage: the partitioner gathers the weights
+      where they are used).
 
   Returns:
     ``pipe(stacked, x, *args)``, returning the activations after the last
-    layer, with ``x``'s structure, shapes and dtypes. Arrays among ``args``
-    reach every layer unchanged; other values are static.
+    layer, with ``x``'s structure, shapes and dtypes. Their rows come back
+    split over the stage axis as well, where they divide (each stage device
+    then runs what follows on its share of them). Arrays among ``args``
+    reach every layer unchanged; other values are static. The gradient
+    contributions of the micro-batches are summed in the parameters' dtype:
+    keep float32 master weights, cast in ``layer_fn``, for float32 sums.
 
   Raises:
     ValueError: at trace time, naming the sizes, for layers that do not
