@@ -230,6 +230,29 @@ def test_fewer_micro_batches_than_stages_warn_and_still_equal_the_scan():
   assert_close(got, reference(), terms(2))
 
 
+def test_side_inputs_travel_with_the_activations_and_come_back_unchanged():
+  """A pytree activation: a boolean mask and integer positions ride along
+  (the layer reads them), through the collective-permutes and back."""
+  stacked, x = make_problem()
+  mask = jnp.arange(BATCH * WIDTH).reshape(BATCH, WIDTH) % 3 != 0
+  positions = jnp.arange(BATCH, dtype=jnp.int32)
+
+  def masked(w, h):
+    out = layer(w, h["h"]) * (1 + h["pos"][:, None] / BATCH)
+    return {"h": jnp.where(h["mask"], out, h["h"]), "mask": h["mask"], "pos": h["pos"]}
+
+  pipe = jaxaccum.pipeline(masked, num_stages=2, num_micro_batches=4)
+  mesh = stage_mesh(2)
+  inputs = {"h": x, "mask": mask, "pos": positions}
+  with jax.set_mesh(mesh):
+    got = jax.jit(pipe)(on_stages(mesh, stacked, 1), inputs)
+  want = scanned(masked, stacked, inputs)
+  assert got["mask"].dtype == jnp.bool_ and got["pos"].dtype == jnp.int32
+  np.testing.assert_array_equal(got["mask"], mask)
+  np.testing.assert_array_equal(got["pos"], positions)
+  assert_close(got["h"], want["h"], terms())
+
+
 # -- keys --------------------------------------------------------------------
 
 
