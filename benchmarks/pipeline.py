@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     },
     "targets": targets,
     "fsdp": fsdp_best(),
-    "maxtext": args.maxtext_note,
+    "maxtext": {"note": args.maxtext_note, "rows": []},
     "versions": {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "optax")},
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "argv": sys.argv[1:],
@@ -305,21 +305,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def fsdp_best() -> dict[str, Any]:
-  """From ``results/fsdp.json``: per target, jaxaccum's FSDP row with the
-  lowest peak (over its two modes and every k), and its date."""
+  """From ``results/fsdp.json``: per target, jaxaccum's FSDP rows with the
+  lowest peak and with the fewest collective bytes (over its two modes and
+  every k), the model's size and the run's date."""
   path = RESULTS / "fsdp.json"
   if not path.exists():
     return {}
   data = json.loads(path.read_text())
-  best: dict[str, Any] = {"date": data.get("date"), "model": data["model"]["name"]}
+  best: dict[str, Any] = {
+    "date": data.get("date"),
+    "model": data["model"]["name"],
+    "num_params": data["model"]["num_params"],
+  }
+  keys = ("approach", "k", "peak_bytes", "collective_bytes")
   for row in data["rows"]:
     if not row["approach"].startswith("jaxaccum") or row.get("peak_bytes") is None:
       continue
-    kept = best.get(row["target"])
-    if kept is None or row["peak_bytes"] < kept["peak_bytes"]:
-      best[row["target"]] = {
-        key: row[key] for key in ("approach", "k", "peak_bytes", "collective_bytes")
-      }
+    kept = best.setdefault(row["target"], {})
+    for name, key in (
+      ("lowest_peak", "peak_bytes"),
+      ("fewest_bytes", "collective_bytes"),
+    ):
+      if name not in kept or row[key] < kept[name][key]:
+        kept[name] = {k: row[k] for k in keys}
   return best
 
 
@@ -366,13 +374,16 @@ def table(results: dict[str, Any]) -> str:
             f"{_cell(found[0])} ({found[0]['bubble']:.2f})" if found else "–"
           )
         lines.append(f"| {s} × {d} | {m} | {' | '.join(cells)} |")
-      best = results["fsdp"].get(target)
-      if best and model == results["fsdp"].get("model"):
+      fsdp = results["fsdp"].get(target)
+      if fsdp and model == results["fsdp"].get("model"):
+        low, few = fsdp["lowest_peak"], fsdp["fewest_bytes"]
         lines += [
           "",
-          f"jaxaccum's FSDP on the same 8 devices (`fsdp.py`, its lowest peak: "
-          f"`{best['approach'].removeprefix('jaxaccum_')}`, k = {best['k']}): "
-          f"{_gib(best['peak_bytes'])} / {_gib(best['collective_bytes'])}.",
+          "jaxaccum's FSDP on the same 8 devices (`fsdp.py`): its lowest peak "
+          f"(`{low['approach'].removeprefix('jaxaccum_')}`, k = {low['k']}) "
+          f"{_gib(low['peak_bytes'])} / {_gib(low['collective_bytes'])}; its "
+          f"fewest bytes (`{few['approach'].removeprefix('jaxaccum_')}`, k = "
+          f"{few['k']}) {_gib(few['peak_bytes'])} / {_gib(few['collective_bytes'])}.",
         ]
       parts.append("\n".join(lines))
   return "\n\n".join(parts)
@@ -400,15 +411,9 @@ def summary(results: dict[str, Any]) -> str:
         f"{_gib(few['collective_bytes'])} GiB at {few['stages']} × {few['data']}, "
         f"m = {few['m']}, r = {few['r']}"
       )
-      best = results["fsdp"].get(target)
-      if best and model == results["fsdp"].get("model"):
-        text += (
-          f"; jaxaccum's FSDP: {_gib(best['peak_bytes'])} GiB peak, "
-          f"{_gib(best['collective_bytes'])} GiB moved, so pipelining's lowest "
-          f"peak is {low['peak_bytes'] / best['peak_bytes']:.2f} × and its "
-          f"fewest bytes {few['collective_bytes'] / best['collective_bytes']:.2f} × "
-          "FSDP's"
-        )
+      fsdp = results["fsdp"].get(target)
+      if fsdp and model == results["fsdp"].get("model"):
+        text += "; " + _against_fsdp(low, few, fsdp, results["fsdp"]["num_params"])
       bullets.append(text + ".")
     refused = [r for r in results["rows"] if r["target"] == target and "error" in r]
     if refused:
@@ -416,8 +421,85 @@ def summary(results: dict[str, Any]) -> str:
         f"**{info['title']}**: {len(refused)} configurations refused by the "
         "compiler (beyond the device's memory, or an error), shown as refused."
       )
-  bullets.append(f"**MaxText's pipeline.** {results['maxtext']}")
+  bullets.append(maxtext_bullet(results))
   return "\n".join(f"- {b}" for b in bullets)
+
+
+def _against_fsdp(
+  low: dict[str, Any], few: dict[str, Any], fsdp: dict[str, Any], params: int
+) -> str:
+  """The pipeline's lowest peak and fewest bytes against FSDP's, and the
+  model size from which the pipeline moves fewer bytes."""
+  peak = low["peak_bytes"] / fsdp["lowest_peak"]["peak_bytes"]
+  moved = few["collective_bytes"] / fsdp["fewest_bytes"]["collective_bytes"]
+  text = (
+    f"against jaxaccum's FSDP, the lowest peak is {peak:.2f} × FSDP's lowest "
+    f"and the fewest bytes {moved:.2f} × FSDP's fewest"
+  )
+  if moved <= 1:
+    return text + ": pipelining already moves fewer bytes at this size"
+  # FSDP moves the weights (bytes in proportion to the parameters); the
+  # pipeline moves activations (bytes independent of them at this batch).
+  return text + (
+    f". FSDP's bytes grow with the parameters and the pipeline's do not, so "
+    f"at this batch the pipeline moves fewer from about {params * moved / 1e9:.1f}B "
+    "parameters (extrapolated from this size)"
+  )
+
+
+def maxtext_bullet(results: dict[str, Any]) -> str:
+  """MaxText's own pipeline on the same configurations, where it compiled,
+  against jaxaccum's: its note and one sentence per row."""
+  maxtext = results["maxtext"]
+  parts = [f"**MaxText's pipeline.** {maxtext['note']}"]
+  for m in maxtext["rows"]:
+    ours = [
+      r
+      for r in results["rows"]
+      if r["target"] == m["target"]
+      and r["model"] == m["model"]
+      and (r["stages"], r["data"], r["m"], r["r"])
+      == (m["stages"], m["data"], m["m"], m["r"])
+      and r["peak_bytes"]
+    ]
+    title = results["targets"][m["target"]]["title"]
+    where = f"{title}, {m['stages']} × {m['data']}, m = {m['m']}, r = {m['r']}"
+    if m.get("peak_bytes") is None:
+      parts.append(f"On the {where} it did not compile: {m['error']}.")
+      continue
+    text = (
+      f"On the {where} (bubble {_bubble(m['stages'], m['m'], m['r']):.2f}) MaxText's "
+      f"peak is {_gib(m['peak_bytes'])} GiB"
+      + (
+        f" and it moves {_gib(m['collective_bytes'])} GiB"
+        if m.get("collective_bytes") is not None
+        else ""
+      )
+    )
+    if ours:
+      o = ours[0]
+      text += (
+        f"; jaxaccum's {_gib(o['peak_bytes'])} GiB "
+        f"({o['peak_bytes'] / m['peak_bytes']:.2f} ×)"
+        + (
+          f" and {_gib(o['collective_bytes'])} GiB "
+          f"({o['collective_bytes'] / m['collective_bytes']:.2f} ×)"
+          if m.get("collective_bytes")
+          else ""
+        )
+        + ": the goal, at or below MaxText at equal bubble, is "
+        + (
+          "met"
+          if o["peak_bytes"] <= m["peak_bytes"]
+          and (
+            not m.get("collective_bytes")
+            or o["collective_bytes"] <= m["collective_bytes"]
+          )
+          else "**missed**"
+        )
+      )
+    parts.append(text + ".")
+  return " ".join(parts)
 
 
 #: The blocks of ``benchmarks/README.md`` this file writes from ``pipeline.json``.
@@ -455,6 +537,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--render", action="store_true", help="only rewrite the manual's blocks"
   )
+  parser.add_argument(
+    "--maxtext",
+    type=pathlib.Path,
+    default=None,
+    metavar="JSON",
+    help="merge MaxText's measured rows ({note, rows}) into pipeline.json, "
+    "with fsdp.py's results read again",
+  )
   return parser.parse_args(argv)
 
 
@@ -468,7 +558,13 @@ def render_manual() -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
   args = parse_args(argv)
-  if not args.render:
+  if args.maxtext is not None:
+    path = args.out / "pipeline.json"
+    results = json.loads(path.read_text())
+    results["maxtext"] = json.loads(args.maxtext.read_text())
+    results["fsdp"] = fsdp_best()  # read again from fsdp.json
+    path.write_text(json.dumps(results, indent=1) + "\n")
+  elif not args.render:
     start = time.perf_counter()
     results = run(args)
     results["wall_s"] = round(time.perf_counter() - start, 1)
