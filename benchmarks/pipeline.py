@@ -262,11 +262,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     models = {"llama_1b": fsdp.MODELS["llama_1b"]}
   if args.large:
     models["llama_2.7b"] = large_config(fsdp)
-  rows = []
+  rows: list[dict[str, Any]] = []
   targets = {}
   for target_name in args.targets:
     target = jaxaccum.compile_target(target_name, topology=TARGETS[target_name])
     targets[target.name] = {"title": target.title, "memory_bytes": target.memory_bytes}
+    if args.rows is not None:  # a sweep stopped early: its rows, as written
+      continue
     for name, cfg in models.items():
       for config in configs(name, args.quick, name == "llama_2.7b"):
         if target_name in args.fewer_on and config.m != 2 * config.stages:
@@ -283,6 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           file=sys.stderr,
           flush=True,
         )
+  if args.rows is not None:
+    rows = json.loads(args.rows.read_text())
   return {
     "description": __doc__.split("\n\n")[0],
     "rows": rows,
@@ -533,6 +537,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     type=pathlib.Path,
     default=None,
     help="write the rows here as they come",
+  )
+  parser.add_argument(
+    "--rows",
+    type=pathlib.Path,
+    default=None,
+    help="compile nothing: the results of the rows --partial wrote (a sweep "
+    "stopped early), with the same flags",
   )
   parser.add_argument(
     "--render", action="store_true", help="only rewrite the manual's blocks"
