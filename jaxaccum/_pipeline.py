@@ -683,14 +683,13 @@ def _run_loop(loop: _Loop, w: PyTree, x: PyTree, args: list[Any]) -> PyTree:
     first = stage == 0
     inp = jax.tree.map(lambda b, a: jnp.where(first, b, a), take(buf, micro), act)
     out = stage_fn(w, inp, (stage, micro, repeat), args)
-    # The last stage keeps the results of the last repeat.
-    done = real & (stage == S - 1) & (repeat == r - 1)
-    buf = put(buf, micro, out, done)
+    # The last stage keeps its results: a slot's last write is the last
+    # repeat's (every repeat writes every slot, in order).
+    buf = put(buf, micro, out, real & (stage == S - 1))
     act = jax.tree.map(lambda o: jax.lax.ppermute(o, axis, ring), out)
-    if r > 1:  # stage 0 parks what comes back for the next repeat
-      back, back_repeat, back_real = schedule.slot(t, S - 1)
-      keep = first & back_real & (back_repeat < r - 1)
-      buf = put(buf, back, act, keep)
+    if r > 1:  # stage 0 parks what comes back, for the next repeat
+      back, _, back_real = schedule.slot(t, S - 1)
+      buf = put(buf, back, act, first & back_real)
     return (buf, act), None
 
   (buf, _), _ = jax.lax.scan(

@@ -230,6 +230,23 @@ def test_fewer_micro_batches_than_stages_warn_and_still_equal_the_scan():
   assert_close(got, reference(), terms(2))
 
 
+@pytest.mark.parametrize("data", [1, 2])
+def test_the_results_rows_come_back_split_over_the_stages(data):
+  """The head after the pipeline runs on 1/S of the rows per stage device:
+  the result is sharded over the stage axis (after the data axis)."""
+  stacked, x = make_problem()
+  if data == 1:
+    mesh, rows = stage_mesh(4), "stage"
+  else:
+    mesh, rows = data_stage_mesh(AxisType.Explicit), ("data", "stage")
+  pipe = jaxaccum.pipeline(layer, num_stages=4, num_micro_batches=4)
+  with jax.set_mesh(mesh):
+    x = jax.device_put(x, NamedSharding(mesh, P(None if data == 1 else "data")))
+    y = jax.jit(pipe)(on_stages(mesh, stacked, 1), x)
+  assert y.sharding.spec[0] == rows
+  assert_close(y, unpipelined(stacked, x), terms())
+
+
 def test_side_inputs_travel_with_the_activations_and_come_back_unchanged():
   """A pytree activation: a boolean mask and integer positions ride along
   (the layer reads them), through the collective-permutes and back."""
