@@ -1157,8 +1157,11 @@ def meshes_summary(results: Results) -> str:
 
 FSDP_APPROACHES = {
   "full_batch": "full batch",
+  "full_batch_skip": "full batch + skip",
   "jaxaccum_per_micro_batch": 'jaxaccum (`"per_micro_batch"`)',
   "jaxaccum_once": 'jaxaccum (`"once"`)',
+  "jaxaccum_cast_once": 'jaxaccum (`"cast_once"`)',
+  "jaxaccum_global": 'jaxaccum (`view="global"`)',
   "hand_scan": "hand-written scan",
   "optax_microbatch": "optax.microbatch",
 }
@@ -1211,7 +1214,10 @@ def fsdp_summary(results: Results) -> str:
     (r["target"], r["k"], r["approach"]): r.get("collective_bytes") for r in rows
   }
   default = "jaxaccum_per_micro_batch"
-  peers = [a for a in FSDP_APPROACHES if a not in (default, "full_batch")]
+  modes = [a for a in FSDP_APPROACHES if a.startswith("jaxaccum_")]
+  peers = [
+    a for a in FSDP_APPROACHES if a not in (*modes, "full_batch", "full_batch_skip")
+  ]
   lines = []
   for target in dict.fromkeys(r["target"] for r in rows):
     ks = sorted({r["k"] for r in rows if r["target"] == target and r["k"] >= 2})
@@ -1246,6 +1252,33 @@ def fsdp_summary(results: Results) -> str:
         f"; it moves {each(hand)} × the hand-written scan's collective bytes per step"
       )
     lines.append(text + ".")
+    for mode in modes:
+      over = {
+        k: (p / h, m / hm)
+        for k in ks
+        if (p := peak.get((target, k, mode)))
+        and (h := peak.get((target, k, "hand_scan")))
+        and (m := moved.get((target, k, mode))) is not None
+        and (hm := moved.get((target, k, "hand_scan")))
+      }
+      if over:
+        lines.append(
+          f"{title}, {FSDP_APPROACHES[mode]} ÷ the hand-written scan at k = "
+          f"{listing([str(k) for k in over])}: peak "
+          f"{listing([f'{p:.3f}' for p, _ in over.values()])}, collective bytes "
+          f"{listing([f'{m:.3f}' for _, m in over.values()])}."
+        )
+    one = {
+      a: p
+      for a in ("full_batch", "full_batch_skip", default)
+      if (p := peak.get((target, 1, a)))
+    }
+    if len(one) == 3:
+      lines.append(
+        f"{title}, k = 1: jaxaccum's step is {one[default] / one['full_batch']:.3f}"
+        f" × the full batch's peak and {one[default] / one['full_batch_skip']:.3f}"
+        " × the full batch's with the same skip-non-finite select."
+      )
   misread = sum(bool(r.get("misread_collectives")) for r in rows)
   if misread:
     lines.append(
@@ -1741,6 +1774,29 @@ def autopilot_summary(results: Results) -> str:
 
 # ---------------------------------------------------------------- rendering
 
+#: Benchmarks that render their own blocks (one file measures and renders):
+#: the JSON stem -> the script in this folder whose ``BLOCKS`` maps each block
+#: name to its writer. Registered on first use (importing them imports jax).
+SELF_RENDERED = {"pipeline": "pipeline"}
+
+
+def _register_self_rendered() -> None:
+  import importlib.util  # noqa: PLC0415
+
+  for stem, script in SELF_RENDERED.items():
+    if any(name.split()[0] == stem for name in BLOCKS):
+      continue
+    spec = importlib.util.spec_from_file_location(
+      f"_bench_{script}", HERE / f"{script}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for name, writer in module.BLOCKS.items():
+      block(name)(writer)
+
+
 #: Blocks whose data is several JSON files, and their stems.
 MULTI_SOURCES = {
   "input_pipeline": {
@@ -1759,6 +1815,7 @@ COMMANDS = {
   "autopilot": "python examples/autopilot.py --write-results",
   "readme_commands": "python benchmarks/readme_commands.py",
   "dp": "python benchmarks/dp.py",
+  "pipeline": "python benchmarks/pipeline.py",
 }
 _MARKERS = re.compile(
   r"(<!-- begin: (?P<name>[\w\-]+ [\w\-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)",
@@ -1781,6 +1838,7 @@ def load(source: str, results_dir: pathlib.Path) -> Results | None:
 
 def write_block(name: str, results_dir: pathlib.Path = RESULTS) -> str:
   """The text of block ``name`` from the JSON in ``results_dir``."""
+  _register_self_rendered()
   source = name.split(maxsplit=1)[0]
   data = load(source, results_dir)
   if data is None:
@@ -1801,6 +1859,7 @@ def render(
     ValueError: for a block name :data:`BLOCKS` does not know or that
       belongs to another page, or a block of the page that the text lacks.
   """
+  _register_self_rendered()
   found = [m.group("name") for m in _MARKERS.finditer(text)]
   mine = {name for name, p in PAGE_OF.items() if p == page}
   unknown = sorted(set(found) - mine)

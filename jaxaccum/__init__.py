@@ -11,6 +11,8 @@ The public surface:
   optimizer state; :func:`auto_k`, the batch-size autopilot, sets each
   window's length from the measured critical batch size.
 - :func:`make_train_step`: a jitted, donated step with one optimizer update.
+- :func:`pipeline`: pipeline parallelism, micro-batches through stages of
+  stacked layers on a mesh axis, equal to a ``lax.scan`` over the layers.
 - :func:`verify_equivalence`: checks accumulation against the full batch.
 - :func:`pad_batch`: pads a ragged batch and masks the padding;
   :func:`merge_micro_batches`: per-example aux back in batch order.
@@ -51,6 +53,7 @@ from jaxaccum._noise import noise_scale_update as noise_scale_update
 from jaxaccum._opt_state import has_updated as has_updated
 from jaxaccum._opt_state import inner_step as inner_step
 from jaxaccum._opt_state import window_size as window_size
+from jaxaccum._pipeline import pipeline as pipeline
 from jaxaccum._privacy import DPNoiseState as DPNoiseState
 from jaxaccum._privacy import PoissonSampler as PoissonSampler
 from jaxaccum._privacy import dp_epsilon as dp_epsilon

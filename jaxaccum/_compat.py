@@ -14,7 +14,11 @@ elsewhere:
   its own, so its text is matched here and nowhere else;
 - compiling for compile-only GPUs (:func:`compile_lowered`);
 - whether JAX's backends have started (:func:`backends_started`), after
-  which the CPU device count and XLA's thread pools are fixed.
+  which the CPU device count and XLA's thread pools are fixed;
+- :func:`spmd_vmap_axes`: the mesh axes of the ``vmap``s (with
+  ``spmd_axis_name``) that map a value, which a ``shard_map`` inside them
+  must count among its manual axes (jaxaccum's ``mesh=`` path runs the loss
+  in one; :func:`jaxaccum.pipeline` runs a ``shard_map`` inside it).
 
 Compile-only GPUs: XLA's compile-only GPU devices
 (``jax.experimental.topologies`` with the CUDA plugin) have no memory kinds,
@@ -102,6 +106,45 @@ def visible_spec(x: Any) -> jax.sharding.PartitionSpec | None:
   if isinstance(sharding, jax.sharding.NamedSharding) and not is_tracer(x):
     return sharding.spec
   return explicit_spec(x)
+
+
+def spmd_vmap_axes(tree: Any, *, explicit: bool = False) -> tuple[str, ...]:
+  """The mesh axes that ``vmap``s with ``spmd_axis_name`` map ``tree``'s
+  leaves over, innermost first; ``()`` outside such a ``vmap``. With
+  ``explicit``, the Explicit mesh axes such ``vmap``s map over instead (JAX
+  records those apart).
+
+  Under ``jax.vmap(..., spmd_axis_name=a)`` a mapped value is a batch
+  tracer whose trace names ``a``; autodiff may wrap it (a JVP or linearize
+  tracer around it). A ``shard_map`` inside such a ``vmap`` gets ``a``
+  added to the specs of its mapped arguments, and on Auto axes needs it
+  among its manual axes (JAX has no public way to ask).
+
+  >>> spmd_vmap_axes(jax.numpy.ones(2))
+  ()
+  >>> found = []
+  >>> _ = jax.vmap(lambda v: found.append(spmd_vmap_axes(v)) or v, spmd_axis_name="d")(jax.numpy.ones(2))
+  >>> found
+  [('d',)]
+  """
+  from jax._src.interpreters import ad, batching  # noqa: PLC0415
+
+  found: list[str] = []
+  with _internals():
+    for leaf in jax.tree.leaves(tree):
+      value = leaf
+      while isinstance(value, jax.core.Tracer):
+        if isinstance(value, batching.BatchTracer):
+          data = value._trace.axis_data
+          names = data.explicit_mesh_axis if explicit else data.spmd_name
+          if isinstance(value.batch_dim, int) and names:
+            found.extend(n for n in names if n not in found)
+          value = value.val
+        elif isinstance(value, (ad.JVPTracer, ad.LinearizeTracer)):
+          value = value.primal
+        else:
+          break
+  return tuple(found)
 
 
 def names_spmd_axis(error: Exception, axes: Sequence[str]) -> bool:

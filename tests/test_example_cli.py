@@ -22,8 +22,8 @@ HEAVY |= {"matplotlib", "tqdm"}
 
 
 def test_every_example_is_covered():
-  assert len(SCRIPTS) == 10, SCRIPTS
-  assert "quickstart" in SCRIPTS and "input_pipeline" in SCRIPTS
+  assert len(SCRIPTS) == 11, SCRIPTS
+  assert {"quickstart", "input_pipeline", "dp_digits", "pipeline"} <= set(SCRIPTS)
 
 
 def run(name: str, *args: str) -> subprocess.CompletedProcess:
