@@ -34,7 +34,16 @@ micro-batches of ``128 / (8 k)`` sequences per device. The approaches:
 - ``jaxaccum_per_micro_batch``: ``jaxaccum.make_train_step(loss, tx, k,
   mesh=mesh, data_axis="data", param_specs=..., fsdp_gather=
   "per_micro_batch")``, jaxaccum's default;
+- ``full_batch_skip``: the same with ``make_train_step``'s skip of a
+  non-finite step (the new parameters and optimizer state selected by an
+  all-finite flag), so that ``k = 1`` is compared with a step that checks
+  what it checks;
 - ``jaxaccum_once``: the same with ``fsdp_gather="once"``;
+- ``jaxaccum_cast_once``: ``fsdp_gather="cast_once"`` with
+  ``gather_dtype=jnp.bfloat16`` (the loss casts every weight to bfloat16
+  first, so it is exact);
+- ``jaxaccum_global``: ``view="global"``, ``fun`` on the global micro-batch
+  (the loss of plain ``jit``, its constraints naming ``"data"``);
 - ``hand_scan``: MaxText's pattern written by hand: the batch split with a
   stride (micro-batch ``i`` holds rows ``i, i + k, ...``, which keeps every
   device's rows on it), a ``lax.scan`` whose float32 accumulator and
@@ -141,13 +150,24 @@ TARGETS = {"h100": "1x1x8", "tpu-v5e": "2x4"}
 DATA = "data"
 APPROACHES = {
   "full_batch": "full batch, jit",
+  "full_batch_skip": "full batch + skip-non-finite select, jit",
   "jaxaccum_per_micro_batch": 'jaxaccum, fsdp_gather="per_micro_batch" (default)',
   "jaxaccum_once": 'jaxaccum, fsdp_gather="once"',
+  "jaxaccum_cast_once": 'jaxaccum, fsdp_gather="cast_once" (bfloat16)',
+  "jaxaccum_global": 'jaxaccum, view="global"',
   "hand_scan": "hand-written lax.scan (MaxText's pattern)",
   "optax_microbatch": "optax.microbatch, jit",
 }
 PEERS = ("hand_scan", "optax_microbatch")
 DEFAULT = "jaxaccum_per_micro_batch"
+MODES = (
+  "jaxaccum_per_micro_batch",
+  "jaxaccum_once",
+  "jaxaccum_cast_once",
+  "jaxaccum_global",
+)
+# Steps that do not depend on k: compiled once per target.
+WHOLE_BATCH = ("full_batch", "full_batch_skip")
 LEARNING_RATE, WEIGHT_DECAY = 3e-4, 0.1
 
 
@@ -435,20 +455,47 @@ def make_setup(name: str, cfg: LlamaConfig, mesh: Mesh) -> Setup:
   )
 
 
+def full_batch_skip_step(loss: Any, tx: optax.GradientTransformation) -> Any:
+  """The full-batch step with ``make_train_step``'s skip: the update kept
+  only where the loss and every gradient are finite."""
+
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+    ok = jnp.logical_and(jnp.isfinite(value), jnp.all(jnp.stack(finite)))
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+    return keep(new_params, params), keep(new_state, opt_state), value
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
 def build_step(approach: str, setup: Setup, k: int) -> Any:
   """The jitted, donating ``step(params, opt_state, tokens)`` of ``approach``."""
   tx = optimizer()
   if approach == "full_batch":
     return _approaches.full_batch_step(setup.jit_loss, tx)
-  if approach in ("jaxaccum_per_micro_batch", "jaxaccum_once"):
+  if approach == "full_batch_skip":
+    return full_batch_skip_step(setup.jit_loss, tx)
+  jaxaccum_options = {
+    "jaxaccum_per_micro_batch": {"fsdp_gather": "per_micro_batch"},
+    "jaxaccum_once": {"fsdp_gather": "once"},
+    "jaxaccum_cast_once": {"fsdp_gather": "cast_once", "gather_dtype": jnp.bfloat16},
+    "jaxaccum_global": {"view": "global"},
+  }
+  if approach in jaxaccum_options:
+    # The global view's fun is the loss of plain jit; the device view's sees
+    # one device's rows.
+    loss = setup.jit_loss if approach == "jaxaccum_global" else setup.accum_loss
     return jaxaccum.make_train_step(
-      setup.accum_loss,
+      loss,
       tx,
       k,
       mesh=setup.mesh,
       data_axis=DATA,
       param_specs=setup.specs,
-      fsdp_gather=approach.removeprefix("jaxaccum_"),
+      **jaxaccum_options[approach],
     )
   if approach == "hand_scan":
     return hand_scan_step(setup.jit_loss, tx, k, setup.shardings)
@@ -729,7 +776,7 @@ def measure(
     "k": k,
     "approach": approach,
     "micro_batch_per_device": setup.cfg.batch_size
-    // (NUM_DEVICES * (1 if approach == "full_batch" else k)),
+    // (NUM_DEVICES * (1 if approach in WHOLE_BATCH else k)),
     "peak_bytes": None,
     "collective_bytes": None,
     "in_loop_collectives": None,
@@ -765,7 +812,7 @@ def measure(
       if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         (hlo_dir / f"{target.name}_{approach}_k{k}.txt").write_text(text)
-      row.update(collective_stats(text, 1 if approach == "full_batch" else k))
+      row.update(collective_stats(text, 1 if approach in WHOLE_BATCH else k))
       row["outputs_sharded_like_inputs"] = _sharded_like_inputs(
         compiled, hlo_setup.args
       )
@@ -843,8 +890,11 @@ def table(rows: list[dict[str, Any]]) -> str:
   per approach (columns) and k (rows)."""
   short = {
     "full_batch": "full",
+    "full_batch_skip": "full+skip",
     "jaxaccum_per_micro_batch": "per_micro",
     "jaxaccum_once": "once",
+    "jaxaccum_cast_once": "cast_once",
+    "jaxaccum_global": "global",
     "hand_scan": "hand_scan",
     "optax_microbatch": "optax_mb",
   }
@@ -901,8 +951,11 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
   )
   styles = {
     "full_batch": ("k", "-", None),
+    "full_batch_skip": ("gray", "--", None),
     "jaxaccum_per_micro_batch": ("C0", "-", "o"),
     "jaxaccum_once": ("C1", "--", "s"),
+    "jaxaccum_cast_once": ("C4", "--", "D"),
+    "jaxaccum_global": ("C5", ":", "P"),
     "hand_scan": ("C2", "-", "^"),
     "optax_microbatch": ("C3", "-", "v"),
   }
@@ -914,15 +967,15 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
       points = [r for r in mine if r["approach"] == approach]
       failed = [r["k"] for r in points if r["peak_bytes"] is None]
       label = name
-      if failed and approach == "full_batch":
+      if failed and approach in WHOLE_BATCH:
         label += " (does not compile)"
       elif failed:
         label += f" (does not compile at k={','.join(map(str, failed))})"
       for ax, key in ((ax_peak, "peak_bytes"), (ax_bytes, "collective_bytes")):
         xy = [(r["k"], r[key] / scale) for r in points if r[key] is not None]
-        if approach == "full_batch" and xy:
+        if approach in WHOLE_BATCH and xy:
           ax.axhline(xy[0][1], color=color, ls=ls, lw=1.5, label=label)
-        elif approach == "full_batch":
+        elif approach in WHOLE_BATCH:
           ax.plot([], [], color=color, ls=":", label=label)
         else:
           ax.plot(
@@ -1233,14 +1286,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mesh = target.mesh((NUM_DEVICES,), (DATA,), axis_types=(AxisType.Auto,))
     setup = make_setup(name, cfg, mesh)
     hlo = setup if target.platform == "tpu" else make_setup(name, cfg, hlo_mesh(target))
-    full = None
+    whole: dict[str, dict[str, Any]] = {}
     for k in args.ks:
       for approach in APPROACHES:
-        if approach == "full_batch" and full is not None:
-          row = {**full, "k": k}  # the same step for every k
+        if approach in whole:
+          row = {**whole[approach], "k": k}  # the same step for every k
         else:
           row = measure(approach, k, target, setup, hlo, hlo_dir=args.hlo_dir)
-          full = row if approach == "full_batch" else full
+          if approach in WHOLE_BATCH:
+            whole[approach] = row
+        if approach == DEFAULT:
+          row["default"] = True
         rows.append(row)
         print(
           f"{target.name:<8} k={k:<3} {approach:<25} peak "
