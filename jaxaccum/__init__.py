@@ -29,6 +29,7 @@ from jaxaccum import nnx as nnx
 from jaxaccum._accumulate import AccumulateState as AccumulateState
 from jaxaccum._accumulate import accumulate as accumulate
 from jaxaccum._autopilot import auto_k as auto_k
+from jaxaccum._aux import merge_micro_batches as merge_micro_batches
 from jaxaccum._equivalence import Deviation as Deviation
 from jaxaccum._equivalence import verify_equivalence as verify_equivalence
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
@@ -51,7 +52,6 @@ from jaxaccum._scaling import kappa as kappa
 from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt
 from jaxaccum._scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._scaling import warmup as warmup
-from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import pad_batch as pad_batch
 from jaxaccum._targets import CompileTarget as CompileTarget
 from jaxaccum._targets import compile_target as compile_target

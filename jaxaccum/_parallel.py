@@ -380,12 +380,13 @@ class DataParallel:
 
   def _reduce(self, sums: _engine.Sums, splits: Any, state_in: PyTree) -> _engine.Sums:
     """The one reduction over devices, after the loop: the gradients summed
-    into each parameter's sharding; the aux in device-major order; the
+    into each parameter's sharding; the aux and its weights in device-major order; the
     devices' states made one."""
     grads = _map_leaves(self._sum_over_devices, sums.grads, splits)
     return sums._replace(
       grads=grads,
       aux=jax.tree.map(_device_major, sums.aux),
+      weights=_device_major(sums.weights),
       state=None if state_in is None else _reduce_state(sums.state, state_in),
     )
 

@@ -64,9 +64,11 @@ def value_and_grad(
   argnums: int | Sequence[int] = 0,
   wrt: Any = flax_nnx.Param,
   has_aux: bool = False,
+  aux: Any = "auto",
   normalize: str = "mean",
   micro_batch_size: int | None = None,
   batch_argnums: int | Sequence[int] = 1,
+  shared_argnums: int | Sequence[int] = (),
   accum_dtype: Any = jnp.float32,
   remat: bool | Callable[..., Any] = False,
   mesh: Any = None,
@@ -89,11 +91,17 @@ def value_and_grad(
       differentiated; their variables are threaded through the micro-batches
       and written back, like the non-``wrt`` variables of the model.
     wrt: an ``nnx`` filter of the variables to differentiate.
-    has_aux: ``fun`` returns ``(value, aux)``; aux comes back stacked.
+    has_aux: ``fun`` returns ``(value, aux)``; the aux comes back as the
+      full batch's would (``aux=``).
+    aux: how each aux leaf combines over the micro-batches, as in
+      :func:`jaxaccum.value_and_grad`: by default a leaf with a row axis is
+      concatenated back in batch order and any other leaf takes the mean.
     normalize: ``"mean"``, ``"sum"`` or ``"weighted"``.
     micro_batch_size: ``m``, the rows per micro-batch.
     batch_argnums: the positions in ``fun``'s arguments of the batch
       (the model is position 0, so the default 1 is the first after it).
+    shared_argnums: arguments meant to reach every micro-batch whole, as in
+      :func:`jaxaccum.value_and_grad`.
     accum_dtype: the dtype of the sums; float32 by default.
     remat: as in :func:`jaxaccum.value_and_grad`.
     mesh, data_axis, param_specs, fsdp_gather: the data-parallel path, as in

@@ -88,8 +88,8 @@ def test_each_micro_batch_gets_its_own_dropout_mask():
   (_, dropped), _ = jaxaccum.nnx.value_and_grad(masks, K, has_aux=True)(
     model, batch_data()
   )
-  assert dropped.shape == (K, M, 8)
-  assert not np.array_equal(dropped[0], dropped[1])
+  assert dropped.shape == (K * M, 8)  # the micro-batches' rows, joined
+  assert not np.array_equal(dropped[:M], dropped[M : 2 * M])
 
 
 def test_under_jax_jit_through_split_and_merge():
@@ -129,7 +129,9 @@ def test_weighted_and_aux():
     return (jnp.sum(err * mask), jnp.sum(mask)), jnp.max(err)
 
   (value, aux), grads = nnx.jit(
-    jaxaccum.nnx.value_and_grad(loss_sum, K, normalize="weighted", has_aux=True)
+    jaxaccum.nnx.value_and_grad(
+      loss_sum, K, normalize="weighted", has_aux=True, aux="stack"
+    )
   )(model, (x, y, mask))
   assert aux.shape == (K,)
 
@@ -242,9 +244,9 @@ def test_rngs_argument_is_threaded_and_written_back():
   rngs, reference_rngs = nnx.Rngs(noise=7), nnx.Rngs(noise=7)
   reference = nnx.clone(model)
   batch = batch_data()
-  (value, masks), grads = jaxaccum.nnx.value_and_grad(loss_with_rngs, K, has_aux=True)(
-    model, batch, rngs
-  )
+  (value, masks), grads = jaxaccum.nnx.value_and_grad(
+    loss_with_rngs, K, has_aux=True, aux="stack"
+  )(model, batch, rngs)
   want = [
     nnx.value_and_grad(loss_with_rngs, has_aux=True)(
       reference, micro(batch, i), reference_rngs
@@ -310,7 +312,7 @@ def test_grad_returns_the_grads_only():
   (grads, aux) = jaxaccum.nnx.grad(lambda m, b: (loss(m, b), b[1]), K, has_aux=True)(
     model, batch
   )
-  assert aux.shape == (K, M)
+  np.testing.assert_array_equal(aux, batch[1])  # the rows, joined in batch order
 
 
 def test_an_nnx_model_in_the_batch_is_refused():

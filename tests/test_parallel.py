@@ -139,12 +139,18 @@ def test_rng_equals_single_device_with_global_micro_batch_numbering(mesh):
 
   key = jax.random.key(5)
   fun = jaxaccum.value_and_grad(
-    dropout_loss, k, rng_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+    dropout_loss,
+    k,
+    rng_argnum=2,
+    has_aux=True,
+    aux="stack",
+    mesh=mesh,
+    data_axis="data",
   )
   (value, masks), grads = jax.jit(fun)(params, shard(mesh, batch), key)
   masks = np.asarray(masks)
   (want_value, want_masks), want_grads = jaxaccum.value_and_grad(
-    dropout_loss, D * k, rng_argnum=2, has_aux=True
+    dropout_loss, D * k, rng_argnum=2, has_aux=True, aux="stack"
   )(params, batch, key)
   assert_close((value, grads), (want_value, want_grads))
   np.testing.assert_array_equal(masks, want_masks)
@@ -385,7 +391,7 @@ def test_nnx_dropout_differs_across_devices():
     return jnp.sum(m.drop(h)) * 0.0, dropped
 
   (_, dropped), _ = jaxaccum.nnx.value_and_grad(
-    masks, 1, has_aux=True, mesh=mesh, data_axis="data"
+    masks, 1, has_aux=True, aux="stack", mesh=mesh, data_axis="data"
   )(model, shard(mesh, batch))
   dropped = np.asarray(dropped)
   assert dropped.shape == (D, B // D, H)
@@ -496,7 +502,13 @@ def test_batched_keys_in_the_state():
 
   keys = jax.random.split(jax.random.key(3), 3)
   fun = jaxaccum.value_and_grad(
-    loss_with_keys, k, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+    loss_with_keys,
+    k,
+    state_argnum=2,
+    has_aux=True,
+    aux="stack",
+    mesh=mesh,
+    data_axis="data",
   )
   (_, (draws, final)), _ = jax.jit(fun)(params, shard(mesh, batch), keys)
   # Every key of the array had the device folded in: devices draw differently
