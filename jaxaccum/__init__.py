@@ -11,7 +11,9 @@ The public surface:
   optimizer state; :func:`auto_k`, the batch-size autopilot, sets each
   window's length from the measured critical batch size.
 - :func:`make_train_step`: a jitted, donated step with one optimizer update.
-- :func:`verify_equivalence`: checks accumulation against the full batch.
+- :func:`verify_equivalence`: checks accumulation against the full batch;
+  :class:`SharedArgumentWarning`: a key or a batch-sized array that every
+  micro-batch would get whole.
 - :func:`pad_batch`: pads a ragged batch and masks the padding;
   :func:`merge_micro_batches`: per-example aux back in batch order.
 - :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory,
@@ -30,6 +32,7 @@ from jaxaccum._accumulate import AccumulateState as AccumulateState
 from jaxaccum._accumulate import accumulate as accumulate
 from jaxaccum._autopilot import auto_k as auto_k
 from jaxaccum._aux import merge_micro_batches as merge_micro_batches
+from jaxaccum._checks import SharedArgumentWarning as SharedArgumentWarning
 from jaxaccum._equivalence import Deviation as Deviation
 from jaxaccum._equivalence import verify_equivalence as verify_equivalence
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale

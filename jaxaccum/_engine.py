@@ -166,15 +166,24 @@ class Engine:
     o = self.options
     batch = {o.names(i): args[i] for i in o.batch_argnums}
     size = _split.leading_batch_size(batch)
+    leaf = _split.first_leaf(batch)
     if devices is None:
       shards = _split.batch_devices(list(batch.values()))
-      return _split.plan_split(size, o.num_micro_batches, o.micro_batch_size, shards)
+      split = _split.plan_split(
+        size, o.num_micro_batches, o.micro_batch_size, shards, leaf=leaf
+      )
+      _checks.warn_shared_args(o, args, size, split.num_micro_batches)
+      return split
     where = f"the {devices} devices of data axes {o.data_axes}"
     if size % devices:
       raise ValueError(f"The global batch_size={size} is not divisible by {where}.")
     try:
       local = _split.plan_split(
-        size // devices, o.num_micro_batches, o.micro_batch_size
+        size // devices,
+        o.num_micro_batches,
+        o.micro_batch_size,
+        leaf=leaf,
+        devices=devices,
       )
     except ValueError as error:
       raise ValueError(
@@ -182,6 +191,7 @@ class Engine:
         f"device, and per device: {error}"
       ) from None
     k = local.num_micro_batches
+    _checks.warn_shared_args(o, args, size, devices * k)
     return _split.MicroBatching(size, k, size // k, devices)
 
   # -- chapter 2: the loop ------------------------------------------------------

@@ -99,7 +99,7 @@ def make_train_step(
       result = scaled(params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs)
       result = _unscaled(result, loss_scale)
     engine_options = plain.engine(len(args) + 1).options
-    ok = _worth_a_step(result, options)
+    ok = worth_a_step(result, options)
     if engine_options.state_argnum is not None and skip_nonfinite:
       # A skipped step leaves the threaded state (BatchNorm statistics) as it
       # was too: one bad batch must not poison every later step.
@@ -154,7 +154,7 @@ def _unscaled(result: Result, loss_scale: DynamicLossScale) -> Result:
   )
 
 
-def _worth_a_step(result: Result, options: _options.Options) -> jax.Array:
+def worth_a_step(result: Result, options: _options.Options) -> jax.Array:
   """The step is taken only if its value and gradients are finite and, with
   ``normalize="weighted"``, its total weight is not zero (a batch of padding
   only has nothing to learn from: Adam's momentum would still move)."""

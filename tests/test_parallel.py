@@ -336,7 +336,9 @@ def test_local_batch_not_divisible_by_k(mesh):
   params, batch = problem()
   fun = jaxaccum.value_and_grad(mlp_loss, 3, mesh=mesh, data_axis="data")
   with pytest.raises(
-    ValueError, match=r"batch_size=8 is not divisible by num_micro_batches=3"
+    ValueError,
+    match=r"batch_size=8 \(the rows of args\[1\]\[0\]\) is not divisible by "
+    r"num_micro_batches=3",
   ):
     fun(params, shard(mesh, batch))
 
