@@ -62,4 +62,41 @@ from jaxaccum._train_step import make_train_step as make_train_step
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place: pyproject.toml reads it
+
+__all__ = [
+  "AccumulateState",
+  "AdamHyperparams",
+  "CompileTarget",
+  "Deviation",
+  "DynamicLossScale",
+  "GradientNoise",
+  "MemoryStats",
+  "MicroBatchPlan",
+  "NoiseScaleState",
+  "SharedArgumentWarning",
+  "accumulate",
+  "auto_k",
+  "compile_target",
+  "compiled_memory",
+  "critical_batch_size",
+  "dynamic_loss_scale",
+  "grad",
+  "has_updated",
+  "inner_step",
+  "kappa",
+  "make_train_step",
+  "memory_report",
+  "merge_micro_batches",
+  "nnx",
+  "noise_scale_init",
+  "noise_scale_update",
+  "pad_batch",
+  "plan_micro_batches",
+  "scale_adam_sqrt",
+  "scale_lr_linear",
+  "value_and_grad",
+  "verify_equivalence",
+  "warmup",
+  "window_size",
+]

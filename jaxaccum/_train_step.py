@@ -61,8 +61,12 @@ def make_train_step(
       nothing sees the gradients before they are unscaled (anywhere else,
       e.g. under ``optax.masked``, the step raises a ``ValueError``). With
       ``noise_stats``, the noise is reported unscaled.
-    donate: donate ``params`` and ``opt_state`` to the step. Do not use the
-      arrays you passed in after the call.
+    donate: donate ``params`` and ``opt_state`` to the step, so that XLA
+      writes the new values into their buffers. The arrays you passed are
+      deleted by the call: use the ones it returns. Reading the old ones
+      raises JAX's ``RuntimeError: Array has been deleted``, and passing them
+      to the step again raises a ``ValueError`` saying so. ``donate=False``
+      keeps them, at the cost of a second copy of both.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
       (``micro_batch_size``, ``batch_argnums``, ``has_aux``, ``normalize``,
       ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``, ...).
