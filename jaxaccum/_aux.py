@@ -104,10 +104,7 @@ def _mean(x: jax.Array, stacked: Stacked, where: str) -> jax.Array:
 
 def _sum(x: jax.Array, stacked: Stacked, where: str) -> jax.Array:
   del stacked, where
-  x = jnp.asarray(x)
-  if jnp.issubdtype(x.dtype, jnp.floating):
-    wide = jnp.promote_types(jnp.float32, x.dtype)
-    return jnp.sum(x.astype(wide), axis=0).astype(x.dtype)
+  # In the leaf's dtype; jnp.sum adds bfloat16 and float16 in float32.
   return jnp.sum(x, axis=0)
 
 
@@ -193,7 +190,7 @@ def combine(spec: Any, stacked: Stacked) -> PyTree:
   except ValueError:
     raise ValueError(
       f"aux={spec!r} is not a tree prefix of fun's aux, whose structure is "
-      f"{jax.tree.structure(_unstacked(stacked.aux))}: give one type for all "
+      f"{jax.tree.structure(stacked.aux)}: give one type for all "
       "leaves, or a tree like the aux's top with a type per subtree."
     ) from None
   is_type = lambda x: isinstance(x, Accumulation)  # noqa: E731
@@ -204,10 +201,6 @@ def combine(spec: Any, stacked: Stacked) -> PyTree:
     for (path, x), accumulation in zip(paths_and_leaves, flat_types, strict=True)
   ]
   return jax.tree.unflatten(treedef, combined)
-
-
-def _unstacked(aux: PyTree) -> PyTree:
-  return jax.tree.map(lambda _: 0, aux)
 
 
 def merge_micro_batches(tree: PyTree, *, shards: int = 1) -> PyTree:

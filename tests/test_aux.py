@@ -274,6 +274,18 @@ def test_means_keep_float_dtypes_and_make_integers_float32():
   assert aux["bf16"].dtype == jnp.bfloat16
 
 
+def test_a_sum_adds_the_micro_batches_entry_by_entry():
+  """(mutmut: _aux._sum over every axis.) Per-class counts: the full batch's."""
+
+  def per_class(w, batch):
+    x, labels = batch
+    return jnp.mean((x @ w) ** 2), jnp.sum(jax.nn.one_hot(labels, C), axis=0)
+
+  w, batch = problem()
+  (_, aux), _ = jaxaccum.value_and_grad(per_class, 4, has_aux=True, aux="sum")(w, batch)
+  np.testing.assert_array_equal(aux, full_batch_aux(per_class, w, batch))
+
+
 def test_state_argnum_combines_the_aux_and_returns_the_final_state():
   def fun(w, x, count):
     return jnp.mean(x * w), (x * w, count + 1)
