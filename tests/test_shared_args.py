@@ -214,3 +214,12 @@ def test_shared_argnums_that_overlap_another_list_is_refused():
     "rng_argnum or state_argnum: shared_argnums are the arguments that reach "
     "every micro-batch unchanged."
   )
+
+
+def test_two_floats_or_three_uint32s_are_no_key():
+  """Only a typed key or a uint32[2] is taken for one (mutmut-style: the
+  dtype and the shape must both fit)."""
+  fun = jaxaccum.value_and_grad(lambda w, x, a: jnp.mean(x @ w) * jnp.sum(a), K)
+  for extra in (jnp.ones(2), jnp.ones(3, jnp.uint32), jnp.ones((2, 2), jnp.uint32)):
+    messages, _ = warnings_of(fun, jnp.ones(3), X, extra)
+    assert messages == [], extra
