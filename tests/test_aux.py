@@ -148,12 +148,35 @@ def test_on_a_mesh_rows_come_back_in_batch_order_and_means_weighted():
   )(w, sharded)
   want = full_batch_token_metrics(w, batch)
   chex.assert_trees_all_close(aux, want, rtol=RTOL, atol=RTOL)
+  # (mutmut: _aux._join) The rows stay on their devices: no reshard.
+  assert aux["per_example"].sharding.spec == P("data")
 
   (_, aux), _ = jax.jit(
     jaxaccum.value_and_grad(classifier, 2, has_aux=True, mesh=mesh, data_axis="data")
   )(w, sharded[:2])
   want = full_batch_aux(classifier, w, batch[:2])
   chex.assert_trees_all_close(aux, want, rtol=RTOL, atol=RTOL)
+
+
+def test_on_an_hsdp_mesh_rows_stay_sharded_over_both_data_axes():
+  """(mutmut: _aux._join, a tuple of mesh axes taken as one name.)"""
+  w, batch = problem()
+  mesh = jax.make_mesh(
+    (2, 2),
+    ("replica", "data"),
+    axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+    devices=jax.devices()[:4],
+  )
+  sharded = jax.device_put(batch, NamedSharding(mesh, P(("replica", "data"))))
+  (_, aux), _ = jax.jit(
+    jaxaccum.value_and_grad(
+      classifier, 2, has_aux=True, mesh=mesh, data_axis=("replica", "data")
+    )
+  )(w, sharded)
+  chex.assert_trees_all_close(
+    aux, full_batch_aux(classifier, w, batch), rtol=RTOL, atol=RTOL
+  )
+  assert aux["per_example"].sharding.spec == P(("replica", "data"))
 
 
 def test_under_plain_jit_a_sharded_batch_comes_back_in_batch_order():
