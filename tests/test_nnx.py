@@ -545,3 +545,17 @@ def test_jaxaccum_nnx_exports_its_functions_only():
     "verify_equivalence",
   ]
   assert all(callable(getattr(jaxaccum.nnx, name)) for name in jaxaccum.nnx.__all__)
+
+
+def test_a_model_and_optimizer_steps_like_an_optimizer():
+  """nnx.ModelAndOptimizer.update takes the grads alone; the step calls it so."""
+  model, reference = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  model.eval()
+  reference.eval()
+  both = nnx.ModelAndOptimizer(model, optax.sgd(0.1))
+  ref_optimizer = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+  batch = batch_data()
+  jaxaccum.nnx.make_train_step(loss, both, K)(model, batch)
+  ref_optimizer.update(reference, nnx.grad(loss)(reference, batch))
+  assert_same(model, reference)
+  assert int(both.step[...]) == 1
