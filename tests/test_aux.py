@@ -385,3 +385,16 @@ def test_concatenating_rows_that_do_not_split_into_the_blocks_names_the_leaf():
     "does not split into the 4 blocks that each micro-batch's rows come from "
     '(a batch sharded over devices under plain jit). Use "stack" for it.'
   )
+
+
+def test_a_float64_mean_stays_float64_under_x64():
+  """(mutmut: _aux._mean averaging in float32 whatever the leaf.)"""
+
+  def fun(w, x):
+    return jnp.mean(x * w), jnp.mean(x)
+
+  with jax.enable_x64(True):
+    x = 1.0 + jnp.arange(8, dtype=jnp.float64) * 1e-10
+    (_, aux), _ = jaxaccum.value_and_grad(fun, 4, has_aux=True)(jnp.float64(1.0), x)
+    assert aux.dtype == jnp.float64
+    np.testing.assert_allclose(aux, jnp.mean(x), rtol=1e-15)
