@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _compat, _normalize
+from jaxaccum import _normalize
 
 PyTree = Any
 
@@ -253,42 +253,9 @@ def merge_micro_batches(tree: PyTree, *, shards: int = 1) -> PyTree:
         f"merge_micro_batches: micro-batches of m={m} rows do not split into "
         f"{shards=} blocks."
       )
-    if shards == 1:
-      return _reshape(x, (k * m, *rest), lambda e: (_join(e[0], e[1]), *e[2:]))
-    blocks = _reshape(
-      x, (k, shards, m // shards, *rest), lambda e: (e[0], e[1], None, *e[2:])
-    )
-    blocks = jnp.swapaxes(blocks, 0, 1)  # (S, k, m / S, ...)
-    return _reshape(blocks, (k * m, *rest), lambda e: (_join(e[0], e[1]), *e[3:]))
+    if shards == 1:  # one reshape: on Explicit axes JAX keeps the rows' sharding
+      return x.reshape((k * m, *rest))
+    blocks = x.reshape((k, shards, m // shards, *rest))
+    return jnp.swapaxes(blocks, 0, 1).reshape((k * m, *rest))
 
   return jax.tree.map(merge, tree)
-
-
-def _reshape(
-  x: jax.Array, shape: tuple[int, ...], entries: Callable[[tuple[Any, ...]], Any]
-) -> jax.Array:
-  """``x.reshape(shape)``; on Explicit mesh axes with the sharding whose
-  spec ``entries`` makes of ``x``'s (one entry per axis), so that rows stay
-  on their devices."""
-  spec = _compat.explicit_spec(x)
-  if spec is None:
-    return x.reshape(shape)
-  full = (*tuple(spec), *(None,) * (jnp.ndim(x) - len(spec)))
-  sharding = jax.typeof(x).sharding.update(
-    spec=jax.sharding.PartitionSpec(*entries(full))
-  )
-  return jax.lax.reshape(x, shape, out_sharding=sharding)
-
-
-def _join(major: Any, minor: Any) -> Any:
-  """The spec entry of two axes merged into one: the major's mesh axes, then
-  the minor's."""
-  names = [
-    n
-    for e in (major, minor)
-    if e is not None
-    for n in (e if isinstance(e, tuple) else (e,))
-  ]
-  if not names:
-    return None
-  return names[0] if len(names) == 1 else tuple(names)

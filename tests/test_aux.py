@@ -398,3 +398,18 @@ def test_a_float64_mean_stays_float64_under_x64():
     (_, aux), _ = jaxaccum.value_and_grad(fun, 4, has_aux=True)(jnp.float64(1.0), x)
     assert aux.dtype == jnp.float64
     np.testing.assert_allclose(aux, jnp.mean(x), rtol=1e-15)
+
+
+def test_under_plain_jit_on_explicit_axes_rows_stay_on_their_devices():
+  """(mutmut: _aux._reshape without the rows' sharding.) The batch on 4
+  devices of an Explicit mesh, k = 2: each micro-batch holds a slice of each
+  of 4 blocks, joined back without moving a row."""
+  mesh = mesh_of(4)
+  x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("data")))
+
+  def fun(w, x):
+    return jnp.mean(x * w), x * w
+
+  (_, aux), _ = jax.jit(jaxaccum.value_and_grad(fun, 2, has_aux=True))(2.0, x)
+  np.testing.assert_array_equal(aux, 2.0 * jnp.arange(16.0))
+  assert aux.sharding.spec == P("data")
