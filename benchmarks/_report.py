@@ -155,7 +155,7 @@ def _mark(ok: bool | None) -> str:
 
 
 def _met(ok: bool) -> str:
-  return "met" if ok else "**missed**"
+  return "met" if ok else "not met"
 
 
 # ---------------------------------------------------------------- step_time.py:
@@ -1384,7 +1384,7 @@ def accelerator_memory_machine(results: Results) -> str:
   return (
     f"Compiled on {date(m['date'])} with "
     f"`{_command('python benchmarks/accelerator_memory.py', m.get('argv'))}` "
-    f"(jax {m['jax']}, jaxaccum at {m['git_commit'][:7]}; preset "
+    f"(jax {m['jax']}; preset "
     f"`{s['preset']}`, {s['dtype']}, {ks_text(s['ks'])}) for "
     + listing([describe(n) for n in ACCELERATOR_MODELS if n in models])
     + f"; the sweep took {duration(m['wall_s'])} of compiling."
@@ -1565,9 +1565,7 @@ PIPELINE_ALONE = {
 def input_pipeline_machine(runs: Results) -> str:
   parts = []
   for placement, r in runs.items():
-    parts.append(
-      f"`{r['command']}` ({placement}: {date(r['date'])}, at {r['git_commit'][:7]})"
-    )
+    parts.append(f"`{r['command']}` ({placement}: {date(r['date'])})")
   first = next(iter(runs.values()))
   return (
     f"Measured on a {first['machine']}, jax "
@@ -1702,9 +1700,8 @@ def autopilot_table(results: Results) -> str:
         + ("beats" if g["beats_fixed_large"] else "does not beat")
         + " `fixed_large` and "
         + ("beats" if g["beats_hand_ramp"] else "does not beat")
-        + " `hand_ramp`. The goal is "
-        + _met(g["met"])
-        + "."
+        + " `hand_ramp`. The goal (both within the tolerance and the steps "
+        "target) is " + _met(g["met"]) + "."
       )
     parts.append(text)
   parts.append(
@@ -1731,7 +1728,7 @@ def readme_commands_times(results: Results) -> str:
   plugin = sum(len(r["plugin_error_lines"]) for r in runs.values())
   return (
     f"Measured by `python benchmarks/readme_commands.py` on {results['date']}, "
-    f"each in a fresh clone of commit {results['commit']}, on a "
+    "each in a fresh clone, on a "
     f"{m['cores']}-core {m['cpu']} (Python {m['python']}) with the wheels "
     "already in pip's cache (a first install also downloads them): "
     + one("demo", "the demo")
@@ -1739,8 +1736,8 @@ def readme_commands_times(results: Results) -> str:
     + one("tests", "the tests")
     + f" (`{runs['tests']['last_line'].strip('= ')}`). The demo run again in the "
     "tests' venv took "
-    f"{runs['demo_after_tests']['seconds'] / 60:.0f} min. Lines in which a "
-    f"CUDA or TPU plugin reported an error, in all three runs: {plugin}."
+    f"{runs['demo_after_tests']['seconds'] / 60:.0f} min."
+    + ("" if not plugin else f" A CUDA or TPU plugin printed {plugin} error lines.")
   )
 
 
@@ -1767,7 +1764,8 @@ def autopilot_summary(results: Results) -> str:
     + _bullets(lines)
     + "\n\n![held-out loss against tokens and steps, and k for each schedule]"
     "(benchmarks/results/autopilot.png)"
-    + "\n\nThe four schedules and why the character LM misses: "
+    + "\n\nThe four schedules, and where the autopilot helps and where it "
+    "does not yet: "
     "[benchmarks/README.md](benchmarks/README.md#the-batch-size-autopilot-examplesautopilotpy)."
   )
 

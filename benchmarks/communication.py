@@ -36,7 +36,7 @@ loop is multiplied by ``k`` too). Every compiled step runs once and its loss
 and gradients are compared with ``jax.value_and_grad`` on the full,
 unsharded batch.
 
-Part 2, step time under plain ``jit`` (issue 19). Without ``mesh=``,
+Part 2, step time under plain ``jit``. Without ``mesh=``,
 ``jaxaccum.value_and_grad(loss, k)`` over a batch sharded across the devices
 splits the batch where it lies (``S = gcd(m, N)`` blocks, ``jaxaccum/_split.py``),
 so no batch row moves between devices. A 2-layer MLP (784 -> 256 -> 10,
@@ -111,7 +111,7 @@ APPROACHES = {
   "hand_scan": "(c) hand-written lax.scan, C-order split, under jit",
 }
 
-# Part 2: step time under plain jit without mesh= (issue 19).
+# Part 2: step time under plain jit without mesh=.
 PLAIN_WIDTHS = (784, 256, 10)
 PLAIN_BATCH_SIZE = 4096
 PLAIN_K = 8
@@ -381,7 +381,7 @@ def run() -> dict[str, Any]:
         f"{r['compute_vs_data_parallel_est']:>7.2f}x {r['grads_rel_error']:>9.1e}"
       )
 
-  print("\nstep time under plain jit, no mesh= (issue 19)")
+  print("\nstep time under plain jit, no mesh=")
   plain = run_plain_jit()
   for name, r in plain["approaches"].items():
     print(

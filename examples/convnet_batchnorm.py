@@ -183,12 +183,13 @@ def make_train_step(model: ConvNet, tx: optax.GradientTransformation, k: int):
       state.params, batch, dropout_key, state.batch_stats
     )
     # loss and grads: the means over the k micro-batches, grads in the
-    # parameters' dtype; aux: stacked, aux["accuracy"].shape == (k,);
-    # batch_stats: the running averages after all k micro-batches.
+    # parameters' dtype; aux["accuracy"]: the mean over the micro-batches,
+    # the whole batch's accuracy; batch_stats: the running averages after
+    # all k micro-batches.
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(state.step + 1, params, batch_stats, opt_state)
-    return new_state, loss, jnp.mean(aux["accuracy"])
+    return new_state, loss, aux["accuracy"]
 
   return train_step
 

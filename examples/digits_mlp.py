@@ -16,9 +16,9 @@ returns ``(sum of masked losses, number of real rows)`` and
 ``normalize="weighted"`` divides the sums over all micro-batches by the real
 row count, so (b) computes the full-batch gradient of the 1350 real rows, up
 to the order in which float32 additions happen. The step also returns each
-row's prediction as aux; ``jaxaccum.merge_micro_batches`` puts the
-``(k, m)`` predictions back into the batch's row order for the training
-accuracy. The two loss curves overlap; the script prints their largest
+row's prediction as aux, and jaxaccum joins the micro-batches'
+predictions back into the batch's row order, as the full batch's aux, for
+the training accuracy. The two loss curves overlap; the script prints their largest
 difference, which is float32 rounding, and plots both curves and the
 difference.
 
@@ -196,7 +196,7 @@ def main(
     relative one), ``max_param_diff`` (the largest
     absolute difference of the final parameters), ``accuracy_full`` and
     ``accuracy_accum`` (test accuracy), ``train_accuracy_accum`` (the last
-    step's training accuracy, from the merged aux), ``padded_rows``,
+    step's training accuracy, from the aux), ``padded_rows``,
     ``seconds`` and ``png``.
   """
   x_train, y_train, x_test, y_test = digits_split(train_rows)
@@ -243,10 +243,10 @@ def main(
   max_param_diff = float(max(jax.tree.leaves(param_diffs)))
   acc_full = float(accuracy(model_full, x_test, y_test))
   acc_accum = float(accuracy(model_accum, x_test, y_test))
-  # aux: (k, m) predictions of the last step, before its update; merged back
-  # into row order, the padding dropped.
-  merged = np.asarray(jaxaccum.merge_micro_batches(predictions))[:train_rows]
-  train_acc_accum = float(np.mean(merged == y_train))
+  # aux: the predictions of the last step, before its update, in row order;
+  # the padding dropped.
+  predicted = np.asarray(predictions)[:train_rows]
+  train_acc_accum = float(np.mean(predicted == y_train))
 
   png = pathlib.Path(out_dir) / "digits_mlp.png"
   plot(curve_full, curve_accum, num_micro_batches, png)

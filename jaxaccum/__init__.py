@@ -13,7 +13,9 @@ The public surface:
 - :func:`make_train_step`: a jitted, donated step with one optimizer update.
 - :func:`pipeline`: pipeline parallelism, micro-batches through stages of
   stacked layers on a mesh axis, equal to a ``lax.scan`` over the layers.
-- :func:`verify_equivalence`: checks accumulation against the full batch.
+- :func:`verify_equivalence`: checks accumulation against the full batch;
+  :class:`SharedArgumentWarning`: a key or a batch-sized array that every
+  micro-batch would get whole.
 - :func:`pad_batch`: pads a ragged batch and masks the padding;
   :func:`merge_micro_batches`: per-example aux back in batch order.
 - :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory,
@@ -36,6 +38,8 @@ from jaxaccum import nnx as nnx
 from jaxaccum._accumulate import AccumulateState as AccumulateState
 from jaxaccum._accumulate import accumulate as accumulate
 from jaxaccum._autopilot import auto_k as auto_k
+from jaxaccum._aux import merge_micro_batches as merge_micro_batches
+from jaxaccum._checks import SharedArgumentWarning as SharedArgumentWarning
 from jaxaccum._equivalence import Deviation as Deviation
 from jaxaccum._equivalence import verify_equivalence as verify_equivalence
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
@@ -63,7 +67,6 @@ from jaxaccum._scaling import kappa as kappa
 from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt
 from jaxaccum._scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._scaling import warmup as warmup
-from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import pad_batch as pad_batch
 from jaxaccum._targets import CompileTarget as CompileTarget
 from jaxaccum._targets import compile_target as compile_target
@@ -71,4 +74,41 @@ from jaxaccum._train_step import make_train_step as make_train_step
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place: pyproject.toml reads it
+
+__all__ = [
+  "AccumulateState",
+  "AdamHyperparams",
+  "CompileTarget",
+  "Deviation",
+  "DynamicLossScale",
+  "GradientNoise",
+  "MemoryStats",
+  "MicroBatchPlan",
+  "NoiseScaleState",
+  "SharedArgumentWarning",
+  "accumulate",
+  "auto_k",
+  "compile_target",
+  "compiled_memory",
+  "critical_batch_size",
+  "dynamic_loss_scale",
+  "grad",
+  "has_updated",
+  "inner_step",
+  "kappa",
+  "make_train_step",
+  "memory_report",
+  "merge_micro_batches",
+  "nnx",
+  "noise_scale_init",
+  "noise_scale_update",
+  "pad_batch",
+  "plan_micro_batches",
+  "scale_adam_sqrt",
+  "scale_lr_linear",
+  "value_and_grad",
+  "verify_equivalence",
+  "warmup",
+  "window_size",
+]

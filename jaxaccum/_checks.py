@@ -5,8 +5,12 @@
   differentiated leaves, a PRNG key where ``rng_argnum`` points. Each names
   the argument as the user numbered it.
 - Trace-time checks of what ``fun`` returns (:func:`check_aux`).
-- A hint when ``fun`` fails on a micro-batch while another argument looks
-  like a batch that was not split (:func:`batch_argnums_hint`).
+- A warning at trace time for an argument that reaches every micro-batch
+  whole but looks like it should not: a PRNG key without ``rng_argnum``, or
+  an array with the batch's leading size outside ``batch_argnums``
+  (:func:`warn_shared_args`, :class:`SharedArgumentWarning`); and a hint when
+  ``fun`` fails on a micro-batch while such an argument is there
+  (:func:`batch_argnums_hint`).
 - Static ``chex`` assertions on shapes and dtypes run inside the engine's
   loop; they cost nothing at run time.
 - Value-level checks of the normalization (:func:`check_weights`,
@@ -18,6 +22,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import jax
@@ -32,6 +37,27 @@ from jaxaccum._options import Options
 PyTree = Any
 
 
+class SharedArgumentWarning(UserWarning):
+  """An argument that reaches every micro-batch whole looks like it should not.
+
+  jaxaccum warns at trace time about a positional argument outside
+  ``batch_argnums``, ``argnums``, ``rng_argnum`` and ``state_argnum`` that is a
+  PRNG key (every micro-batch would draw the same random numbers: pass
+  ``rng_argnum``) or that has the batch's leading size (a part of the batch
+  left unsplit: add it to ``batch_argnums``). For an argument that is meant to
+  be shared, pass ``shared_argnums=(n,)`` and jaxaccum says nothing.
+
+  >>> import warnings, jax, jax.numpy as jnp, jaxaccum
+  >>> def loss(w, x, key):
+  ...   return jnp.mean(x * w * jax.random.uniform(key))
+  >>> with warnings.catch_warnings(record=True) as caught:
+  ...   warnings.simplefilter("always")
+  ...   _ = jaxaccum.grad(loss, 2)(1.0, jnp.ones(4), jax.random.key(0))
+  >>> caught[0].category.__name__
+  'SharedArgumentWarning'
+  """
+
+
 def check_args(options: Options, args: tuple[Any, ...]) -> None:
   """Trace-time checks of a call's positional arguments."""
   _check_no_nnx_objects(options, args)
@@ -39,6 +65,127 @@ def check_args(options: Options, args: tuple[Any, ...]) -> None:
     _check_differentiable(args[n], options.names(n))
   if options.rng_argnum is not None:
     _check_key(options, args[options.rng_argnum])
+  for n in options.batch_argnums:
+    _check_batch_is_no_key(options, args, n)
+
+
+def is_single_key(x: Any) -> bool:
+  """Whether ``x`` is one PRNG key: a typed key (``jax.random.key``) or a raw
+  ``uint32[2]`` key (``jax.random.PRNGKey``).
+
+  >>> is_single_key(jax.random.key(0)), is_single_key(jax.random.PRNGKey(0))
+  (True, True)
+  >>> is_single_key(jnp.zeros(2)), is_single_key(jax.random.split(jax.random.key(0)))
+  (False, False)
+  """
+  if _tree.is_key(x):
+    return jnp.ndim(x) == 0
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and dtype == jnp.uint32 and jnp.shape(x) == (2,)
+
+
+def _rng_fix(options: Options, n: int) -> str:
+  """How to give each micro-batch its own key, for the user's argument at
+  engine position ``n``."""
+  if options.names.hidden:  # jaxaccum.nnx: keys come from nnx.Rngs
+    return (
+      "pass an nnx.Rngs (nnx.Rngs(dropout=key)) instead: its streams advance "
+      "once per micro-batch"
+    )
+  user = n - options.names.offset
+  return f"pass rng_argnum={user}: micro-batch i then gets jax.random.fold_in(key, i)"
+
+
+def _check_batch_is_no_key(options: Options, args: tuple[Any, ...], n: int) -> None:
+  """A PRNG key where the batch belongs (``loss(params, key, batch)`` with
+  the default ``batch_argnums=1``) is named, with the positions that fit."""
+  if not is_single_key(args[n]):
+    return
+  offset = options.names.offset
+  fits = _batch_like(options, args, exclude=n)
+  batch = (
+    f"batch_argnums={tuple(p - offset for p in fits)}"
+    if fits
+    else "batch_argnums= at the batch"
+  )
+  raise ValueError(
+    f"batch_argnums={tuple(p - offset for p in options.batch_argnums)} points "
+    f"at {options.names(n)}, a PRNG key, not a batch. Point {batch}, and "
+    f"{_rng_fix(options, n)}."
+  )
+
+
+def _batch_like(options: Options, args: tuple[Any, ...], exclude: int) -> list[int]:
+  """Positions outside ``argnums`` (and ``exclude``) whose leaves are all
+  arrays with one shared leading size: candidates for ``batch_argnums``."""
+  fits = []
+  for n, arg in enumerate(args):
+    if n == exclude or n in options.argnums or n in options.shared_argnums:
+      continue
+    leaves = jax.tree.leaves(arg)
+    arrays = all(
+      hasattr(x, "shape") and jnp.ndim(x) > 0 and not _tree.is_key(x) for x in leaves
+    )
+    if leaves and arrays and len({jnp.shape(x)[0] for x in leaves}) == 1:
+      fits.append(n)
+  return fits
+
+
+def _unsplit(options: Options, args: tuple[Any, ...], batch_size: int) -> list[int]:
+  """Positions outside every argument list whose leaves all have the batch's
+  leading size: likely part of the batch, passed whole."""
+  used = set(options.array_argnums) | set(options.shared_argnums)
+  return [
+    n
+    for n, arg in enumerate(args)
+    if n not in used
+    and (leaves := jax.tree.leaves(arg))
+    and all(jnp.ndim(x) > 0 and jnp.shape(x)[0] == batch_size for x in leaves)
+  ]
+
+
+def warn_shared_args(
+  options: Options, args: tuple[Any, ...], batch_size: int, total: int
+) -> None:
+  """Warns (:class:`SharedArgumentWarning`) about arguments that every one
+  of ``total`` micro-batches gets whole but that look like they should not:
+  a PRNG key without ``rng_argnum``, or arrays with the batch's leading
+  size outside ``batch_argnums``. Nothing with one micro-batch in total,
+  where sharing changes nothing, or for ``shared_argnums``."""
+  if total < 2:
+    return
+  offset = options.names.offset
+  used = set(options.array_argnums) | set(options.shared_argnums)
+  for n, arg in enumerate(args):
+    if n in used or not is_single_key(arg):
+      continue
+    warnings.warn(
+      f"jaxaccum: {options.names(n)} is a PRNG key that reaches every "
+      f"micro-batch unchanged, so all {total} micro-batches draw the same "
+      "random numbers (one dropout mask for all of them). To give each its own, "
+      f"{_rng_fix(options, n)}. If one key shared by every micro-batch is "
+      f"what you mean, pass shared_argnums=({n - offset},).",
+      SharedArgumentWarning,
+      stacklevel=2,
+    )
+  suspects = _unsplit(options, args, batch_size)
+  if not suspects:
+    return
+  batch = tuple(n - offset for n in options.batch_argnums)
+  extended = tuple(sorted(batch + tuple(n - offset for n in suspects)))
+  shared = tuple(n - offset for n in suspects)
+  names = ", ".join(options.names(n) for n in suspects)
+  has = "has" if len(suspects) == 1 else "have"
+  warnings.warn(
+    f"jaxaccum: {names} {has} the batch's leading size {batch_size} but "
+    f"{'is' if len(suspects) == 1 else 'are'} not in batch_argnums={batch}, so "
+    f"every micro-batch gets all {batch_size} rows of "
+    f"{'it' if len(suspects) == 1 else 'them'}. If part of the batch, pass "
+    f"batch_argnums={extended}; if meant whole for every micro-batch, pass "
+    f"shared_argnums={shared}.",
+    SharedArgumentWarning,
+    stacklevel=2,
+  )
 
 
 def _check_no_nnx_objects(options: Options, args: tuple[Any, ...]) -> None:
@@ -52,7 +199,9 @@ def _check_no_nnx_objects(options: Options, args: tuple[Any, ...]) -> None:
         "jaxaccum.value_and_grad works on pytrees of arrays; for Flax NNX "
         "models use jaxaccum.nnx.value_and_grad(fun, k)(model, batch), which "
         "splits the model, differentiates its nnx.Param variables and writes "
-        "its other state back."
+        "its other state back; the whole step is jaxaccum.nnx.make_train_step"
+        "(fun, optimizer, k), and the check against the full batch "
+        "jaxaccum.nnx.verify_equivalence(fun, model, batch, k)."
       )
 
 
@@ -115,14 +264,7 @@ def batch_argnums_hint(
   """A note for an error that ``fun`` raised on a micro-batch, when some
   argument outside ``batch_argnums`` has the batch's leading size: it was
   passed whole to every micro-batch, which may be the cause."""
-  used = set(options.array_argnums)
-  suspects = [
-    n
-    for n, arg in enumerate(args)
-    if n not in used
-    and (leaves := jax.tree.leaves(arg))
-    and all(jnp.ndim(x) > 0 and jnp.shape(x)[0] == batch_size for x in leaves)
-  ]
+  suspects = _unsplit(options, args, batch_size)
   if not suspects:
     return None
   offset = options.names.offset

@@ -11,7 +11,8 @@ The step is a story in three chapters, each a method of :class:`Engine`:
 
 1. :meth:`Engine.plan`: validate the batch and resolve ``k`` and ``m``;
 2. :meth:`Engine.sums`: the loop, which returns raw :class:`Sums`;
-3. :meth:`Engine.finish`: normalize them into a :class:`Result`.
+3. :meth:`Engine.finish`: normalize them into a :class:`Result`, and combine
+   the aux of the micro-batches (:mod:`jaxaccum._aux`).
 
 The data-parallel path (``_parallel``) runs the same loop with one block of
 the batch per device, ``vmap``-ped over the devices: it passes its own micro
@@ -30,7 +31,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _checks, _noise, _normalize, _privacy, _split, _tree
+from jaxaccum import _aux, _checks, _noise, _normalize, _privacy, _split, _tree
 from jaxaccum._options import Options
 
 PyTree = Any
@@ -97,10 +98,15 @@ class Sums(NamedTuple):
     grads: the accumulated gradients, one tree per entry of ``argnums``.
     weight: the sum of the micro-batch weights; shape=(), at least float32.
     aux: ``fun``'s aux per micro-batch, each leaf with a leading axis ``k``
-      (``(k, S, ...)``, one entry per block, in the data-parallel path).
+      (``(k, S, ...)``, one entry per block, in the data-parallel path, until
+      it puts them in the global micro-batch order, ``(S * k, ...)``).
     state: the state after the last micro-batch (None without state).
     losses: the per-micro-batch losses; ``fun``'s loss dtype.
     noise: the noise sums (None unless ``noise_stats``).
+    weights: the per-micro-batch weights, laid out like ``aux``'s leading
+      axes.
+    rows: the rows of one call of ``fun`` (one block's, per block).
+    shards: the blocks whose slices one entry of ``aux`` holds (1 per block).
   """
 
   loss: jax.Array
@@ -110,6 +116,9 @@ class Sums(NamedTuple):
   state: PyTree
   losses: jax.Array
   noise: _noise.NoiseSums | None
+  weights: jax.Array
+  rows: int
+  shards: int
 
 
 class Result(NamedTuple):
@@ -117,7 +126,8 @@ class Result(NamedTuple):
 
   Attributes:
     value: the normalized loss, in ``fun``'s loss dtype.
-    aux: the stacked aux; ``(aux, final_state)`` with ``state_argnum``.
+    aux: the aux, combined over the micro-batches by ``aux=``
+      (:mod:`jaxaccum._aux`); ``(aux, final_state)`` with ``state_argnum``.
     grads: one gradient tree per entry of ``argnums``, in the dtypes
       ``jax.grad`` gives.
     noise: the step's :class:`GradientNoise` (None unless ``noise_stats``).
@@ -159,15 +169,24 @@ class Engine:
     o = self.options
     batch = {o.names(i): args[i] for i in o.batch_argnums}
     size = _split.leading_batch_size(batch)
+    leaf = _split.first_leaf(batch)
     if devices is None:
       shards = _split.batch_devices(list(batch.values()))
-      return _split.plan_split(size, o.num_micro_batches, o.micro_batch_size, shards)
+      split = _split.plan_split(
+        size, o.num_micro_batches, o.micro_batch_size, shards, leaf=leaf
+      )
+      _checks.warn_shared_args(o, args, size, split.num_micro_batches)
+      return split
     where = f"the {devices} devices of data axes {o.data_axes}"
     if size % devices:
       raise ValueError(f"The global batch_size={size} is not divisible by {where}.")
     try:
       local = _split.plan_split(
-        size // devices, o.num_micro_batches, o.micro_batch_size
+        size // devices,
+        o.num_micro_batches,
+        o.micro_batch_size,
+        leaf=leaf,
+        devices=devices,
       )
     except ValueError as error:
       raise ValueError(
@@ -175,6 +194,7 @@ class Engine:
         f"device, and per device: {error}"
       ) from None
     k = local.num_micro_batches
+    _checks.warn_shared_args(o, args, size, devices * k)
     return _split.MicroBatching(size, k, size // k, devices)
 
   # -- chapter 2: the loop ------------------------------------------------------
@@ -382,6 +402,11 @@ class Engine:
       state=state,
       losses=out.loss,
       noise=None if out.noise is None else _noise.NoiseSums.of(*out.noise),
+      weights=out.weight,
+      rows=split.micro_batch_size // split.shards
+      if per_block
+      else split.micro_batch_size,
+      shards=1 if per_block else split.shards,
     )
 
   # -- chapter 3: normalization -------------------------------------------------
@@ -397,7 +422,9 @@ class Engine:
     )
     if o.value_checks:
       _checks.check_total_weight(sums.weight, sums.grads)
-    aux = sums.aux if o.state_argnum is None else (sums.aux, sums.state)
+    stacked = _aux.Stacked(sums.aux, sums.weights, sums.rows, sums.shards)
+    aux = _aux.combine(o.aux, stacked)
+    aux = aux if o.state_argnum is None else (aux, sums.state)
     noise = None
     if sums.noise is not None:
       big_sq_norm = _tree.sq_norm(normalized)

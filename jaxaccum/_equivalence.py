@@ -89,7 +89,9 @@ def verify_equivalence(
 
   This holds for losses in which examples do not interact. Per-micro-batch
   keys (``rng_argnum``) and threaded state (``state_argnum``) have no
-  full-batch counterpart, so they are refused.
+  full-batch counterpart, so they are refused: verify the deterministic path
+  (``fun_kwargs={"train": False}``, dropout off), which checks the same
+  gradient code.
 
   Args:
     fun: the loss, as for :func:`jaxaccum.value_and_grad`.
@@ -117,7 +119,15 @@ def verify_equivalence(
   True
   """
   o = _options.create(fun, num_micro_batches, **options)
-  for name in ("rng_argnum", "state_argnum", "noise_stats"):
+  if o.rng_argnum is not None:
+    raise ValueError(
+      f"verify_equivalence compares with one full-batch call; rng_argnum={o.rng_argnum} "
+      "has no full-batch counterpart, since each micro-batch draws its own "
+      "random numbers. Verify the deterministic path instead: leave rng_argnum "
+      'out and pass fun_kwargs={"train": False} (dropout off), or pass a fixed '
+      f"key that fun uses alike on any rows, with shared_argnums=({o.rng_argnum},)."
+    )
+  for name in ("state_argnum", "noise_stats"):
     if getattr(o, name):
       raise ValueError(
         f"verify_equivalence compares with one full-batch call; {name} has "

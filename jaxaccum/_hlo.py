@@ -28,6 +28,8 @@ COLLECTIVES = (
   "collective-permute",
   "collective-permute-start",
 )
+"""The HLO ops that :func:`collectives` counts: XLA's collectives, and the
+asynchronous start ops that stand for them."""
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -196,6 +198,8 @@ class Collective(NamedTuple):
     executions: how many times it runs per call (the product of the trip
       counts of the while loops around it; unknown trip counts count 1).
     in_loop: whether it sits inside a while loop's body.
+    groups: its replica groups, each a tuple of partition numbers; None
+      where the HLO does not list them.
   """
 
   op: str

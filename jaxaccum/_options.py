@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _normalize
+from jaxaccum import _aux, _normalize
 
 PyTree = Any
 
@@ -70,6 +70,7 @@ class Options:
     end until :meth:`resolve`;
   - ``tree_grads``: ``argnums`` was a single integer, so the grads come back
     as one tree rather than a tuple (as in ``jax.value_and_grad``);
+  - ``shared_argnums``: a tuple;
   - ``normalization``: the mode as a value (:mod:`jaxaccum._normalize`);
   - ``data_axes``: ``data_axis`` as a tuple (None without a mesh);
   - ``names``: how errors name argument positions;
@@ -83,10 +84,12 @@ class Options:
   argnums: tuple[int, ...] = (0,)
   batch_argnums: tuple[int, ...] = (1,)
   has_aux: bool = False
+  aux: Any = "auto"
   normalize: str = "mean"
   accum_dtype: Any = jnp.float32
   rng_argnum: int | None = None
   state_argnum: int | None = None
+  shared_argnums: tuple[int, ...] = ()
   remat: bool | Callable[..., Any] = False
   mesh: jax.sharding.Mesh | None = None
   data_axes: tuple[str, ...] | None = None
@@ -137,8 +140,9 @@ class Options:
       batch_argnums=tuple(map(one, self.batch_argnums)),
       rng_argnum=None if self.rng_argnum is None else one(self.rng_argnum),
       state_argnum=None if self.state_argnum is None else one(self.state_argnum),
+      shared_argnums=tuple(map(one, self.shared_argnums)),
     )
-    used = resolved.array_argnums
+    used = resolved.array_argnums + resolved.shared_argnums
     if max(used) >= num_args or min(used) < 0:
       user = self.shifted(-self.names.offset)
       raise ValueError(
@@ -159,6 +163,7 @@ class Options:
       batch_argnums=tuple(n + offset for n in self.batch_argnums),
       rng_argnum=bump(self.rng_argnum),
       state_argnum=bump(self.state_argnum),
+      shared_argnums=tuple(n + offset for n in self.shared_argnums),
       names=ArgNames(self.names.offset + offset, changes.pop("hidden", ())),
       **changes,
     )
@@ -196,6 +201,12 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   rng_argnum = _one_position("rng_argnum", get("rng_argnum"))
   state_argnum = _one_position("state_argnum", get("state_argnum"))
   has_aux = bool(get("has_aux"))
+  aux = get("aux")
+  _aux.check_spec(aux)
+  if not has_aux and not (isinstance(aux, str) and aux == "auto"):
+    raise ValueError(f"aux={aux!r} combines fun's aux; it needs has_aux=True.")
+  shared = kwargs.get("shared_argnums", ())
+  shared = _as_tuple(shared, "shared_argnums") if shared != () else ()
   if state_argnum is not None and not has_aux:
     raise ValueError(
       "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
@@ -225,10 +236,12 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     argnums=diff,
     batch_argnums=batch,
     has_aux=has_aux,
+    aux=aux,
     normalize=normalize,
     accum_dtype=jnp.dtype(accum_dtype),
     rng_argnum=rng_argnum,
     state_argnum=state_argnum,
+    shared_argnums=shared,
     remat=_check_remat(get("remat")),
     mesh=mesh,
     data_axes=data_axes,
@@ -242,7 +255,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     tree_grads=isinstance(argnums, numbers.Integral),
   )
   # Positions that are all counted from the front can be checked now.
-  if all(n >= 0 for n in options.array_argnums):
+  if all(n >= 0 for n in options.array_argnums + options.shared_argnums):
     _check_positions(options)
   return options
 
@@ -322,6 +335,13 @@ def _check_positions(options: Options) -> None:
       raise ValueError(f"{name}={n} is also in argnums or batch_argnums.")
   if rng_argnum is not None and rng_argnum == state_argnum:
     raise ValueError(f"{rng_argnum=} and {state_argnum=} are the same argument.")
+  for n in options.shared_argnums:
+    if n in options.array_argnums:
+      raise ValueError(
+        f"shared_argnums names argument {n}, which is also in argnums, "
+        "batch_argnums, rng_argnum or state_argnum: shared_argnums are the "
+        "arguments that reach every micro-batch unchanged."
+      )
 
 
 def _show(nums: tuple[int, ...]) -> Any:

@@ -330,6 +330,7 @@ class _Step:
     sums = sums._replace(
       grads=self._map(self._after_loop, sums.grads),
       aux=jax.tree.map(_device_major, sums.aux),
+      weights=_device_major(sums.weights),
       state=None if state_in is None else _reduce_state(sums.state, state_in),
     )
     return self.engine.finish(sums, diff_args)

@@ -128,6 +128,9 @@ def plan_split(
   num_micro_batches: int | None = None,
   micro_batch_size: int | None = None,
   shards: int = 1,
+  *,
+  leaf: str = "the batch",
+  devices: int = 1,
 ) -> MicroBatching:
   """Resolves the split of ``batch_size`` rows.
 
@@ -137,6 +140,9 @@ def plan_split(
     micro_batch_size: ``m``; give this or ``num_micro_batches``.
     shards: the devices the batch lives on, ``N``; the batch is laid out in
       ``gcd(m, N)`` blocks (see :class:`MicroBatching`).
+    leaf: the batch leaf that errors name (its path).
+    devices: the data-parallel devices that each hold ``batch_size`` rows
+      (``mesh=``), for the padding that errors suggest.
 
   Returns:
     The ``MicroBatching`` with ``batch_size == k * m``.
@@ -159,18 +165,59 @@ def plan_split(
       f"The batch is empty (batch_size=0): nothing to split into micro-batches ({given})."
     )
   if num_micro_batches is not None:
-    num_micro_batches = int(num_micro_batches)
-    if batch_size % num_micro_batches:
-      raise ValueError(f"{batch_size=} is not divisible by {num_micro_batches=}.")
-    k = num_micro_batches
+    name, size = "num_micro_batches", int(num_micro_batches)
   else:
     assert micro_batch_size is not None
-    micro_batch_size = int(micro_batch_size)
-    if batch_size % micro_batch_size:
-      raise ValueError(f"{batch_size=} is not divisible by {micro_batch_size=}.")
-    k = batch_size // micro_batch_size
+    name, size = "micro_batch_size", int(micro_batch_size)
+  if batch_size % size:
+    raise ValueError(_does_not_divide(batch_size, name, size, leaf, devices))
+  k = size if name == "num_micro_batches" else batch_size // size
   m = batch_size // k
   return MicroBatching(batch_size, k, m, math.gcd(m, shards))
+
+
+def _does_not_divide(batch_size: int, name: str, size: int, leaf: str, devices: int):
+  """The error for a ``num_micro_batches`` or ``micro_batch_size`` that does
+  not divide the batch: the leaf, the sizes that fit and how to pad.
+
+  >>> print(_does_not_divide(250, "num_micro_batches", 4, "args[1][0]", 1))
+  batch_size=250 (the rows of args[1][0]) is not divisible by num_micro_batches=4. The num_micro_batches up to 4 that divide 250: 1, 2. Or pad the batch with jaxaccum.pad_batch(batch, 4), which returns (padded_batch, mask), and use the mask as the weight with normalize="weighted": fun returns (jnp.sum(losses * mask), jnp.sum(mask)).
+  """
+  fits = [d for d in range(1, min(size, batch_size) + 1) if batch_size % d == 0]
+  shown = ", ".join(map(str, fits[-8:]))
+  listing = f"{'..., ' if len(fits) > 8 else ''}{shown}"
+  multiple = size * devices
+  pad_args = str(multiple) if name == "num_micro_batches" else f"{name}={multiple}"
+  if size > batch_size:
+    first = (
+      f"{name}={size} is more than the {batch_size} rows of {leaf}"
+      + (" on each device" if devices > 1 else "")
+      + (
+        ": each micro-batch needs at least one row."
+        if name == "num_micro_batches"
+        else ": a micro-batch cannot hold more rows than the batch has."
+      )
+    )
+  else:
+    first = f"{batch_size=} (the rows of {leaf}) is not divisible by {name}={size}."
+  return (
+    f"{first} The {name} up to {min(size, batch_size)} that divide {batch_size}: "
+    f"{listing}. Or pad the batch with jaxaccum.pad_batch(batch, {pad_args}), which "
+    "returns (padded_batch, mask), and use the mask as the weight with "
+    'normalize="weighted": fun returns (jnp.sum(losses * mask), jnp.sum(mask)).'
+  )
+
+
+def first_leaf(batch: dict[str, PyTree]) -> str:
+  """The path of the batch's first leaf, as errors name it.
+
+  >>> first_leaf({"args[1]": (jnp.ones(2), jnp.ones(2))})
+  'args[1][0]'
+  """
+  for name, tree in batch.items():
+    for path, _ in jax.tree_util.tree_leaves_with_path(tree):
+      return name + jax.tree_util.keystr(path)
+  return "the batch"
 
 
 def batch_devices(batch: PyTree) -> int:
@@ -395,47 +442,3 @@ def pad_batch(
   mask = np.zeros(padded, np.float32)
   mask[:size] = 1.0
   return jax.tree.map(pad, batch), mask
-
-
-def merge_micro_batches(tree: PyTree, *, shards: int = 1) -> PyTree:
-  """Merges the micro-batch axis back into the batch axis: ``(k, m, ...)``
-  becomes ``(k * m, ...)``, in the batch's own row order.
-
-  The stacked aux of :func:`jaxaccum.value_and_grad` has a leading axis of
-  length ``k`` (one entry per micro-batch); merge per-example aux (logits,
-  per-row losses) with this function. On one device micro-batch ``i`` holds
-  rows ``i*m .. (i+1)*m - 1`` and a reshape restores the order. Under
-  ``mesh=`` the leading axis is ``devices * k`` (device ``d``'s micro-batches
-  first), and the same holds.
-
-  Under plain ``jit`` with a batch on ``N`` devices (sharded over a mesh),
-  micro-batch ``i`` holds the ``i``-th slice of every one of ``S = gcd(m,
-  N)`` equal blocks of the batch, so that no row moves between devices;
-  pass ``shards=S`` to restore the order then.
-
-  >>> import jax.numpy as jnp, jaxaccum
-  >>> jaxaccum.merge_micro_batches(jnp.arange(6).reshape(3, 2)).tolist()
-  [0, 1, 2, 3, 4, 5]
-  >>> rows = jnp.array([[0, 1, 4, 5], [2, 3, 6, 7]])  # k = 2, in 2 blocks
-  >>> jaxaccum.merge_micro_batches(rows, shards=2).tolist()
-  [0, 1, 2, 3, 4, 5, 6, 7]
-  """
-  if isinstance(shards, bool) or not isinstance(shards, numbers.Integral) or shards < 1:
-    raise ValueError(f"shards must be a positive integer, got {shards!r}.")
-
-  def merge(x):
-    if jnp.ndim(x) < 2:
-      raise ValueError(
-        f"merge_micro_batches needs leaves of shape (k, m, ...), got shape={jnp.shape(x)}: "
-        "a per-micro-batch scalar has no rows to merge."
-      )
-    k, m, rest = x.shape[0], x.shape[1], x.shape[2:]
-    if m % shards:
-      raise ValueError(
-        f"merge_micro_batches: micro-batches of m={m} rows do not split into "
-        f"{shards=} blocks."
-      )
-    blocks = x.reshape((k, shards, m // shards, *rest))
-    return jnp.swapaxes(blocks, 0, 1).reshape((k * m, *rest))
-
-  return jax.tree.map(merge, tree)

@@ -65,8 +65,12 @@ def make_train_step(
       batch without real examples is skipped unless ``tx`` holds a
       :func:`jaxaccum.dp_noise` with ``normalize="poisson"``, whose empty
       draws are steps of noise.
-    donate: donate ``params`` and ``opt_state`` to the step. Do not use the
-      arrays you passed in after the call.
+    donate: donate ``params`` and ``opt_state`` to the step, so that XLA
+      writes the new values into their buffers. The arrays you passed are
+      deleted by the call: use the ones it returns. Reading the old ones
+      raises JAX's ``RuntimeError: Array has been deleted``, and passing them
+      to the step again raises a ``ValueError`` saying so. ``donate=False``
+      keeps them, at the cost of a second copy of both.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
       (``micro_batch_size``, ``batch_argnums``, ``has_aux``, ``normalize``,
       ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``,
@@ -112,7 +116,7 @@ def make_train_step(
     if noise is not None:
       _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
       extra["divided_by"] = _privacy.divided_by(result.total_weight, options.normalize)
-    ok = _worth_a_step(result, options, noise)
+    ok = worth_a_step(result, options, noise)
     if engine_options.state_argnum is not None and skip_nonfinite:
       # A skipped step leaves the threaded state (BatchNorm statistics) as it
       # was too: one bad batch must not poison every later step.
@@ -177,8 +181,10 @@ def _unscaled(result: Result, loss_scale: DynamicLossScale) -> Result:
   )
 
 
-def _worth_a_step(
-  result: Result, options: _options.Options, noise: _privacy.NoiseConfig | None
+def worth_a_step(
+  result: Result,
+  options: _options.Options,
+  noise: _privacy.NoiseConfig | None = None,
 ) -> jax.Array:
   """The step is taken only if its value and gradients are finite and, with
   ``normalize="weighted"``, its total weight is not zero (a batch of padding

@@ -31,10 +31,12 @@ def value_and_grad(
   argnums: int | Sequence[int] = 0,
   batch_argnums: int | Sequence[int] = 1,
   has_aux: bool = False,
+  aux: Any = "auto",
   normalize: str = "mean",
   accum_dtype: Any = jnp.float32,
   rng_argnum: int | None = None,
   state_argnum: int | None = None,
+  shared_argnums: int | Sequence[int] = (),
   remat: bool | Callable[..., Any] = False,
   mesh: jax.sharding.Mesh | None = None,
   data_axis: str | tuple[str, ...] | None = None,
@@ -67,9 +69,25 @@ def value_and_grad(
     argnums: the argument(s) to differentiate, as in ``jax.value_and_grad``
       (negative numbers count from the end).
     batch_argnums: the argument(s) to split: pytrees whose leaves share one
-      leading batch axis. Other arguments reach every micro-batch unchanged.
-    has_aux: ``fun`` returns ``(value, aux)``. The aux comes back stacked, with
-      a leading axis of length ``k``.
+      leading batch axis. Other arguments reach every micro-batch unchanged;
+      one that looks like it should not (a PRNG key, or an array with the
+      batch's leading size) gets a ``SharedArgumentWarning`` at trace time,
+      unless it is in ``shared_argnums``.
+    has_aux: ``fun`` returns ``(value, aux)``. The aux comes back as the full
+      batch's would (``aux=``).
+    aux: how each aux leaf combines over the micro-batches: ``"auto"`` (the
+      default), ``"concatenate"``, ``"mean"``, ``"sum"`` or ``"stack"``, or a
+      tree prefix of the aux with these as leaves (``{"logits":
+      "concatenate", "acc": "mean"}``). ``"auto"`` concatenates a leaf whose
+      leading axis has the micro-batch's row count back into the batch's
+      ``B`` rows, in batch order (logits, per-example losses), and takes the
+      mean of every other leaf (scalars such as an accuracy), weighted like
+      the loss: by the micro-batch weights under ``normalize="weighted"``,
+      equally otherwise. A leaf whose leading axis has the row count by
+      coincidence is concatenated too; name its type then. The mean of an
+      integer leaf is float32, and a zero total weight gives zeros.
+      ``"stack"`` keeps a leading axis of length ``k`` (jaxaccum 0.1.0's
+      aux). With ``state_argnum``, only the aux part is combined.
     normalize: ``"mean"`` (``fun`` returns a micro-batch mean; the result is
       the mean over micro-batches), ``"sum"`` (the results are summed) or
       ``"weighted"`` (``fun`` returns ``(loss_sum, weight)``; the result is
@@ -83,8 +101,11 @@ def value_and_grad(
     state_argnum: a mutable state argument (e.g. BatchNorm statistics). ``fun``
       must use ``has_aux=True`` and return ``(value, (aux, new_state))``;
       micro-batch ``i + 1`` sees the state micro-batch ``i`` produced, and the
-      aux comes back as ``(stacked_aux, final_state)``. Each state leaf keeps
-      its dtype (a Python number takes it); another dtype is an error.
+      aux comes back as ``(aux, final_state)``. Each state leaf keeps its
+      dtype (a Python number takes it); another dtype is an error.
+    shared_argnums: arguments meant to reach every micro-batch whole, such as
+      a key that every micro-batch should share, or a table that happens to
+      have the batch's leading size: jaxaccum does not warn about them.
     noise_stats: also measure the gradient noise scale (McCandlish et al.
       2018) from the micro-batch gradients, at the cost of one squared norm
       per micro-batch. The function then returns ``(output, noise)``, with

@@ -28,7 +28,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx as flax_nnx
 
-from jaxaccum import _options, _value_and_grad
+from jaxaccum import (
+  _calls,
+  _engine,
+  _equivalence,
+  _opt_state,
+  _options,
+  _train_step,
+  _tree,
+  _value_and_grad,
+)
+
+__all__ = ["grad", "make_train_step", "value_and_grad", "verify_equivalence"]
 
 
 def _holds_nnx(x: Any) -> bool:
@@ -64,9 +75,11 @@ def value_and_grad(
   argnums: int | Sequence[int] = 0,
   wrt: Any = flax_nnx.Param,
   has_aux: bool = False,
+  aux: Any = "auto",
   normalize: str = "mean",
   micro_batch_size: int | None = None,
   batch_argnums: int | Sequence[int] = 1,
+  shared_argnums: int | Sequence[int] = (),
   accum_dtype: Any = jnp.float32,
   remat: bool | Callable[..., Any] = False,
   mesh: Any = None,
@@ -92,11 +105,17 @@ def value_and_grad(
       differentiated; their variables are threaded through the micro-batches
       and written back, like the non-``wrt`` variables of the model.
     wrt: an ``nnx`` filter of the variables to differentiate.
-    has_aux: ``fun`` returns ``(value, aux)``; aux comes back stacked.
+    has_aux: ``fun`` returns ``(value, aux)``; the aux comes back as the
+      full batch's would (``aux=``).
+    aux: how each aux leaf combines over the micro-batches, as in
+      :func:`jaxaccum.value_and_grad`: by default a leaf with a row axis is
+      concatenated back in batch order and any other leaf takes the mean.
     normalize: ``"mean"``, ``"sum"`` or ``"weighted"``.
     micro_batch_size: ``m``, the rows per micro-batch.
     batch_argnums: the positions in ``fun``'s arguments of the batch
       (the model is position 0, so the default 1 is the first after it).
+    shared_argnums: arguments meant to reach every micro-batch whole, as in
+      :func:`jaxaccum.value_and_grad`.
     accum_dtype: the dtype of the sums; float32 by default.
     remat: as in :func:`jaxaccum.value_and_grad`.
     mesh, data_axis, param_specs, fsdp_gather, gather_dtype, view: the
@@ -139,6 +158,23 @@ def value_and_grad(
   """
   # Every parameter above but wrt is an option of the engine: validated once.
   options = _options.create(**{k: v for k, v in locals().items() if k != "wrt"})
+  run = _accumulated_results(fun, options, wrt)
+
+  @functools.wraps(fun)
+  def accumulated(*args, **kwargs):
+    result, user = run(*args, **kwargs)
+    return result.arranged(user)
+
+  return accumulated
+
+
+def _accumulated_results(
+  fun: Callable[..., Any], options: _options.Options, wrt: Any
+) -> Callable[..., tuple[_engine.Result, _options.Options]]:
+  """``run(*args, **kwargs) -> (result, user_options)``: the accumulated
+  step on ``fun``'s arguments, the nnx objects' other variables written
+  back, and the :class:`~jaxaccum._engine.Result` with the user's aux and the
+  grads as ``nnx.State`` s, before it is arranged for the caller."""
   steps: dict[Any, _value_and_grad.Step] = {}
 
   def step_for(user: _options.Options, layout: tuple[_Arg | None, ...]):
@@ -155,22 +191,23 @@ def value_and_grad(
       engine_options = user.shifted(2, hidden=_HIDDEN).replace(
         argnums=(0,), state_argnum=1, has_aux=True, param_specs=specs
       )
-      step = _value_and_grad.Step(_pure(fun, layout, wrt, has_aux), engine_options)
+      step = _value_and_grad.Step(
+        _pure(fun, layout, wrt, options.has_aux), engine_options
+      )
       with contextlib.suppress(TypeError):  # unhashable: not kept
         steps[key] = step
     return step
 
-  @functools.wraps(fun)
-  def accumulated(*args, **kwargs):
+  def run(*args, **kwargs):
     user = options.resolve(len(args))
     _check_batch_is_plain(args, user)
     layout, diff_states, threaded, plain = _split_args(args, user, wrt)
     result = step_for(user, layout)(tuple(diff_states), threaded, *plain, **kwargs)
     aux, new_threaded = result.aux
     _write_back(args, layout, new_threaded)
-    return result._replace(aux=aux, grads=tuple(result.grads[0])).arranged(user)
+    return result._replace(aux=aux, grads=tuple(result.grads[0])), user
 
-  return accumulated
+  return run
 
 
 def _split_args(
@@ -301,3 +338,211 @@ def grad(
     return _value_and_grad.grad_only(output, options)
 
   return accumulated_grad
+
+
+def make_train_step(
+  loss_fn: Callable[..., Any],
+  optimizer: flax_nnx.Optimizer,
+  num_micro_batches: int | None = None,
+  *,
+  skip_nonfinite: bool = True,
+  donate: bool = True,
+  **value_and_grad_kwargs: Any,
+) -> Callable[..., Any]:
+  """Builds ``step(model, *args, **kwargs) -> value`` for an ``nnx.Optimizer``.
+
+  The step runs :func:`jaxaccum.nnx.value_and_grad` of ``loss_fn`` on
+  ``(model, *args)`` and ``optimizer.update(model, grads)`` once, inside one
+  ``jax.jit``, and writes the new variables into ``model`` and ``optimizer``
+  in place, as an ``nnx.jit`` step does. The step is skipped as
+  :func:`jaxaccum.make_train_step`'s is: when the value or a gradient is not
+  finite, or (``normalize="weighted"``) the total weight is zero, the
+  parameters, the optimizer state (its ``step`` too) and the other variables
+  (BatchNorm statistics) come back unchanged; RNG streams advance all the
+  same, so the next step draws new numbers.
+
+  Every ``nnx.Rngs`` stream that ``loss_fn`` draws from (``nnx.Dropout``)
+  advances once per micro-batch, so by ``k`` per step: micro-batch ``i``
+  draws what the ``i``-th of ``k`` eager calls would.
+
+  Args:
+    loss_fn: ``loss_fn(model, batch, ...)``, as for
+      :func:`jaxaccum.nnx.value_and_grad`.
+    optimizer: the ``nnx.Optimizer`` of ``model``; its ``wrt`` filter is the
+      default ``wrt``.
+    num_micro_batches: ``k``; or give ``micro_batch_size``.
+    skip_nonfinite: skip a step that has nothing to learn from (above).
+    donate: donate the model's and the optimizer's arrays to the step, so that
+      XLA updates them in place. The step writes the new arrays back into
+      ``model`` and ``optimizer``, but an array you took out of them before
+      the call (``w = model.kernel[...]``) is deleted by it: reading it
+      raises JAX's ``RuntimeError: Array has been deleted``. Copy such arrays
+      first, or pass ``donate=False``.
+    **value_and_grad_kwargs: the options of :func:`jaxaccum.nnx.value_and_grad`
+      (``micro_batch_size``, ``batch_argnums``, ``has_aux``, ``aux``,
+      ``normalize``, ``mesh``, ``data_axis``, ``wrt``, ...).
+
+  Returns:
+    The step. It returns what :func:`jaxaccum.nnx.value_and_grad` returns
+    first: the loss, or ``(loss, aux)`` with ``has_aux``; with
+    ``noise_stats=True``, ``(that, noise)``. Python values passed by keyword
+    are static (``train=False`` compiles once); arrays are traced.
+
+  Raises:
+    TypeError: if ``optimizer`` is not an ``nnx.Optimizer``.
+    ValueError: for an optimizer with a float16 loss scale
+      (``accumulate(..., loss_scale=...)``), which only
+      :func:`jaxaccum.make_train_step` applies.
+
+  >>> import jax.numpy as jnp, optax, jaxaccum
+  >>> from flax import nnx
+  >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  >>> def loss_fn(model, batch):
+  ...   x, y = batch
+  ...   return jnp.mean((model(x)[:, 0] - y) ** 2)
+  >>> step = jaxaccum.nnx.make_train_step(loss_fn, optimizer, 4)
+  >>> batch = (jnp.ones((8, 2)), jnp.zeros(8))
+  >>> bool(step(model, batch) > step(model, batch)), int(optimizer.step[...])
+  (True, 2)
+  """
+  if not isinstance(optimizer, flax_nnx.Optimizer):
+    raise TypeError(
+      "jaxaccum.nnx.make_train_step takes an nnx.Optimizer, got "
+      f"{type(optimizer).__name__}; for an optax transformation and a pytree of "
+      "parameters use jaxaccum.make_train_step."
+    )
+  if _opt_state.find_loss_scale(optimizer.opt_state) is not None:
+    raise ValueError(
+      "jaxaccum.nnx.make_train_step does not apply a float16 loss scale; "
+      "jaxaccum.make_train_step does: run it on the arrays of "
+      "nnx.split(model, nnx.Param, ...), or train in bfloat16 or float32."
+    )
+  kwargs = {"wrt": optimizer.wrt, **value_and_grad_kwargs}
+  wrt = kwargs.pop("wrt")
+  options = _options.create(loss_fn, num_micro_batches, **kwargs)
+  run = _accumulated_results(loss_fn, options, wrt)
+  both_update = isinstance(optimizer, flax_nnx.ModelAndOptimizer)
+
+  def pure(graphdef, rngs, rest, /, *args, **call_kwargs):
+    model, opt = flax_nnx.merge(graphdef, rngs, rest, copy=True)
+    result, _ = run(model, *args, **call_kwargs)
+    grads = result.grads[0]
+    if both_update:
+      opt.update(grads)
+    else:
+      opt.update(model, grads)
+    parts: tuple[Any, ...] = flax_nnx.split((model, opt), flax_nnx.RngState, ...)
+    _, new_rngs, new_rest = parts
+    if skip_nonfinite:
+      ok = _train_step.worth_a_step(result, options)
+      new_rest = _tree.select(ok, new_rest, _tree.cast_like(rest, new_rest))
+    value = (result.value, result.aux) if options.has_aux else result.value
+    return new_rngs, new_rest, (value, result.noise) if options.noise_stats else value
+
+  jitted = _calls.JitWithStaticKwargs(pure, donate_argnums=(1, 2) if donate else ())
+
+  def step(model, /, *args, **call_kwargs):
+    parts: tuple[Any, ...] = flax_nnx.split((model, optimizer), flax_nnx.RngState, ...)
+    graphdef, rngs, rest = parts
+    new_rngs, new_rest, value = jitted(graphdef, rngs, rest, *args, **call_kwargs)
+    flax_nnx.update((model, optimizer), new_rngs, new_rest)
+    return value
+
+  return functools.wraps(loss_fn)(step)
+
+
+def verify_equivalence(
+  fun: Callable[..., Any],
+  model: Any,
+  batch: Any,
+  num_micro_batches: int,
+  *,
+  wrt: Any = flax_nnx.Param,
+  fun_kwargs: dict[str, Any] | None = None,
+  rtol: float | None = None,
+  **options: Any,
+) -> _equivalence.Deviation:
+  """Checks that accumulation over micro-batches equals the full batch, for
+  an nnx model: :func:`jaxaccum.verify_equivalence` on ``fun(model, batch)``.
+
+  The model is left as it was. A ``fun`` that changes the model's other
+  variables (BatchNorm statistics in training mode, an ``nnx.Rngs`` stream
+  drawn by dropout) has no full-batch counterpart: each micro-batch
+  computes its own statistics and draws its own numbers. It is refused;
+  verify the deterministic path, ``model.eval()``, which runs the same
+  gradient code.
+
+  Args:
+    fun: ``fun(model, batch, **fun_kwargs)``, the loss, as for
+      :func:`jaxaccum.nnx.value_and_grad`.
+    model: the nnx model.
+    batch: the whole batch, a pytree of arrays with one leading batch axis.
+    num_micro_batches: ``k``.
+    wrt: the nnx filter of the variables to differentiate.
+    fun_kwargs: keyword arguments of ``fun`` for both calls.
+    rtol: the tolerance, as in :func:`jaxaccum.verify_equivalence`.
+    **options: further options of :func:`jaxaccum.value_and_grad`
+      (``has_aux``, ``normalize``, ``mesh``, ``data_axis``, ...).
+
+  Returns:
+    The largest deviations, as a :class:`jaxaccum.Deviation`.
+
+  Raises:
+    AssertionError: naming the leaf with the largest deviation, if any leaf
+      differs by more than the tolerance.
+    ValueError: if ``fun`` changes variables other than ``wrt``'s.
+
+  >>> import jax.numpy as jnp, jaxaccum
+  >>> from flax import nnx
+  >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  >>> loss = lambda model, x: jnp.mean(jnp.sin(model(x)))
+  >>> dev = jaxaccum.nnx.verify_equivalence(loss, model, jnp.ones((8, 3)), 4)
+  >>> dev.grads < 1e-6
+  True
+  """
+  for name in ("argnums", "batch_argnums", "state_argnum", "rng_argnum"):
+    if name in options:
+      raise TypeError(
+        f"jaxaccum.nnx.verify_equivalence takes no {name}: it differentiates "
+        "the model's wrt variables and splits the batch."
+      )
+  parts: tuple[Any, ...] = flax_nnx.split(model, wrt, ...)
+  graphdef, params, rest = parts
+
+  def pure(params, batch, rest, **kwargs):
+    copy = flax_nnx.merge(graphdef, params, rest, copy=True)
+    out = fun(copy, batch, **kwargs)
+    after = flax_nnx.split(copy, wrt, ...)[-1]
+    is_variable = lambda x: isinstance(x, flax_nnx.Variable)  # noqa: E731
+    changed = [
+      jax.tree_util.keystr(path)
+      for (path, new), old in zip(
+        jax.tree_util.tree_leaves_with_path(after, is_leaf=is_variable),
+        jax.tree.leaves(rest, is_leaf=is_variable),
+        strict=True,
+      )
+      if any(
+        a is not b
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
+      )
+    ]
+    if changed:
+      raise ValueError(
+        f"jaxaccum.nnx.verify_equivalence: fun changed the model's variables "
+        f"{', '.join(changed)}, which the full batch would change once and "
+        "k micro-batches change k times (BatchNorm statistics in training "
+        "mode, dropout's RNG stream): they have no full-batch counterpart. "
+        "Verify the deterministic path: call model.eval() first."
+      )
+    return out
+
+  return _equivalence.verify_equivalence(
+    pure,
+    (params, batch, rest),
+    num_micro_batches,
+    fun_kwargs=fun_kwargs,
+    rtol=rtol,
+    shared_argnums=2,
+    **options,
+  )

@@ -29,15 +29,18 @@ from typing import Any
 
 import jax
 
-from jaxaccum import _agreement, _compat
+from jaxaccum import _agreement, _compat, _hlo
 from jaxaccum._agreement import Divergence
 from jaxaccum._hlo import (
-  COLLECTIVES,
   Collective,
   bytes_communicated,
   collectives,
   replica_groups,
 )
+
+COLLECTIVES = _hlo.COLLECTIVES
+"""The HLO ops that :func:`collectives` counts: XLA's collectives, and the
+asynchronous start ops that stand for them."""
 
 __all__ = [
   "COLLECTIVES",

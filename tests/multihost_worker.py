@@ -142,15 +142,17 @@ def main(port: str, process_id: str, out: str) -> None:
     (x, y),
   )
   step = jax.jit(
-    jaxaccum.value_and_grad(loss, K, has_aux=True, mesh=mesh, data_axis="data")
+    jaxaccum.value_and_grad(
+      loss, K, has_aux=True, aux="stack", mesh=mesh, data_axis="data"
+    )
   )
   (value, aux), grads = step(params, batch)
   aux = multihost_utils.process_allgather(aux, tiled=True)
 
   # The single-process reference: 8 * K micro-batches on one device.
-  (ref_value, ref_aux), ref_grads = jaxaccum.value_and_grad(loss, 8 * K, has_aux=True)(
-    params, (x, y)
-  )
+  (ref_value, ref_aux), ref_grads = jaxaccum.value_and_grad(
+    loss, 8 * K, has_aux=True, aux="stack"
+  )(params, (x, y))
   full_value, full_grads = jax.value_and_grad(lambda p, b: loss(p, b)[0])(
     params, (x, y)
   )

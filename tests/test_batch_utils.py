@@ -103,7 +103,9 @@ def test_merged_aux_is_in_batch_order():
     rows = row_losses(w, x, y)
     return jnp.mean(rows), rows
 
-  (_, rows), _ = jaxaccum.value_and_grad(loss_with_rows, 4, has_aux=True)(w, (x, y))
+  (_, rows), _ = jaxaccum.value_and_grad(loss_with_rows, 4, has_aux=True, aux="stack")(
+    w, (x, y)
+  )
   assert rows.shape == (4, 3)
   np.testing.assert_allclose(
     jaxaccum.merge_micro_batches(rows), row_losses(w, x, y), rtol=1e-6
@@ -112,7 +114,7 @@ def test_merged_aux_is_in_batch_order():
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
   (_, rows), _ = jaxaccum.value_and_grad(
-    loss_with_rows, 3, has_aux=True, mesh=mesh, data_axis="data"
+    loss_with_rows, 3, has_aux=True, aux="stack", mesh=mesh, data_axis="data"
   )(w, batch)
   assert rows.shape == (12, 1)
   np.testing.assert_allclose(

@@ -6,6 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -26,18 +27,53 @@ def trace(fun, *args):
   return jax.eval_shape(fun, *args)
 
 
-def test_batch_not_divisible_by_k():
-  with pytest.raises(
-    ValueError, match=r"batch_size=12 is not divisible by num_micro_batches=5"
-  ):
+PAD_HINT = (
+  "Or pad the batch with jaxaccum.pad_batch(batch, {}), which returns "
+  '(padded_batch, mask), and use the mask as the weight with normalize="weighted": '
+  "fun returns (jnp.sum(losses * mask), jnp.sum(mask))."
+)
+
+
+def test_batch_not_divisible_by_k_names_the_leaf_the_ks_that_fit_and_padding():
+  with pytest.raises(ValueError) as error:
     trace(jaxaccum.value_and_grad(loss, 5), W, BATCH)
+  assert str(error.value) == (
+    "batch_size=12 (the rows of args[1][0]) is not divisible by "
+    "num_micro_batches=5. The num_micro_batches up to 5 that divide 12: 1, 2, 3, "
+    "4. " + PAD_HINT.format(5)
+  )
 
 
 def test_batch_not_divisible_by_micro_batch_size():
-  with pytest.raises(
-    ValueError, match=r"batch_size=12 is not divisible by micro_batch_size=5"
-  ):
+  with pytest.raises(ValueError) as error:
     trace(jaxaccum.value_and_grad(loss, micro_batch_size=5), W, BATCH)
+  assert str(error.value) == (
+    "batch_size=12 (the rows of args[1][0]) is not divisible by "
+    "micro_batch_size=5. The micro_batch_size up to 5 that divide 12: 1, 2, 3, "
+    "4. " + PAD_HINT.format("micro_batch_size=5")
+  )
+
+
+def test_more_micro_batches_than_rows_says_so():
+  batch = {"tokens": jnp.ones((256, 2))}
+  with pytest.raises(ValueError) as error:
+    trace(
+      jaxaccum.value_and_grad(lambda w, b: loss(w, (b["tokens"], 0.0)), 512),
+      W[:2],
+      batch,
+    )
+  assert str(error.value) == (
+    "num_micro_batches=512 is more than the 256 rows of args[1]['tokens']: each "
+    "micro-batch needs at least one row. The num_micro_batches up to 256 that "
+    "divide 256: ..., 2, 4, 8, 16, 32, 64, 128, 256. " + PAD_HINT.format(512)
+  )
+  with pytest.raises(ValueError) as error:
+    trace(jaxaccum.value_and_grad(loss, micro_batch_size=16), W, BATCH)
+  assert str(error.value) == (
+    "micro_batch_size=16 is more than the 12 rows of args[1][0]: a micro-batch "
+    "cannot hold more rows than the batch has. The micro_batch_size up to 12 "
+    "that divide 12: 1, 2, 3, 4, 6, 12. " + PAD_HINT.format("micro_batch_size=16")
+  )
 
 
 @pytest.mark.parametrize("k", [0, -3])
@@ -196,19 +232,30 @@ def test_weighted_pair_with_aux_but_no_has_aux():
     trace(jaxaccum.value_and_grad(weighted, 2, normalize="weighted"), W, BATCH)
 
 
+NNX_POINTER = (
+  "args[0] is (or holds) an nnx object, Linear. jaxaccum.value_and_grad works "
+  "on pytrees of arrays; for Flax NNX models use jaxaccum.nnx.value_and_grad(fun, "
+  "k)(model, batch), which splits the model, differentiates its nnx.Param "
+  "variables and writes its other state back; the whole step is "
+  "jaxaccum.nnx.make_train_step(fun, optimizer, k), and the check against the "
+  "full batch jaxaccum.nnx.verify_equivalence(fun, model, batch, k)."
+)
+
+
 def test_an_nnx_model_points_to_jaxaccum_nnx():
   from flax import nnx  # noqa: PLC0415
 
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
-  with pytest.raises(
-    ValueError,
-    match=r"^args\[0\] is \(or holds\) an nnx object, Linear\. "
-    r"jaxaccum\.value_and_grad works on pytrees of arrays; for Flax NNX models "
-    r"use jaxaccum\.nnx\.value_and_grad\(fun, k\)\(model, batch\), which "
-    r"splits the model, differentiates its nnx\.Param variables and writes its "
-    r"other state back\.",
-  ):
-    jaxaccum.value_and_grad(lambda m, b: jnp.mean(m(b[0])), 2)(model, BATCH)
+  fun = lambda m, b: jnp.mean(m(b[0]))  # noqa: E731
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(fun, 2)(model, BATCH)
+  assert str(error.value) == NNX_POINTER
+  with pytest.raises(ValueError) as error:
+    jaxaccum.verify_equivalence(fun, (model, BATCH), 2)
+  assert str(error.value) == NNX_POINTER
+  with pytest.raises(ValueError) as error:
+    jaxaccum.make_train_step(fun, optax.sgd(0.1), 2)(model, None, BATCH)
+  assert str(error.value) == NNX_POINTER
 
 
 @pytest.mark.parametrize("name", ["a_name", "z_name"])  # before and after "w"
@@ -227,12 +274,14 @@ def test_mesh_batch_error_names_the_global_batch_and_the_devices():
   mesh = jax.make_mesh((8,), ("data",))
   batch = (jnp.ones((200, 3)), jnp.ones(200))
   fun = jaxaccum.value_and_grad(loss, 4, mesh=mesh, data_axis="data")
-  with pytest.raises(
-    ValueError,
-    match=r"global batch_size=200 on the 8 devices of data axes \('data',\) is 25 rows "
-    r"per device.*batch_size=25 is not divisible by num_micro_batches=4",
-  ):
+  with pytest.raises(ValueError) as error:
     fun(W, batch)
+  assert str(error.value) == (
+    "The global batch_size=200 on the 8 devices of data axes ('data',) is 25 "
+    "rows per device, and per device: batch_size=25 (the rows of args[1][0]) is "
+    "not divisible by num_micro_batches=4. The num_micro_batches up to 4 that "
+    "divide 25: 1. " + PAD_HINT.format(32)
+  )
 
 
 @pytest.mark.parametrize("remat", [None, 0, 1, "yes", 2.0])
@@ -407,7 +456,10 @@ def test_a_shape_error_hints_at_batch_argnums_when_another_argument_looks_like_a
   def three_args(w, x, y):
     return jnp.mean((x @ w - y) ** 2)
 
-  with pytest.raises(TypeError) as error:
+  with (
+    pytest.warns(jaxaccum.SharedArgumentWarning),
+    pytest.raises(TypeError) as error,
+  ):
     jaxaccum.value_and_grad(three_args, 2)(W, jnp.ones((4, 3)), jnp.ones(4))
   note = "\n".join(getattr(error.value, "__notes__", []))
   assert (
@@ -424,7 +476,10 @@ def test_two_suspects_and_a_scalar_argument_get_one_hint():
   def four(w, x, y, z, scale):
     return jnp.mean((x @ w - y - z) ** 2) * scale
 
-  with pytest.raises(TypeError) as error:
+  with (
+    pytest.warns(jaxaccum.SharedArgumentWarning),
+    pytest.raises(TypeError) as error,
+  ):
     jaxaccum.value_and_grad(four, 2)(W, jnp.ones((4, 3)), jnp.ones(4), jnp.ones(4), 2.0)
   assert error.value.__notes__[0] == (
     "jaxaccum splits only batch_argnums=(1,); args[2], args[3] also have the "
@@ -441,7 +496,10 @@ def test_the_hint_counts_in_the_users_positions_under_nnx():
   def three(model, x, y):
     return jnp.mean((model(x) - y) ** 2)
 
-  with pytest.raises(TypeError) as error:
+  with (
+    pytest.warns(jaxaccum.SharedArgumentWarning),
+    pytest.raises(TypeError) as error,
+  ):
     jaxaccum.nnx.value_and_grad(three, 2)(model, jnp.ones((4, 3)), jnp.ones((4, 2)))
   assert error.value.__notes__[0] == (
     "jaxaccum splits only batch_argnums=(1,); args[2] also has the batch's "
@@ -607,7 +665,9 @@ def test_a_negative_batch_argnums_error_names_no_state_argnum():
   with pytest.raises(ValueError) as error:
     jaxaccum.value_and_grad(loss, 5, batch_argnums=-1)(W, BATCH)
   assert "state_argnum" not in str(error.value)
-  assert "batch_size=12 is not divisible by num_micro_batches=5" in str(error.value)
+  assert "batch_size=12 (the rows of args[1][0]) is not divisible by " in str(
+    error.value
+  )
 
 
 def test_a_value_is_described_by_its_type_unless_it_is_an_array():

@@ -87,7 +87,10 @@ def reference(params, batch, key, batch_stats, *, fold=True, thread=True):
   return (
     jnp.mean(jnp.stack(values)),
     jax.tree.map(lambda *g: jnp.mean(jnp.stack(g), axis=0), *grads),
-    jax.tree.map(lambda *a: jnp.stack(a), *auxes),
+    {  # the aux as jaxaccum combines it: rows joined, scalars averaged
+      "dropped": jnp.concatenate([a["dropped"] for a in auxes]),
+      "pred_mean": jnp.mean(jnp.stack([a["pred_mean"] for a in auxes])),
+    },
     stats,
   )
 
@@ -105,8 +108,8 @@ def test_linen_recipe_matches_python_loop():
     atol=1e-6,
   )
   chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
-  assert aux["dropped"].shape == (K, M, H)
-  assert aux["pred_mean"].shape == (K,)
+  assert aux["dropped"].shape == (K * M, H)
+  assert aux["pred_mean"].shape == ()
 
 
 def test_each_micro_batch_draws_its_own_dropout_mask():

@@ -278,11 +278,17 @@ def test_hsdp_keys_are_global_micro_batches():
 
   key = jax.random.key(3)
   (value, masks), grads = jaxaccum.value_and_grad(
-    dropout_loss, k, rng_argnum=2, has_aux=True, mesh=mesh, data_axis=layout.data_axis
+    dropout_loss,
+    k,
+    rng_argnum=2,
+    has_aux=True,
+    aux="stack",
+    mesh=mesh,
+    data_axis=layout.data_axis,
   )(params, jax.device_put((x, y), NamedSharding(mesh, P(layout.data_axis))), key)
   devices = 4
   (want_value, want_masks), want_grads = jaxaccum.value_and_grad(
-    dropout_loss, devices * k, rng_argnum=2, has_aux=True
+    dropout_loss, devices * k, rng_argnum=2, has_aux=True, aux="stack"
   )(params, (x, y), key)
   np.testing.assert_array_equal(np.asarray(masks), np.asarray(want_masks))
   assert len({np.asarray(m).tobytes() for m in masks}) == devices * k
@@ -438,7 +444,13 @@ def test_a_raw_uint32_key_in_the_state_draws_alike_on_every_device():
 
   for key, distinct in ((jax.random.PRNGKey(0), 1), (jax.random.key(0), 8)):
     (_, (draws, _)), _ = jaxaccum.value_and_grad(
-      loss_with_key, 1, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+      loss_with_key,
+      1,
+      state_argnum=2,
+      has_aux=True,
+      aux="stack",
+      mesh=mesh,
+      data_axis="data",
     )(params, jax.device_put((x, y), NamedSharding(mesh, P("data"))), key)
     assert len(set(np.asarray(draws).tolist())) == distinct
 

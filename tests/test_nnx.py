@@ -7,6 +7,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 
@@ -32,8 +34,8 @@ def loss(model, batch):
   return jnp.mean((model(x) - y) ** 2)
 
 
-def batch_data(seed=1):
-  x = jax.random.normal(jax.random.key(seed), (K * M, F))
+def batch_data(seed=1, rows=K * M):
+  x = jax.random.normal(jax.random.key(seed), (rows, F))
   return x, jnp.sin(jnp.sum(x, axis=1))
 
 
@@ -88,8 +90,8 @@ def test_each_micro_batch_gets_its_own_dropout_mask():
   (_, dropped), _ = jaxaccum.nnx.value_and_grad(masks, K, has_aux=True)(
     model, batch_data()
   )
-  assert dropped.shape == (K, M, 8)
-  assert not np.array_equal(dropped[0], dropped[1])
+  assert dropped.shape == (K * M, 8)  # the micro-batches' rows, joined
+  assert not np.array_equal(dropped[:M], dropped[M : 2 * M])
 
 
 def test_under_jax_jit_through_split_and_merge():
@@ -129,7 +131,9 @@ def test_weighted_and_aux():
     return (jnp.sum(err * mask), jnp.sum(mask)), jnp.max(err)
 
   (value, aux), grads = nnx.jit(
-    jaxaccum.nnx.value_and_grad(loss_sum, K, normalize="weighted", has_aux=True)
+    jaxaccum.nnx.value_and_grad(
+      loss_sum, K, normalize="weighted", has_aux=True, aux="stack"
+    )
   )(model, (x, y, mask))
   assert aux.shape == (K,)
 
@@ -242,9 +246,9 @@ def test_rngs_argument_is_threaded_and_written_back():
   rngs, reference_rngs = nnx.Rngs(noise=7), nnx.Rngs(noise=7)
   reference = nnx.clone(model)
   batch = batch_data()
-  (value, masks), grads = jaxaccum.nnx.value_and_grad(loss_with_rngs, K, has_aux=True)(
-    model, batch, rngs
-  )
+  (value, masks), grads = jaxaccum.nnx.value_and_grad(
+    loss_with_rngs, K, has_aux=True, aux="stack"
+  )(model, batch, rngs)
   want = [
     nnx.value_and_grad(loss_with_rngs, has_aux=True)(
       reference, micro(batch, i), reference_rngs
@@ -310,7 +314,7 @@ def test_grad_returns_the_grads_only():
   (grads, aux) = jaxaccum.nnx.grad(lambda m, b: (loss(m, b), b[1]), K, has_aux=True)(
     model, batch
   )
-  assert aux.shape == (K, M)
+  np.testing.assert_array_equal(aux, batch[1])  # the rows, joined in batch order
 
 
 def test_an_nnx_model_in_the_batch_is_refused():
@@ -319,3 +323,239 @@ def test_an_nnx_model_in_the_batch_is_refused():
     jaxaccum.nnx.value_and_grad(lambda m, b: loss(m, b[1]), K)(
       model, (model, batch_data())
     )
+
+
+# -- Whole steps: jaxaccum.nnx.make_train_step and verify_equivalence --------
+#
+# With dropout and BatchNorm in training mode the reference is an eager loop
+# of nnx.value_and_grad over the micro-batches (statistics updated and RNG
+# streams advanced once per micro-batch) and one optimizer.update with the
+# mean gradient; without them, and on a mesh, the full batch's step.
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def pair(tx=None):
+  """A model and its optimizer, twice, from one initialization."""
+  tx = tx or optax.adam(1e-2)
+  model, reference = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  return (
+    (model, nnx.Optimizer(model, tx, wrt=nnx.Param)),
+    (reference, nnx.Optimizer(reference, tx, wrt=nnx.Param)),
+  )
+
+
+def sequential_step(model, optimizer, batch):
+  """The reference: K eager micro-batches, then one update with the mean."""
+  values, grads = [], []
+  for i in range(K):
+    v, g = nnx.value_and_grad(loss)(model, micro(batch, i))
+    values.append(v)
+    grads.append(g)
+  optimizer.update(model, jax.tree.map(lambda *g: sum(g) / K, *grads))
+  return np.mean(values)
+
+
+def arrays(tree, kind=...):
+  """The arrays of ``kind`` variables (RNG keys as their data), copied:
+  a donating step deletes the originals."""
+  state = nnx.state(tree, kind)
+  return jax.tree.map(
+    lambda x: jnp.copy(
+      jax.random.key_data(x)
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+      else x
+    ),
+    state,
+  )
+
+
+def assert_same(a, b):
+  chex.assert_trees_all_close(arrays(a), arrays(b), **TOL)
+
+
+def test_dropout_and_batchnorm_steps_equal_a_sequential_loop():
+  """Two steps: BatchNorm statistics updated per micro-batch, dropout masks
+  drawn per micro-batch (the streams advance by K per step), momentum. (Not
+  Adam: the hidden bias's gradient is zero up to rounding behind BatchNorm,
+  and Adam turns rounding into steps of the learning rate's size.)"""
+  (model, optimizer), (reference, ref_optimizer) = pair(optax.sgd(0.1, momentum=0.9))
+  step = jaxaccum.nnx.make_train_step(loss, optimizer, K)
+  for seed in (1, 2):
+    batch = batch_data(seed)
+    value = step(model, batch)
+    want = sequential_step(reference, ref_optimizer, batch)
+    np.testing.assert_allclose(value, want, **TOL)
+  assert_same(model, reference)
+  assert_same(optimizer, ref_optimizer)
+  assert int(model.drop.rngs.count[...]) == 2 * K
+  assert int(optimizer.step[...]) == 2
+
+
+def test_without_dropout_and_batchnorm_a_step_equals_the_full_batch_step():
+  (model, optimizer), (reference, ref_optimizer) = pair()
+  model.eval()
+  reference.eval()
+  batch = batch_data()
+  value = jaxaccum.nnx.make_train_step(loss, optimizer, K)(model, batch)
+  want, grads = nnx.value_and_grad(loss)(reference, batch)
+  ref_optimizer.update(reference, grads)
+  np.testing.assert_allclose(value, want, **TOL)
+  assert_same(model, reference)
+
+
+def test_on_a_mesh_a_step_equals_the_full_batch_step():
+  (model, optimizer), (reference, ref_optimizer) = pair()
+  model.eval()
+  reference.eval()
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  batch = batch_data(rows=4 * K * 2)
+  sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  step = jaxaccum.nnx.make_train_step(loss, optimizer, 2, mesh=mesh, data_axis="data")
+  value = step(model, sharded)
+  want, grads = nnx.value_and_grad(loss)(reference, batch)
+  ref_optimizer.update(reference, grads)
+  np.testing.assert_allclose(value, want, **TOL)
+  assert_same(model, reference)
+
+
+def test_aux_comes_back_as_the_full_batchs():
+  (model, optimizer), (reference, _) = pair()
+  model.eval()
+  reference.eval()
+
+  def with_aux(model, batch):
+    x, _ = batch
+    pred = model(x)
+    return loss(model, batch), {"pred": pred, "mean": jnp.mean(pred)}
+
+  batch = batch_data()
+  _, aux = jaxaccum.nnx.make_train_step(with_aux, optimizer, K, has_aux=True)(
+    model, batch
+  )
+  _, want = with_aux(reference, batch)  # before the update, as the step's
+  chex.assert_trees_all_close(aux, want, **TOL)
+
+
+def test_a_nonfinite_step_is_skipped_and_the_streams_still_advance():
+  (model, optimizer), _ = pair()
+  before = arrays((model, optimizer), nnx.Not(nnx.RngState))
+  x, y = batch_data()
+  value = jaxaccum.nnx.make_train_step(loss, optimizer, K)(
+    model, (x, y.at[3].set(jnp.nan))
+  )
+  assert not np.isfinite(value)
+  chex.assert_trees_all_equal(arrays((model, optimizer), nnx.Not(nnx.RngState)), before)
+  assert int(optimizer.step[...]) == 0
+  assert int(model.drop.rngs.count[...]) == K
+
+
+def test_a_zero_total_weight_is_skipped():
+  (model, optimizer), _ = pair(optax.sgd(0.1))
+  params = arrays(model, nnx.Param)
+
+  def token_loss(model, batch):
+    x, y, mask = batch
+    return jnp.sum(mask * (model(x) - y) ** 2), jnp.sum(mask)
+
+  x, y = batch_data()
+  step = jaxaccum.nnx.make_train_step(token_loss, optimizer, K, normalize="weighted")
+  step(model, (x, y, jnp.zeros_like(y)))
+  chex.assert_trees_all_equal(arrays(model, nnx.Param), params)
+  assert int(optimizer.step[...]) == 0
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_donation_deletes_arrays_taken_out_before_the_step_only(donate):
+  (model, optimizer), _ = pair()
+  kernel = model.hidden.kernel[...]
+  jaxaccum.nnx.make_train_step(loss, optimizer, K, donate=donate)(model, batch_data())
+  assert kernel.is_deleted() == donate
+  assert np.all(np.isfinite(model.hidden.kernel[...]))  # the model's own: new
+
+
+def test_not_an_optimizer_is_named():
+  with pytest.raises(TypeError) as error:
+    jaxaccum.nnx.make_train_step(loss, optax.sgd(0.1), K)
+  assert str(error.value) == (
+    "jaxaccum.nnx.make_train_step takes an nnx.Optimizer, got "
+    "GradientTransformationExtraArgs; for an optax transformation and a pytree "
+    "of parameters use jaxaccum.make_train_step."
+  )
+
+
+def test_a_float16_loss_scale_is_refused():
+  model = Net(nnx.Rngs(0, dropout=1))
+  tx = jaxaccum.accumulate(optax.sgd(0.1), 1, loss_scale=jaxaccum.dynamic_loss_scale())
+  with pytest.raises(ValueError) as error:
+    jaxaccum.nnx.make_train_step(loss, nnx.Optimizer(model, tx, wrt=nnx.Param), K)
+  assert str(error.value) == (
+    "jaxaccum.nnx.make_train_step does not apply a float16 loss scale; "
+    "jaxaccum.make_train_step does: run it on the arrays of nnx.split(model, "
+    "nnx.Param, ...), or train in bfloat16 or float32."
+  )
+
+
+# -- verify_equivalence -----------------------------------------------------
+
+
+def test_verify_equivalence_passes_in_eval_mode_and_leaves_the_model():
+  model = Net(nnx.Rngs(0, dropout=1))
+  model.eval()
+  state = arrays(model)
+  deviation = jaxaccum.nnx.verify_equivalence(loss, model, batch_data(), K)
+  assert deviation.grads < 1e-5
+  assert deviation.where.startswith("grads")
+  chex.assert_trees_all_equal(arrays(model), state)
+
+
+def test_verify_equivalence_fails_on_a_loss_whose_examples_interact():
+  """A loss normalized by the batch's own largest target is not a mean of
+  per-example terms: the check must say so."""
+  model = Net(nnx.Rngs(0, dropout=1))
+  model.eval()
+
+  def interacting(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2) / jnp.max(jnp.abs(y))
+
+  with pytest.raises(AssertionError, match="Accumulated and full-batch"):
+    jaxaccum.nnx.verify_equivalence(interacting, model, batch_data(), K)
+
+
+def test_verify_equivalence_in_training_mode_points_to_eval():
+  model = Net(nnx.Rngs(0, dropout=1))
+  with pytest.raises(ValueError) as error:
+    jaxaccum.nnx.verify_equivalence(loss, model, batch_data(), K)
+  assert str(error.value) == (
+    "jaxaccum.nnx.verify_equivalence: fun changed the model's variables "
+    "['drop']['rngs']['count'], ['norm']['mean'], ['norm']['var'], which the "
+    "full batch would change once and k micro-batches change k times "
+    "(BatchNorm statistics in training mode, dropout's RNG stream): they have "
+    "no full-batch counterpart. Verify the deterministic path: call "
+    "model.eval() first."
+  )
+
+
+def test_jaxaccum_nnx_exports_its_functions_only():
+  assert sorted(jaxaccum.nnx.__all__) == [
+    "grad",
+    "make_train_step",
+    "value_and_grad",
+    "verify_equivalence",
+  ]
+  assert all(callable(getattr(jaxaccum.nnx, name)) for name in jaxaccum.nnx.__all__)
+
+
+def test_a_model_and_optimizer_steps_like_an_optimizer():
+  """nnx.ModelAndOptimizer.update takes the grads alone; the step calls it so."""
+  model, reference = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  model.eval()
+  reference.eval()
+  both = nnx.ModelAndOptimizer(model, optax.sgd(0.1))
+  ref_optimizer = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+  batch = batch_data()
+  jaxaccum.nnx.make_train_step(loss, both, K)(model, batch)
+  ref_optimizer.update(reference, nnx.grad(loss)(reference, batch))
+  assert_same(model, reference)
+  assert int(both.step[...]) == 1

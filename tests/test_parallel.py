@@ -140,12 +140,18 @@ def test_rng_equals_single_device_with_global_micro_batch_numbering(mesh):
 
   key = jax.random.key(5)
   fun = jaxaccum.value_and_grad(
-    dropout_loss, k, rng_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+    dropout_loss,
+    k,
+    rng_argnum=2,
+    has_aux=True,
+    aux="stack",
+    mesh=mesh,
+    data_axis="data",
   )
   (value, masks), grads = jax.jit(fun)(params, shard(mesh, batch), key)
   masks = np.asarray(masks)
   (want_value, want_masks), want_grads = jaxaccum.value_and_grad(
-    dropout_loss, D * k, rng_argnum=2, has_aux=True
+    dropout_loss, D * k, rng_argnum=2, has_aux=True, aux="stack"
   )(params, batch, key)
   assert_close((value, grads), (want_value, want_grads))
   np.testing.assert_array_equal(masks, want_masks)
@@ -347,7 +353,9 @@ def test_local_batch_not_divisible_by_k(mesh):
   params, batch = problem()
   fun = jaxaccum.value_and_grad(mlp_loss, 3, mesh=mesh, data_axis="data")
   with pytest.raises(
-    ValueError, match=r"batch_size=8 is not divisible by num_micro_batches=3"
+    ValueError,
+    match=r"batch_size=8 \(the rows of args\[1\]\[0\]\) is not divisible by "
+    r"num_micro_batches=3",
   ):
     fun(params, shard(mesh, batch))
 
@@ -402,7 +410,7 @@ def test_nnx_dropout_differs_across_devices():
     return jnp.sum(m.drop(h)) * 0.0, dropped
 
   (_, dropped), _ = jaxaccum.nnx.value_and_grad(
-    masks, 1, has_aux=True, mesh=mesh, data_axis="data"
+    masks, 1, has_aux=True, aux="stack", mesh=mesh, data_axis="data"
   )(model, shard(mesh, batch))
   dropped = np.asarray(dropped)
   assert dropped.shape == (D, B // D, H)
@@ -513,7 +521,13 @@ def test_batched_keys_in_the_state():
 
   keys = jax.random.split(jax.random.key(3), 3)
   fun = jaxaccum.value_and_grad(
-    loss_with_keys, k, state_argnum=2, has_aux=True, mesh=mesh, data_axis="data"
+    loss_with_keys,
+    k,
+    state_argnum=2,
+    has_aux=True,
+    aux="stack",
+    mesh=mesh,
+    data_axis="data",
   )
   (_, (draws, final)), _ = jax.jit(fun)(params, shard(mesh, batch), keys)
   # Every key of the array had the device folded in: devices draw differently

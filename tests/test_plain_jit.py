@@ -88,9 +88,9 @@ def test_the_documented_rows_form_each_micro_batch():
 
   batch = jax.device_put((x, y, ids), NamedSharding(mesh, P("data")))
   k = 4
-  (_, rows), _ = jax.jit(jaxaccum.value_and_grad(with_ids, k, has_aux=True))(
-    params, batch
-  )
+  (_, rows), _ = jax.jit(
+    jaxaccum.value_and_grad(with_ids, k, has_aux=True, aux="stack")
+  )(params, batch)
   shards = np.gcd(B // k, 8)
   want = jaxaccum._split.MicroBatching(B, k, B // k, shards).rows()
   np.testing.assert_array_equal(np.asarray(rows), want)
@@ -107,9 +107,9 @@ def test_on_one_device_micro_batches_stay_contiguous():
     x, y, row = batch
     return loss(p, (x, y)), row
 
-  (_, rows), _ = jax.jit(jaxaccum.value_and_grad(with_ids, 4, has_aux=True))(
-    params, (x, y, ids)
-  )
+  (_, rows), _ = jax.jit(
+    jaxaccum.value_and_grad(with_ids, 4, has_aux=True, aux="stack")
+  )(params, (x, y, ids))
   np.testing.assert_array_equal(np.asarray(rows), np.arange(B).reshape(4, -1))
 
 

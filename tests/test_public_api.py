@@ -89,3 +89,57 @@ def test_the_signatures_defaults_are_the_options_defaults():
     }
     spelled = _options.create(fun, 1, **defaults)
     assert vars(spelled) == vars(_options.create(fun, 1)), public
+
+
+def _docs_api():
+  """docs/api.py, the API reference's builder and docstring check."""
+  import importlib.util  # noqa: PLC0415
+
+  path = pathlib.Path(__file__).parents[1] / "docs" / "api.py"
+  spec = importlib.util.spec_from_file_location("jaxaccum_docs_api", path)
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_every_public_name_has_a_docstring():
+  assert _docs_api().undocumented() == []
+
+
+def test_the_docstring_check_names_a_public_name_without_one(monkeypatch):
+  """The check can fail: a function and a NamedTuple field without one."""
+  import jaxaccum  # noqa: PLC0415
+
+  def helper(x):
+    return x
+
+  monkeypatch.setattr(jaxaccum.nnx, "helper", helper, raising=False)
+  monkeypatch.setattr(jaxaccum.nnx, "__all__", [*jaxaccum.nnx.__all__, "helper"])
+  monkeypatch.setattr(
+    jaxaccum.Deviation, "__doc__", jaxaccum.Deviation.__doc__.replace("where:", "at:")
+  )
+  assert _docs_api().undocumented() == [
+    "jaxaccum.Deviation.where",
+    "jaxaccum.nnx.helper",
+  ]
+
+
+def test_the_version_is_read_from_one_place():
+  """pyproject.toml reads jaxaccum.__version__; the installed metadata and
+  the changelog's newest release agree with it."""
+  import importlib.metadata  # noqa: PLC0415
+  import re  # noqa: PLC0415
+
+  import jaxaccum  # noqa: PLC0415
+
+  root = pathlib.Path(__file__).parents[1]
+  pyproject = (root / "pyproject.toml").read_text()
+  assert 'dynamic = ["version"]' in pyproject
+  assert re.search(r'^version\s*=\s*"', pyproject, re.M) is None
+  assert importlib.metadata.version("jaxaccum") == jaxaccum.__version__
+  changelog = (root / "CHANGELOG.md").read_text()
+  releases = re.findall(
+    r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M
+  )
+  assert releases[0] == jaxaccum.__version__

@@ -32,7 +32,7 @@ def dropout_loss(w, x, key):
 def test_micro_batch_i_gets_fold_in_key_i():
   w, x, key = problem()
   (value, masks), grads = jax.jit(
-    jaxaccum.value_and_grad(dropout_loss, K, rng_argnum=2, has_aux=True)
+    jaxaccum.value_and_grad(dropout_loss, K, rng_argnum=2, has_aux=True, aux="stack")
   )(w, x, key)
 
   values, all_grads = [], []
@@ -56,9 +56,9 @@ def test_micro_batch_i_gets_fold_in_key_i():
 def test_raw_uint32_keys_work_too():
   w, x, _ = problem()
   key = jax.random.PRNGKey(3)
-  (_, masks), _ = jaxaccum.value_and_grad(dropout_loss, K, rng_argnum=2, has_aux=True)(
-    w, x, key
-  )
+  (_, masks), _ = jaxaccum.value_and_grad(
+    dropout_loss, K, rng_argnum=2, has_aux=True, aux="stack"
+  )(w, x, key)
   _, mask1 = dropout_loss(w, x[M : 2 * M], jax.random.fold_in(key, 1))
   np.testing.assert_array_equal(masks[1], mask1)
 
@@ -79,7 +79,9 @@ def test_state_is_threaded_in_micro_batch_order():
   w, x, _ = problem()
   stats = {"running": jnp.array(0.5), "count": jnp.array(0, jnp.int32)}
   (value, (means, final)), grads = jax.jit(
-    jaxaccum.value_and_grad(batch_norm_loss, K, state_argnum=2, has_aux=True)
+    jaxaccum.value_and_grad(
+      batch_norm_loss, K, state_argnum=2, has_aux=True, aux="stack"
+    )
   )(w, x, stats)
 
   state, values, all_grads, want_means = stats, [], [], []
@@ -243,7 +245,7 @@ def test_new_state_comes_back_in_the_dtypes_of_the_state(k):
     "seen": jnp.array(0.0, jnp.bfloat16),
   }
   (value, (means, final)), grads = jaxaccum.value_and_grad(
-    running_stats, k, state_argnum=2, has_aux=True
+    running_stats, k, state_argnum=2, has_aux=True, aux="stack"
   )(w, batch, state)
 
   # Reference: a Python loop that casts back after each micro-batch.

@@ -233,7 +233,7 @@ def test_a_nonfinite_aux_does_not_skip_the_step():
   w, batch = data()
   tx = optax.sgd(0.1)
   step = jaxaccum.make_train_step(
-    loss_and_log_residual, tx, K, donate=False, has_aux=True
+    loss_and_log_residual, tx, K, donate=False, has_aux=True, aux="stack"
   )
   new_w, _, (loss, aux) = step(w, tx.init(w), batch)
 

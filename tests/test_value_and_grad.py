@@ -126,14 +126,15 @@ def test_dict_batch_with_aux_and_kwargs():
     return jnp.mean(err**2), {"max_err": jnp.max(jnp.abs(err))}
 
   batch = {"x": x, "y": y}
-  (value, aux), grads = jaxaccum.value_and_grad(loss, 4, has_aux=True)(
+  # A max over rows is neither rows nor a mean: it is taken stacked.
+  (value, aux), grads = jaxaccum.value_and_grad(loss, 4, has_aux=True, aux="stack")(
     params, batch, temperature=2.0
   )
   (want_value, _), want_grads = jax.value_and_grad(loss, has_aux=True)(
     params, batch, temperature=2.0
   )
   assert_close((value, grads), (want_value, want_grads), summed_terms(8))
-  # aux is stacked per micro-batch; each entry is that micro-batch's aux.
+  # Stacked per micro-batch: each entry is that micro-batch's aux.
   assert aux["max_err"].shape == (4,)
   for i in range(4):
     micro = jax.tree.map(lambda a, i=i: a[2 * i : 2 * i + 2], batch)
@@ -177,9 +178,9 @@ def test_order_is_contiguous_rows():
   def first_row(w, x):
     return w * jnp.sum(x), x[:, 0]
 
-  (_, aux), _ = jaxaccum.value_and_grad(first_row, 3, has_aux=True, normalize="sum")(
-    jnp.array(1.0), jnp.arange(12.0).reshape(6, 2)
-  )
+  (_, aux), _ = jaxaccum.value_and_grad(
+    first_row, 3, has_aux=True, normalize="sum", aux="stack"
+  )(jnp.array(1.0), jnp.arange(12.0).reshape(6, 2))
   np.testing.assert_array_equal(aux, [[0.0, 2.0], [4.0, 6.0], [8.0, 10.0]])
 
 

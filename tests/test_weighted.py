@@ -103,7 +103,7 @@ def test_weighted_with_aux():
     return (loss_sum, tokens), tokens
 
   (value, tokens), _ = jaxaccum.value_and_grad(
-    fun, 4, normalize="weighted", has_aux=True
+    fun, 4, normalize="weighted", has_aux=True, aux="stack"
   )(params, batch)
   np.testing.assert_array_equal(tokens, [13, 14, 6, 17])
   np.testing.assert_allclose(value, full_batch_token_mean(params, batch), rtol=1e-6)
