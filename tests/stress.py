@@ -124,7 +124,17 @@ class Beside:
     os.killpg(self.proc.pid, 9)
 
 
-def stress(files, runs: int, timeout: float, beside: bool, control: int) -> dict:
+def stress(
+  files,
+  runs: int,
+  timeout: float,
+  beside: bool,
+  control: int,
+  *,
+  progress=lambda results, done: None,
+) -> dict:
+  """The runs, tallied; ``progress(results, rounds_done)`` after each round,
+  so that a long sweep stopped early keeps what it measured."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)  # conftest.py sets the suite's own
   env.pop("PJRT_NPROC", None)
@@ -156,7 +166,8 @@ def stress(files, runs: int, timeout: float, beside: bool, control: int) -> dict
         ]
         outcomes[f].append(run_once(command, timeout, env))
         print(f"run {r + 1}/{runs} {f}: {outcomes[f][-1][0]}", flush=True)
-    results["files"] = {f: tally(o) for f, o in outcomes.items()}
+      results["files"] = {f: tally(o) for f, o in outcomes.items()}
+      progress(results, r + 1)
   finally:
     if load is not None:
       load.stop()
@@ -220,20 +231,26 @@ def main() -> None:
   args = parser.parse_args()
   import jax  # noqa: PLC0415  (only for its version)
 
-  record = {
+  head = {
     "date": datetime.date.today().isoformat(),
     "machine": f"{os.cpu_count()} cores ({cpu_model()})",
     "jax": jax.__version__,
-    "runs": args.runs,
     "beside": args.beside,
     "control_runs": args.control,
-    **stress(args.files, args.runs, args.timeout, args.beside, args.control),
   }
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(record, indent=1) + "\n")
-  if args.out.resolve() == RESULTS.resolve():
-    write_manual(record)
-  print(render(record))
+
+  def save(results: dict, done: int) -> dict:
+    record = {**head, "runs": done, **results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.out.resolve() == RESULTS.resolve():
+      write_manual(record)
+    return record
+
+  results = stress(
+    args.files, args.runs, args.timeout, args.beside, args.control, progress=save
+  )
+  print(render(save(results, args.runs)))
 
 
 if __name__ == "__main__":
