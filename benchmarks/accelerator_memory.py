@@ -66,6 +66,7 @@ from typing import Any
 
 import _approaches
 import _models
+import _paths
 import jax
 import jax.numpy as jnp
 import jaxlib
@@ -108,7 +109,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   parser.add_argument("--quick", action="store_true", help="small models, k in 1,4")
   parser.add_argument(
-    "--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
+    "--out",
+    type=pathlib.Path,
+    help="output folder (default: benchmarks/results; quick: the temporary folder)",
   )
   parser.add_argument("--targets", default=",".join(TARGETS))
   parser.add_argument("--models", default=",".join(MODEL_NAMES))
@@ -439,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     "notes": NOTES,
     "rows": rows,
   }
+  args.out = _paths.output_folder(args.out, args.quick)
   args.out.mkdir(parents=True, exist_ok=True)
   suffix = "_quick" if args.quick else ""
   path = args.out / f"accelerator_memory{suffix}.json"

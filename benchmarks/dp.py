@@ -54,12 +54,12 @@ import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import _models
+import _paths
 import _report
 import jax
 import jax.numpy as jnp
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
   )
   args = parser.parse_args(argv)
   quick = args.quick
-  out = args.out or (pathlib.Path(tempfile.gettempdir()) if quick else HERE / "results")
+  out = _paths.output_folder(args.out, quick)
   name = "dp_quick.json" if quick else "dp.json"
   path = out / name
   results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}

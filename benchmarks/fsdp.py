@@ -121,6 +121,7 @@ from typing import Any
 
 import _approaches
 import _models
+import _paths
 import jax
 import jax.numpy as jnp
 import matplotlib
@@ -1237,8 +1238,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--out",
     type=pathlib.Path,
-    default=pathlib.Path(__file__).resolve().parent / "results",
-    help="output folder (default: benchmarks/results)",
+    help="output folder (default: benchmarks/results; quick: the temporary folder)",
   )
   parser.add_argument(
     "--hlo-dir",
@@ -1253,6 +1253,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "from the HLO a run saved with --hlo-dir (after a fix to the reader)",
   )
   args = parser.parse_args(argv)
+  args.out = _paths.output_folder(args.out, args.quick)
   args.targets = [t for t in args.targets.split(",") if t]
   unknown = [t for t in args.targets if t not in TARGETS]
   if unknown:

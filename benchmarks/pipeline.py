@@ -57,6 +57,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import _paths
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -531,7 +532,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     default="Not compared: MaxText was not installed for this run.",
     help="what the MaxText comparison gave (a sentence for the manual)",
   )
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+  parser.add_argument(
+    "--out",
+    type=pathlib.Path,
+    help="output folder (default: benchmarks/results; quick: the temporary folder)",
+  )
   parser.add_argument(
     "--partial",
     type=pathlib.Path,
@@ -556,7 +561,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="merge MaxText's measured rows ({note, rows}) into pipeline.json, "
     "with fsdp.py's results read again",
   )
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  args.out = _paths.output_folder(args.out, args.quick)
+  return args
 
 
 def render_manual() -> None:

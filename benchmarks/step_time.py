@@ -59,6 +59,7 @@ from typing import Any
 
 import _approaches
 import _models
+import _paths
 import _report
 import jax
 import jax.numpy as jnp
@@ -107,7 +108,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--quick", action="store_true", help="fewer k, smaller models, fewer rounds"
   )
   parser.add_argument(
-    "--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
+    "--out",
+    type=pathlib.Path,
+    help="output folder (default: benchmarks/results; quick: the temporary folder)",
   )
   parser.add_argument(
     "--models",
@@ -520,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(_report.tables(results))
   walls = ", ".join(f"{n} {e['wall_s']:.0f} s" for n, e in results["models"].items())
   print(f"\nwall time {results['wall_s']:.0f} s ({walls})")
+  args.out = _paths.output_folder(args.out, args.quick)
   args.out.mkdir(parents=True, exist_ok=True)
   suffix = "_quick" if args.quick else ""
   path = args.out / f"step_time{suffix}.json"
