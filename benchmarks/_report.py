@@ -1773,7 +1773,7 @@ def autopilot_summary(results: Results) -> str:
 #: Benchmarks that render their own blocks (one file measures and renders):
 #: the JSON stem -> the script in this folder whose ``BLOCKS`` maps each block
 #: name to its writer. Registered on first use (importing them imports jax).
-SELF_RENDERED = {"pipeline": "pipeline"}
+SELF_RENDERED = {"pipeline": "pipeline", "maxtext_llama": "maxtext_llama"}
 
 
 def _register_self_rendered() -> None:
@@ -1812,6 +1812,7 @@ COMMANDS = {
   "readme_commands": "python benchmarks/readme_commands.py",
   "dp": "python benchmarks/dp.py",
   "pipeline": "python benchmarks/pipeline.py",
+  "maxtext_llama": "python benchmarks/maxtext_llama.py",
 }
 _MARKERS = re.compile(
   r"(<!-- begin: (?P<name>[\w\-]+ [\w\-]+) -->\n)(?P<body>.*?)(<!-- end: (?P=name) -->)",
