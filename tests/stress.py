@@ -180,6 +180,11 @@ def render(record: dict) -> str:
     f"Measured by `python tests/stress.py --runs {record['runs']}"
     + (" --beside" if record["beside"] else "")
     + (f" --control {record['control_runs']}" if record["control_runs"] else "")
+    + (
+      " --files " + " ".join(record["files"])
+      if record["files"] and set(record["files"]) != set(FILES)
+      else ""
+    )
     + f"` on {record['date']}, {record['machine']}, jax {record['jax']}"
     + (", another pytest running beside" if record["beside"] else "")
     + ":",
