@@ -296,7 +296,11 @@ def plots(
 #: ``"source name"`` -> the function writing that block from ``source.json``.
 BLOCKS: dict[str, Callable[[Results], str]] = {}
 #: The generated pages, and the blocks each holds (every block is on one).
-PAGES: dict[str, pathlib.Path] = {"benchmarks": MANUAL, "readme": ROOT / "README.md"}
+PAGES: dict[str, pathlib.Path] = {
+  "benchmarks": MANUAL,
+  "readme": ROOT / "README.md",
+  "guide": ROOT / "docs" / "guide.md",
+}
 PAGE_OF: dict[str, str] = {}
 
 
@@ -1741,7 +1745,7 @@ def readme_commands_times(results: Results) -> str:
   )
 
 
-@block("autopilot summary", page="readme")
+@block("autopilot summary", page="guide")
 def autopilot_summary(results: Results) -> str:
   lines = []
   for task, result in results["tasks"].items():
@@ -1761,10 +1765,10 @@ def autopilot_summary(results: Results) -> str:
     "seeds each, from `examples/autopilot.py`:\n\n"
     + _bullets(lines)
     + "\n\n![held-out loss against tokens and steps, and k for each schedule]"
-    "(benchmarks/results/autopilot.png)"
+    "(../benchmarks/results/autopilot.png)"
     + "\n\nThe four schedules, how they are compared and the goal each "
     "run is held to: "
-    "[benchmarks/README.md](benchmarks/README.md#the-batch-size-autopilot-examplesautopilotpy)."
+    "[benchmarks/README.md](../benchmarks/README.md#the-batch-size-autopilot-examplesautopilotpy)."
   )
 
 

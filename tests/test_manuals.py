@@ -35,7 +35,7 @@ def load_report():
   return module
 
 
-@pytest.mark.parametrize("page", ["benchmarks", "readme"])
+@pytest.mark.parametrize("page", ["benchmarks", "readme", "guide"])
 def test_each_committed_page_is_what_report_writes_from_the_results(page):
   report = load_report()
   path = report.PAGES[page]
@@ -55,9 +55,9 @@ def test_each_committed_page_is_what_report_writes_from_the_results(page):
 
 def test_a_block_of_another_page_is_an_error():
   report = load_report()
-  readme = report.PAGES["readme"].read_text()
+  guide = report.PAGES["guide"].read_text()
   with pytest.raises(ValueError, match="autopilot summary"):
-    report.render(readme, BENCHMARKS / "results", "benchmarks")
+    report.render(guide, BENCHMARKS / "results", "benchmarks")
 
 
 def test_a_changed_result_changes_the_manual(tmp_path):
@@ -93,21 +93,21 @@ def test_a_block_the_report_does_not_know_is_an_error():
     report.render(text, BENCHMARKS / "results")
 
 
-def readme_block(heading: str) -> str:
-  """The first ``python`` block under README.md's ``## heading``."""
-  text = (ROOT / "README.md").read_text()
+def guide_block(heading: str) -> str:
+  """The first ``python`` block under docs/guide.md's ``## heading``."""
+  text = (ROOT / "docs" / "guide.md").read_text()
   section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
   return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4])
-def test_the_readme_mesh_block_runs_as_written_on_few_devices(devices, tmp_path):
-  """The README's mesh example runs on any machine; pytest-markdown-docs
+def test_the_guide_mesh_block_runs_as_written_on_few_devices(devices, tmp_path):
+  """The guide's mesh example runs on any machine; pytest-markdown-docs
   runs it on the suite's 8 devices, this on 1, 2 and 4 (a (1, 2) mesh
   once raised an XLA RET_CHECK)."""
   script = tmp_path / "mesh_block.py"
   script.write_text(
-    readme_block("Scaling out")
+    guide_block("Scaling out")
     + f"assert jax.device_count() == {devices}\n"
     + "print('ok', mesh.shape)\n"
   )
