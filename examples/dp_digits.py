@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import _cli  # examples/_cli.py
+from _digits import TRAIN_ROWS  # examples/_digits.py
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     type=count,
     default=1024,
     metavar="B",
-    help="the mean Poisson draw, q times the 1344 training images",
+    help=f"the mean Poisson draw, q times the {TRAIN_ROWS} training images",
   )
   add(
     "--num-micro-batches",
@@ -77,9 +78,9 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     seed_help="seeds the initialization, the draws and the noise",
   )
   args = parser.parse_args(argv)
-  if args.expected_batch_size > 1344:
+  if args.expected_batch_size > TRAIN_ROWS:
     parser.error(
-      f"--expected-batch-size {args.expected_batch_size} is more than the 1344 "
+      f"--expected-batch-size {args.expected_batch_size} is more than the {TRAIN_ROWS} "
       "training images"
     )
   return _cli.keyword_arguments(args)
