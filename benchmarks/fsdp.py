@@ -1246,6 +1246,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="also write every compiled step's HLO text here (a few MB each)",
   )
   parser.add_argument(
+    "--partial",
+    type=pathlib.Path,
+    metavar="FILE",
+    help="write the rows here as they come, and take those it already holds "
+    "instead of compiling them again (a long sweep resumed)",
+  )
+  parser.add_argument(
     "--collectives-from",
     type=pathlib.Path,
     metavar="HLO_DIR",
@@ -1275,6 +1282,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   cfg = MODELS[name]
   shapes = param_shapes(cfg)
   rows: list[dict[str, Any]] = []
+  done: dict[tuple[str, int, str], dict[str, Any]] = {}
+  if args.partial is not None and args.partial.exists():  # resume a sweep
+    done = {
+      (r["target"], r["k"], r["approach"]): r
+      for r in json.loads(args.partial.read_text())
+    }
   targets = {}
   for target_name in args.targets:
     target = jaxaccum.compile_target(target_name, topology=TARGETS[target_name])
@@ -1290,7 +1303,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     whole: dict[str, dict[str, Any]] = {}
     for k in args.ks:
       for approach in APPROACHES:
-        if approach in whole:
+        if (target.name, k, approach) in done:
+          row = done[target.name, k, approach]
+          if approach in WHOLE_BATCH:
+            whole[approach] = row
+        elif approach in whole:
           row = {**whole[approach], "k": k}  # the same step for every k
         else:
           row = measure(approach, k, target, setup, hlo, hlo_dir=args.hlo_dir)
@@ -1299,6 +1316,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if approach == DEFAULT:
           row["default"] = True
         rows.append(row)
+        if args.partial is not None:  # every row as it comes, for a long sweep
+          args.partial.write_text(json.dumps(rows, indent=1) + "\n")
         print(
           f"{target.name:<8} k={k:<3} {approach:<25} peak "
           f"{_mib(row['peak_bytes'])} MiB, collectives "
