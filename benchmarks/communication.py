@@ -81,7 +81,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 import optax
 from _report import cpu_model
@@ -90,13 +89,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import testing
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-# Before JAX starts (importing it starts nothing): 8 CPU devices, unless
-# XLA_FLAGS names a count, with threads enough for their collectives.
-testing.cpu_devices()
 
 PyTree = Any
 LossAndGrads = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]
@@ -547,6 +539,11 @@ def run_plain_jit() -> dict[str, Any]:
 
 def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   """Bytes per step against ``k`` (log-scale y), and the compute estimate."""
+  import matplotlib  # noqa: PLC0415  (importing the script for its blocks plots nothing)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
   ks = results["ks"]
   grad_bytes = results["grad_bytes"]
   fig, (ax, ax_compute, ax_time) = plt.subplots(
@@ -655,6 +652,9 @@ def run_and_write(
     help="output folder (default: benchmarks/results)",
   )
   args = parser.parse_args(argv)
+  # Before JAX starts: 8 CPU devices, unless XLA_FLAGS names a count, with
+  # threads enough for their collectives.
+  testing.cpu_devices()
   start = time.perf_counter()
   results = run_fn()
   results["seconds"] = time.perf_counter() - start

@@ -124,7 +124,6 @@ import _models
 import _paths
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -132,14 +131,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import testing
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-# Before JAX starts (importing it starts nothing): 8 CPU devices stand in for
-# the 8 H100s (a GPU target of n devices needs n CPU devices), with threads
-# enough for their collectives.
-testing.cpu_devices()
 
 PyTree = Any
 
@@ -944,6 +935,11 @@ def summary(rows: list[dict[str, Any]], goals: list[dict[str, Any]]) -> str:
 def plot(results: dict[str, Any], path: pathlib.Path) -> None:
   """Per target (rows): the peak per device against k, the full batch a
   horizontal line; the collective bytes per step per device against k."""
+  import matplotlib  # noqa: PLC0415  (importing the script for its blocks plots nothing)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
   rows = results["rows"]
   unit, scale = _unit(rows)
   targets = list(dict.fromkeys(r["target"] for r in rows))
@@ -1378,6 +1374,10 @@ def recount(results: dict[str, Any], hlo_dir: pathlib.Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the sweep; writes the JSON and the PNG; prints the tables."""
   args = parse_args(argv)
+  # Before JAX starts: 8 CPU devices stand in for the 8 H100s (a GPU target
+  # of n devices needs n CPU devices), with threads enough for their
+  # collectives.
+  testing.cpu_devices()
   stem = "fsdp_quick" if args.quick else "fsdp"
   if args.collectives_from is not None:
     results = recount(

@@ -59,9 +59,6 @@ device against ``k``, a row per layout), in ``--out``.
 
 from __future__ import annotations
 
-import communication  # first: it gives jax 8 fake CPU devices before jax starts
-
-# isort: split
 import dataclasses
 import os
 import pathlib
@@ -69,10 +66,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import communication
 import jax
 import jax.numpy as jnp
-import matplotlib
-import matplotlib.ticker
 import numpy as np
 from _report import format_bytes
 from jax.sharding import AxisType, NamedSharding
@@ -80,9 +76,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import testing
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 PyTree = Any
 
@@ -462,6 +455,12 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   """Per layout (rows): MiB over the data axes (log scale), over the model
   axis, and the peak per device, against ``k``; solid Auto, dashed Explicit
   axes, gray lines the full batch. Failed approaches are named in the legend."""
+  import matplotlib  # noqa: PLC0415  (importing the script for its blocks plots nothing)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.ticker  # noqa: PLC0415
+
   ks = results["ks"]
   columns = (
     ("bytes_over_data_axes", "MiB over the data axes / step"),

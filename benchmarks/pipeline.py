@@ -576,6 +576,7 @@ def render_manual() -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
   args = parse_args(argv)
+  testing.cpu_devices(NUM_DEVICES)  # before JAX starts: the targets' stand-ins
   if args.maxtext is not None:
     path = args.out / "pipeline.json"
     results = json.loads(path.read_text())
