@@ -534,7 +534,6 @@ class _Step:
     data axes the leaf is sharded over: ``(*kept sizes, *shape)``, the
     copies along its kept data axes left for the sum after."""
     kept = _kept_axes(s, self.axes)
-    others = {n for names in s.other for n in names}
 
     def scatter(local):
       x = local.reshape(local.shape[len(self.axes) :])
@@ -544,12 +543,16 @@ class _Step:
           x = jax.lax.psum_scatter(x, over, scatter_dimension=dim, tiled=True)
       return x.reshape((1,) * len(kept) + x.shape)
 
+    # Manual over every axis of the mesh: on jax 0.12, psum_scatter in a
+    # shard_map that leaves some Explicit axis to the partitioner fails to
+    # compile (the axes the leaf does not use are replicated either way).
+    mesh = jax.sharding.get_abstract_mesh()
     return jax.shard_map(
       scatter,
-      mesh=jax.sharding.get_abstract_mesh(),
+      mesh=mesh,
       in_specs=P(*self.axes, *s.other_spec()),
       out_specs=P(*kept, *s.full_spec()),
-      axis_names=set(self.axes) | others,
+      axis_names=set(mesh.axis_names),
     )(acc)
 
   # -- the rest --------------------------------------------------------------
