@@ -1,8 +1,8 @@
 """Every JAX internal jaxaccum relies on, in one module.
 
-Each use is pinned by a test in ``tests/test_compat.py`` that fails loudly
-when a JAX release moves it, instead of a silent change of behaviour
-elsewhere:
+Each use is pinned by a doctest here or a test in ``tests/test_compat.py``
+that fails loudly when a JAX release moves it, instead of a silent change
+of behaviour elsewhere:
 
 - :func:`is_tracer`: whether a value is traced by an outer transformation
   (``jax.core.Tracer``, which JAX does not promise to keep public);
@@ -15,6 +15,9 @@ elsewhere:
 - compiling for compile-only GPUs (:func:`compile_lowered`);
 - whether JAX's backends have started (:func:`backends_started`), after
   which the CPU device count and XLA's thread pools are fixed;
+- :func:`psum_scatter`: ``jax.lax.psum_scatter`` where JAX 0.12 fails to
+  lower it (in a ``shard_map`` that leaves an Explicit axis to the
+  partitioner), as an all-to-all and a sum;
 - :func:`spmd_vmap_axes`: the mesh axes of the ``vmap``s (with
   ``spmd_axis_name``) that map a value, which a ``shard_map`` inside them
   must count among its manual axes (jaxaccum's ``mesh=`` path runs the loss
@@ -41,6 +44,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxlib import xla_client
 
@@ -145,6 +149,34 @@ def spmd_vmap_axes(tree: Any, *, explicit: bool = False) -> tuple[str, ...]:
         else:
           break
   return tuple(found)
+
+
+def psum_scatter(x: jax.Array, axis: str, dim: int) -> jax.Array:
+  """``jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)``
+  inside a ``shard_map`` manual over ``axis``.
+
+  JAX 0.12.0.1 fails to lower ``psum_scatter`` in a ``shard_map`` that
+  leaves some Explicit mesh axis to the partitioner (``ValueError: Length of
+  sharding.spec (2) must be equal to aval's ndim (0)``: the reduction's
+  scalars keep the operand's sharding), and 0.10.2 lowers it. There an
+  all-to-all of the ``n`` blocks and a sum of the blocks each device
+  receives give the same result for the same bytes on the wire; elsewhere
+  it is ``psum_scatter`` itself.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = jax.sharding.AxisType.Explicit
+  if jax.__version_info__ < (0, 12) or explicit not in mesh.axis_types:
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+  return scatter_by_all_to_all(x, axis, dim)
+
+
+def scatter_by_all_to_all(x: jax.Array, axis: str, dim: int) -> jax.Array:
+  """:func:`psum_scatter` as an all-to-all of ``x``'s blocks along ``dim``
+  and a sum of the blocks each device receives."""
+  n = jax.lax.axis_size(axis)
+  blocks = x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1 :])
+  blocks = jax.lax.all_to_all(blocks, axis, split_axis=dim, concat_axis=dim)
+  return jnp.sum(blocks, axis=dim)
 
 
 def names_spmd_axis(error: Exception, axes: Sequence[str]) -> bool:

@@ -704,7 +704,7 @@ def _run_loop(loop: _Loop, w: PyTree, x: PyTree, args: list[Any]) -> PyTree:
     wide = a.dtype if a.dtype != jnp.bool_ else jnp.int32  # psum sums numbers
     a = jnp.where(last, a, jnp.zeros_like(a)).astype(wide)
     if loop.split_rows:
-      return jax.lax.psum_scatter(a, axis, scatter_dimension=0, tiled=True)
+      return _compat.psum_scatter(a, axis, 0)
     return jax.lax.psum(a, axis).astype(b.dtype)
 
   return jax.tree.map(lambda b: collect(b).astype(b.dtype), buf)

@@ -363,6 +363,32 @@ def test_data_and_stage_axes_under_plain_jit_equal_the_scan(axis_type):
   assert_close((value, by_layer(grads, 2)), mean_reference(), terms(4))
 
 
+@pytest.mark.parametrize(
+  ("shape", "names"),
+  [((1, 4), ("other", "stage")), ((2, 4, 1), ("data", "stage", "tensor"))],
+)
+def test_explicit_meshes_with_axes_the_pipeline_leaves_alone(shape, names):
+  """Explicit axes the pipeline's shard_map leaves to the partitioner (of
+  size 1 here, as in MaxText's meshes): the result's rows come back split
+  over the stages (a reduce-scatter jax 0.12.0.1 cannot lower there), the
+  values and gradients those of the scan."""
+  stacked, x = make_problem()
+  mesh = jax.make_mesh(
+    shape,
+    names,
+    (AxisType.Explicit,) * len(shape),
+    devices=jax.devices()[: 4 * shape[0]],
+  )
+  pipe = jaxaccum.pipeline(layer, num_stages=4, num_micro_batches=4)
+  data = "data" if "data" in names else None
+  with jax.set_mesh(mesh):
+    x = jax.device_put(x, NamedSharding(mesh, P(data)))
+    value, grads = jax.jit(jax.value_and_grad(mean_loss_of(pipe)))(
+      on_stages(mesh, stacked, 1), x
+    )
+  assert_close((value, grads), mean_reference(), terms(4))
+
+
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_data_and_stage_axes_under_the_mesh_path_equal_the_scan(axis_type):
   """jaxaccum's ``mesh=`` runs the loss per device of the data axis, k = 2
