@@ -59,6 +59,10 @@ from the JSON by ``benchmarks/_report.py``). Outputs:
 and the plain-jit step times), in ``--out``.
 """
 
+# The manual's blocks below use its typography: multiplication signs, en
+# dashes, minus signs.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import os
@@ -83,7 +87,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _report import cpu_model
+from _report import (
+  bullet_list,
+  by_k,
+  cpu_model,
+  date,
+  duration,
+  ks_text,
+  listing,
+  met,
+  mib,
+  ms,
+  ratio,
+  span,
+  table,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -634,6 +652,233 @@ def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
     ),
   )
   ax.title.set_fontsize(9)
+
+
+# ---------------------------------------------------------------- the manual's blocks
+
+
+COMMUNICATION_APPROACHES = {
+  "jaxaccum": "(a) jaxaccum, `mesh=`",
+  "optax_microbatch": "(b) optax.microbatch",
+  "hand_scan": "(c) hand-written scan",
+}
+
+
+def machine_line(results: dict[str, Any], command: str) -> str:
+  m = results.get("machine", {})
+  host = m.get("cpu_model") or "an unrecorded CPU"
+  cores = f" ({m['cpu_count']} cores)" if m.get("cpu_count") else ""
+  load = ""
+  if "load_average_at_start" in m:
+    load = f"; one-minute load average {m['load_average_at_start'][0]:.1f} at the start"
+  took = results.get("seconds")
+  took_text = f"; the run took {duration(took)}" if took else ""
+  return (
+    f"Measured on {date(results['date'])} with `{command}`: {results['num_devices']} "
+    f"fake {results['backend'].upper()} devices on {host}{cores}, jax "
+    f"{results['jax_version']}, optax {results['optax_version']}{load}{took_text}."
+  )
+
+
+def communication_machine(results: dict[str, Any]) -> str:
+  return machine_line(results, "python benchmarks/communication.py")
+
+
+def communication_bytes(results: dict[str, Any]) -> str:
+  rows = []
+  for name, label in COMMUNICATION_APPROACHES.items():
+    for k in results["ks"]:
+      r = results["results"][name][str(k)]
+      ops = ", ".join(f"{op}" for op in r["bytes_by_op"]) or "none"
+      rows.append(
+        [
+          label,
+          k,
+          mib(r["bytes_per_step"], 2),
+          ratio(r["bytes_over_grad_bytes"]),
+          ops,
+          r["in_loop_executions_per_step"],
+          ratio(r["compute_vs_data_parallel_est"]),
+          f"{r['grads_rel_error']:.1e}",
+        ]
+      )
+  model = results["model"]
+  head = (
+    f"{model['num_params']:,}-parameter MLP ({' → '.join(map(str, model['widths']))}), "
+    f"batch {results['batch_size']} over {results['num_devices']} devices; the "
+    f"gradient is {mib(results['grad_bytes'], 2)} MiB. Per device and step:"
+  )
+  header = [
+    "approach",
+    "k",
+    "MiB communicated",
+    "× gradient",
+    "collectives",
+    "run in the loop",
+    "compute × data parallel (est.)",
+    "grads rel. error",
+  ]
+  return head + "\n\n" + table(header, rows)
+
+
+def communication_summary(results: dict[str, Any]) -> str:
+  res, ks = results["results"], results["ks"]
+  acc = [res["jaxaccum"][str(k)] for k in ks]
+  micro = {k: res["optax_microbatch"][str(k)] for k in ks}
+  scan = {k: res["hand_scan"][str(k)] for k in ks}
+  gathers = [
+    k
+    for k, r in scan.items()
+    if any(op.startswith("all-gather") for op in r["bytes_by_op"])
+  ]
+  text = (
+    "(c) The hand-written scan over a C-order reshape: its bytes over the "
+    f"gradient's are {by_k({k: r['bytes_over_grad_bytes'] for k, r in scan.items()})}, "
+    "but its compute per device over the data-parallel step's is "
+    f"{by_k({k: r['compute_vs_data_parallel_est'] for k, r in scan.items()})}"
+  )
+  if gathers:
+    text += (
+      f": XLA all-gathers batch rows before the loop at {ks_text(gathers)}, and "
+      "a device that holds every micro-batch computes them all"
+    )
+  return bullet_list(
+    [
+      "(a) jaxaccum's bytes over the gradient's are "
+      f"{span(r['bytes_over_grad_bytes'] for r in acc)} at every k from {ks[0]} "
+      f"to {ks[-1]}, with {max(r['in_loop_executions_per_step'] for r in acc)} "
+      "collectives run inside the loop.",
+      "(b) optax.microbatch's bytes over the gradient's are "
+      f"{by_k({k: r['bytes_over_grad_bytes'] for k, r in micro.items()})}: its "
+      "all-reduce runs inside the loop, "
+      f"{listing([str(r['in_loop_executions_per_step']) for r in micro.values()])} "
+      "times per step.",
+      text + ".",
+    ]
+  )
+
+
+PLAIN_ONE_DEVICE_CLOSE = 1.05  # "the loop costs nothing on one device"
+PLAIN_LABELS = {
+  "full_batch": "full batch, `jit(jax.value_and_grad(loss))`",
+  "jaxaccum": "jaxaccum, plain `jit`, no `mesh=`",
+  "jaxaccum_mesh": "jaxaccum, `mesh=`",
+  "contiguous_scan": "contiguous split (hand-written scan)",
+  "full_batch_one_device": "full batch, one device",
+  "jaxaccum_one_device": "jaxaccum, one device (× the full batch on one device)",
+}
+
+
+def communication_plain_jit(results: dict[str, Any]) -> str:
+  plain = results.get("plain_jit")
+  if plain is None:
+    return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
+  rows = []
+  for name, r in plain["approaches"].items():
+    moved = r["data_moving_collectives"]
+    rows.append(
+      [
+        PLAIN_LABELS.get(name, name),
+        ms(r["median_ms"]),
+        f"{ms(r['q1_ms'])} to {ms(r['q3_ms'])}",
+        ratio(r["ratio_to_full"]),
+        ", ".join(sorted(set(moved))) if moved else "none",
+        mib(r["bytes_per_step"], 2),
+        r["in_loop_executions_per_step"],
+        f"{r['grads_rel_error']:.1e}",
+      ]
+    )
+  model = plain["model"]
+  head = (
+    f"A {model['num_params']:,}-parameter MLP "
+    f"({' → '.join(map(str, model['widths']))}), batch {plain['batch_size']:,} "
+    f"sharded over {results['num_devices']} devices, k = {plain['k']}: the median "
+    f"of {plain['rounds']} interleaved rounds (samples of at least "
+    f"{plain['min_sample_ms']:g} ms)."
+  )
+  header = [
+    "approach",
+    "median ms",
+    "quartiles",
+    "× full batch",
+    "collectives that move batch rows",
+    "MiB communicated",
+    "collectives run in the loop",
+    "grads rel. error",
+  ]
+  targets = bullet_list(
+    f"`{t['target']}`: {t['value']:.2f}, {met(t['pass'])}"
+    if isinstance(t["value"], float)
+    else f"`{t['target']}`: {t['value']}, {met(t['pass'])}"
+    for t in plain["targets"]
+  )
+  return "\n\n".join(
+    [head, table(header, rows), "Targets:", targets, _plain_jit_prose(plain)]
+  )
+
+
+def _plain_jit_prose(plain: dict[str, Any]) -> str:
+  """What the plain-jit table says, in words."""
+  res = plain["approaches"]
+  full, acc = res["full_batch"], res["jaxaccum"]
+  moved = acc["data_moving_collectives"]
+  text = (
+    "Under plain `jit` jaxaccum's compiled step holds "
+    + (
+      f"{len(moved)} collectives that move batch rows ({', '.join(sorted(set(moved)))})"
+      if moved
+      else "no collective that moves batch rows"
+    )
+    + f"; it communicates {ratio(acc['bytes_per_step'] / full['bytes_per_step'])} × "
+    "the full batch's bytes, in "
+    f"{acc['in_loop_executions_per_step']} collective executions inside the loop "
+    "(the gradient reductions the partitioner places per micro-batch), and its "
+    f"time over the full batch's is {ratio(acc['ratio_to_full'])}."
+  )
+  if "jaxaccum_mesh" in res:
+    mesh = res["jaxaccum_mesh"]
+    text += (
+      " With `mesh=` the step runs "
+      f"{mesh['collective_executions_per_step']} collective(s) per step, "
+      f"{mesh['in_loop_executions_per_step']} of them in the loop, and its time "
+      "over the full batch's is "
+      f"{ratio(mesh['ratio_to_full'])}."
+    )
+  if "contiguous_scan" in res:
+    scan = res["contiguous_scan"]
+    gathered = scan["bytes_by_op"].get("all-gather", 0)
+    text += (
+      " The contiguous split puts micro-batch i on the devices that hold its "
+      f"rows: XLA all-gathers {mib(gathered, 2)} MiB per device "
+      f"and the step takes {ratio(scan['ratio_to_full'])} × the full batch's "
+      "time."
+    )
+  if "jaxaccum_one_device" in res:
+    one = res["jaxaccum_one_device"]["ratio_to_full"]
+    text += (
+      " On one device the same jaxaccum step takes "
+      f"{ratio(one)} × the one-device full batch's time"
+      + (
+        ", so the difference on the mesh comes with running the loop over "
+        "devices that share the host's cores (not profiled further)."
+        if one <= PLAIN_ONE_DEVICE_CLOSE < res["jaxaccum"]["ratio_to_full"]
+        else "."
+      )
+    )
+  m = plain.get("load_average_at_end")
+  if m:
+    text += f" The one-minute load average was {m[0]:.1f} when the timing ended."
+  return text
+
+
+#: The generated blocks this file writes from ``communication.json``, by name
+#: (``_report.py`` puts each on its page).
+BLOCKS = {
+  "communication machine": communication_machine,
+  "communication bytes": communication_bytes,
+  "communication summary": communication_summary,
+  "communication plain_jit": communication_plain_jit,
+}
 
 
 def run_and_write(

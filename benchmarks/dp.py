@@ -322,7 +322,6 @@ def time_part(
 # ---------------------------------------------------------------- the report
 
 
-@_report.block("dp memory")
 def memory_table(results: dict[str, Any]) -> str:
   memory = results["memory"]
   model = memory["model"]
@@ -367,7 +366,6 @@ def memory_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-@_report.block("dp time")
 def time_table(results: dict[str, Any]) -> str:
   timing = results["time"]
   model = timing["model"]
@@ -412,6 +410,11 @@ def time_table(results: dict[str, Any]) -> str:
     f"±{floor:.0%}): {'met' if met else 'missed'}; the lowest ratio is {worst:.2f}×.",
   ]
   return "\n".join(lines)
+
+
+#: The generated blocks this file writes from ``dp.json``, by name
+#: (``_report.py`` puts each on its page).
+BLOCKS = {"dp memory": memory_table, "dp time": time_table}
 
 
 # ---------------------------------------------------------------- main

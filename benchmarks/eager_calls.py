@@ -18,6 +18,10 @@ are reported, with each approach's ratio to ``jax``. Outputs
 ``eager_calls.json`` in ``--out``.
 """
 
+# The manual's blocks below use its typography: multiplication signs, en
+# dashes, minus signs.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import os
@@ -36,7 +40,7 @@ from typing import Any
 
 import _models
 import jax
-from _report import cpu_model
+from _report import cpu_model, ms, table
 
 import jaxaccum
 
@@ -69,6 +73,49 @@ def measure(model: _models.Model, k: int, calls: int) -> dict[str, Any]:
   }
 
 
+# ---------------------------------------------------------------- the manual's blocks
+
+
+def eager_calls_table(results: dict[str, Any]) -> str:
+  rows = []
+  for r in results["rows"]:
+    t, x = r["median_ms"], r["ratio_to_jax"]
+    rows.append(
+      [
+        r["model"],
+        r["k"],
+        ms(t["jax"]),
+        f"{ms(t['jaxaccum'])} ({x['jaxaccum']:.3f})",
+        f"{ms(t['jit'])} ({x['jit']:.3f})",
+      ]
+    )
+  host = results.get("cpu_model") or results["machine"]
+  if results.get("cpu_count"):
+    host += f", {results['cpu_count']} cores"
+  if results.get("load_average_at_start"):
+    host += f", one-minute load average {results['load_average_at_start'][0]:.1f}"
+  head = (
+    f"Measured on {results['date']} ({host}), jax {results['jax']}, "
+    f"the median of {results['calls']} interleaved calls after the first: ms per "
+    "call (× eager `jax.value_and_grad`)."
+  )
+  header = [
+    "model",
+    "k",
+    "eager `jax.value_and_grad`",
+    "eager `jaxaccum.value_and_grad`",
+    "`jax.jit(jax.value_and_grad)`",
+  ]
+  return head + "\n\n" + table(header, rows)
+
+
+#: The generated blocks this file writes from ``eager_calls.json``, by name
+#: (``_report.py`` puts each on its page).
+BLOCKS = {
+  "eager_calls table": eager_calls_table,
+}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--calls", type=int, default=30)
@@ -83,9 +130,9 @@ def main() -> None:
   ]
   print(f"{'model':>14} {'approach':>10} {'median ms':>10} {'x jax':>7}")
   for row in rows:
-    for name, ms in row["median_ms"].items():
+    for name, median in row["median_ms"].items():
       print(
-        f"{row['model']:>14} {name:>10} {ms:>10.3g} {row['ratio_to_jax'][name]:>7.2f}"
+        f"{row['model']:>14} {name:>10} {median:>10.3g} {row['ratio_to_jax'][name]:>7.2f}"
       )
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,10 @@ with other work: 20 for the H100 rows, 53 for the TPU's (a TPU compile of
 the 1B model takes 2 to 4 minutes).
 """
 
+# The manual's blocks below use its typography: multiplication signs, en
+# dashes, minus signs.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import os
@@ -126,6 +130,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _report import bullet_list, date, listing, ratio, table
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -877,7 +882,7 @@ def gib(n: float | None) -> str:
   return "-" if n is None else f"{n / 2**30:.2f}"
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def text_table(rows: list[dict[str, Any]]) -> str:
   """Per target: peak bytes, collective bytes and collectives in the loop,
   per approach (columns) and k (rows)."""
   short = {
@@ -1206,6 +1211,156 @@ def notes(
   return out
 
 
+# ---------------------------------------------------------------- the manual's blocks
+
+
+FSDP_APPROACHES = {
+  "full_batch": "full batch",
+  "full_batch_skip": "full batch + skip",
+  "jaxaccum_per_micro_batch": 'jaxaccum (`"per_micro_batch"`)',
+  "jaxaccum_once": 'jaxaccum (`"once"`)',
+  "jaxaccum_cast_once": 'jaxaccum (`"cast_once"`)',
+  "jaxaccum_global": 'jaxaccum (`view="global"`)',
+  "hand_scan": "hand-written scan",
+  "optax_microbatch": "optax.microbatch",
+}
+
+
+def _fsdp_cell(r: dict[str, Any] | None, scale: int) -> str:
+  if r is None:
+    return "–"
+  if r.get("peak_bytes") is None:
+    return "refused" if "RESOURCE_EXHAUSTED" in r.get("error", "") else "fails"
+
+  def size(n: float | None) -> str:
+    return "–" if n is None else f"{n / scale:,.2f}"
+
+  loop = r.get("in_loop_collectives")
+  return f"{size(r['peak_bytes'])} / {size(r.get('collective_bytes'))} / {'–' if loop is None else loop}"
+
+
+def fsdp_table(results: dict[str, Any]) -> str:
+  rows_in = results["rows"]
+  peaks = [r["peak_bytes"] for r in rows_in if r.get("peak_bytes") is not None]
+  unit, scale = ("GiB", 2**30) if max(peaks, default=0) >= 2**30 else ("MiB", 2**20)
+  model = results["model"]
+  parts = [
+    f"Compile-only, {date(results['date'])}, jax "
+    f"{results.get('versions', {}).get('jax', '?')}: a "
+    f"{model['num_params']:,}-parameter `{model['name']}` on 8 devices. Each cell: "
+    f"peak {unit} per device / collective {unit} per step per device / "
+    "collectives inside the micro-batch loop."
+  ]
+  for target in dict.fromkeys(r["target"] for r in rows_in):
+    mine = {(r["approach"], r["k"]): r for r in rows_in if r["target"] == target}
+    names = [a for a in FSDP_APPROACHES if any(a == key[0] for key in mine)]
+    ks = sorted({k for _, k in mine})
+    title = results.get("targets", {}).get(target, {}).get("title", target)
+    rows = [[k, *(_fsdp_cell(mine.get((a, k)), scale) for a in names)] for k in ks]
+    parts.append(
+      f"**{title}** × 8:\n\n" + table(["k", *(FSDP_APPROACHES[a] for a in names)], rows)
+    )
+  parts.append("![FSDP peak and collective bytes against k](results/fsdp.png)")
+  return "\n\n".join(parts)
+
+
+def fsdp_summary(results: dict[str, Any]) -> str:
+  rows = results["rows"]
+  peak = {(r["target"], r["k"], r["approach"]): r.get("peak_bytes") for r in rows}
+  moved = {
+    (r["target"], r["k"], r["approach"]): r.get("collective_bytes") for r in rows
+  }
+  default = "jaxaccum_per_micro_batch"
+  modes = [a for a in FSDP_APPROACHES if a.startswith("jaxaccum_")]
+  peers = [
+    a for a in FSDP_APPROACHES if a not in (*modes, "full_batch", "full_batch_skip")
+  ]
+  lines = []
+  for target in dict.fromkeys(r["target"] for r in rows):
+    ks = sorted({r["k"] for r in rows if r["target"] == target and r["k"] >= 2})
+    ks = [k for k in ks if peak.get((target, k, default)) is not None]
+    mine = {k: peak[(target, k, default)] for k in ks}
+    full = {k: mine[k] / p for k in ks if (p := peak.get((target, k, "full_batch")))}
+    lowest: dict[int, tuple[float, list[str]]] = {}
+    for k in ks:
+      theirs = {a: p for a in peers if (p := peak.get((target, k, a)))}
+      if theirs:
+        low = min(theirs.values())
+        names = [FSDP_APPROACHES[a] for a, p in theirs.items() if p == low]
+        lowest[k] = (mine[k] / low, names)
+    title = results.get("targets", {}).get(target, {}).get("title", target)
+
+    def each(values: dict[int, float]) -> str:
+      return listing([ratio(v) for v in values.values()])
+
+    text = (
+      f"**{title}.** At k = {listing([str(k) for k in ks])}, jaxaccum's default "
+      f"peak is {each(full)} × the full batch's and "
+      f"{each({k: r for k, (r, _) in lowest.items()})} × the lowest peer's "
+      f"({listing(sorted({n for _, ns in lowest.values() for n in ns}))})"
+    )
+    hand = {
+      k: moved[(target, k, default)] / m
+      for k in ks
+      if moved.get((target, k, default)) and (m := moved.get((target, k, "hand_scan")))
+    }
+    if len(hand) == len(ks):
+      text += (
+        f"; it moves {each(hand)} × the hand-written scan's collective bytes per step"
+      )
+    lines.append(text + ".")
+    for mode in modes:
+      over = {
+        k: (p / h, m / hm)
+        for k in ks
+        if (p := peak.get((target, k, mode)))
+        and (h := peak.get((target, k, "hand_scan")))
+        and (m := moved.get((target, k, mode))) is not None
+        and (hm := moved.get((target, k, "hand_scan")))
+      }
+      if over:
+        lines.append(
+          f"{title}, {FSDP_APPROACHES[mode]} ÷ the hand-written scan at k = "
+          f"{listing([str(k) for k in over])}: peak "
+          f"{listing([f'{p:.3f}' for p, _ in over.values()])}, collective bytes "
+          f"{listing([f'{m:.3f}' for _, m in over.values()])}."
+        )
+    one = {
+      a: p
+      for a in ("full_batch", "full_batch_skip", default)
+      if (p := peak.get((target, 1, a)))
+    }
+    if len(one) == 3:
+      lines.append(
+        f"{title}, k = 1: jaxaccum's step is {one[default] / one['full_batch']:.3f}"
+        f" × the full batch's peak and {one[default] / one['full_batch_skip']:.3f}"
+        " × the full batch's with the same skip-non-finite select."
+      )
+  misread = sum(bool(r.get("misread_collectives")) for r in rows)
+  if misread:
+    lines.append(
+      f"In {misread} of {len(rows)} steps the HLO holds a form of collective "
+      "that `jaxaccum.testing` misreads; their collective numbers are left out "
+      "(–) rather than understated (`misread_collectives` in the JSON)."
+    )
+  errors = [r for r in rows if r.get("error") and r.get("peak_bytes") is None]
+  if errors:
+    lines.append(
+      f"{len(errors)} of {len(rows)} steps did not compile (refused: "
+      f"{sum('RESOURCE_EXHAUSTED' in r['error'] for r in errors)}); the JSON "
+      "keeps each error."
+    )
+  return bullet_list(lines)
+
+
+#: The generated blocks this file writes from ``fsdp.json``, by name
+#: (``_report.py`` puts each on its page).
+BLOCKS = {
+  "fsdp table": fsdp_table,
+  "fsdp summary": fsdp_summary,
+}
+
+
 def _versions() -> dict[str, str]:
   names = ("jax", "jaxlib", "optax", "libtpu", "jax-cuda13-plugin", "jaxaccum")
   out = {"python": platform.python_version()}
@@ -1390,7 +1545,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
   plot(results, args.out / f"{stem}.png")
-  print(table(results["rows"]))
+  print(text_table(results["rows"]))
   print(summary(results["rows"], results["goal"]))
   print(
     f"\n{results['model']['num_params']:,} parameters; {results['wall_s']:.0f} s; "

@@ -57,20 +57,24 @@ Outputs: ``meshes.json`` (every number, the jax version, the date) and
 device against ``k``, a row per layout), in ``--out``.
 """
 
+# The manual's blocks below use its typography: multiplication signs, en
+# dashes, minus signs.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import communication
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _report import format_bytes
+from _report import bullet_list, count, format_bytes, listing, mib, ratio, span, table
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -370,7 +374,7 @@ def run() -> dict[str, Any]:
           entry[name][str(k)] = measure(fun, k, **on_mesh)
       relative(entry)
       results[layout.name][mode_name] = entry
-      print(table(layout, mode_name, entry), flush=True)
+      print(text_table(layout, mode_name, entry), flush=True)
 
   env["machine"]["load_average_at_end"] = list(os.getloadavg())
   return {
@@ -433,7 +437,7 @@ def _row(label: str, k: str, r: dict[str, Any], full: dict[str, Any]) -> str:
   )
 
 
-def table(layout: Layout, mode: str, entry: dict[str, Any]) -> str:
+def text_table(layout: Layout, mode: str, entry: dict[str, Any]) -> str:
   """One mesh's rows: MiB per device over the data axes, the model axis and
   both, peak MiB, each also relative to the full batch."""
   full = entry[FULL_BATCH]
@@ -532,6 +536,273 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   png.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(png, dpi=110)
   plt.close(fig)
+
+
+# ---------------------------------------------------------------- the manual's blocks
+
+
+MESH_APPROACHES = {
+  "jaxaccum": "jaxaccum",
+  "jaxaccum_once": 'jaxaccum, `fsdp_gather="once"`',
+  "optax_microbatch": "optax.microbatch",
+  "hand_scan": "hand-written scan",
+}
+MESH_LAYOUTS = {"tp": "TP", "fsdp_tp": "FSDP + TP", "hsdp_tp": "HSDP + TP"}
+
+
+def _mesh_name(results: dict[str, Any], layout: str, mode: str) -> str:
+  shape = ",".join(str(n) for n in results["layouts"][layout]["mesh_shape"])
+  return f"({shape}) {MESH_LAYOUTS.get(layout, layout)}, {mode.capitalize()}"
+
+
+def _mesh_rows(
+  results: dict[str, Any],
+  cell: Callable[[dict[str, Any]], str],
+  full_cell: Callable[[dict[str, Any]], str],
+) -> list[list[str]]:
+  rows = []
+  for layout, modes in results["results"].items():
+    for mode, entry in modes.items():
+      name = _mesh_name(results, layout, mode)
+      first = True
+      for approach, label in MESH_APPROACHES.items():
+        if approach not in entry:
+          continue
+        by_k = entry[approach]
+        cells = []
+        for k in results["ks"]:
+          r = by_k[str(k)]
+          cells.append(cell(r) if r["ok"] else f"fails (`{r['error']}`)")
+        rows.append(
+          [
+            name if first else "",
+            full_cell(entry["full_batch"]) if first else "",
+            label,
+            *cells,
+          ]
+        )
+        first = False
+  return rows
+
+
+def meshes_layouts(results: dict[str, Any]) -> str:
+  rows = []
+  for name, layout in results["layouts"].items():
+    shape = ", ".join(str(n) for n in layout["mesh_shape"])
+    axes = " × ".join(f"`{a}`" for a in layout["axis_names"])
+    specs = layout["param_specs"]
+    data_axis = layout["data_axis"]
+    data_axis = (
+      f'"{data_axis}"'
+      if isinstance(data_axis, str)
+      else "(" + ", ".join(f'"{a}"' for a in data_axis) + ")"
+    )
+    rows.append(
+      [
+        f"`{name}`: {MESH_LAYOUTS.get(name, name)}",
+        f"({shape}) {axes}",
+        ", ".join(f"`{leaf}` `{spec}`" for leaf, spec in specs.items()),
+        f"`{layout['batch_spec']}`",
+        f"`data_axis={data_axis}`",
+      ]
+    )
+  return table(
+    ["layout", "mesh", "parameters, per block", "batch", "what you write"], rows
+  )
+
+
+def meshes_machine(results: dict[str, Any]) -> str:
+  model = results["model"]
+  return (
+    communication.machine_line(results, "python benchmarks/meshes.py")
+    + f" The model: a {model['num_params']:,}-parameter {model['kind']} "
+    f"({model['num_blocks']} blocks of {model['features']} → {model['hidden']} → "
+    f"{model['features']}, {mib(model['param_bytes'], 2)} MiB), batch "
+    f"{results['batch_size']:,} rows ({mib(results['batch_bytes'], 2)} MiB)."
+  )
+
+
+def _ks_header(results: dict[str, Any]) -> list[str]:
+  return [f"k = {k}" for k in results["ks"]]
+
+
+def meshes_bytes(results: dict[str, Any]) -> str:
+  def cell(r: dict[str, Any]) -> str:
+    return (
+      f"{ratio(r['bytes_over_data_axes_vs_full'])} / "
+      f"{ratio(r['bytes_over_model_axis_vs_full'])}"
+    )
+
+  def full(r: dict[str, Any]) -> str:
+    return f"{mib(r['bytes_over_data_axes'], 2)} / {mib(r['bytes_over_model_axis'], 2)}"
+
+  header = ["mesh, axes", "full batch, MiB", "approach", *_ks_header(results)]
+  return (
+    "Bytes over the data axes / over the model axis, per device and step, × "
+    "the full batch's on the same mesh:\n\n"
+    + table(header, _mesh_rows(results, cell, full))
+  )
+
+
+def meshes_peak(results: dict[str, Any]) -> str:
+  header = ["mesh, axes", "full batch, MiB", "approach", *_ks_header(results)]
+  rows = _mesh_rows(
+    results,
+    lambda r: ratio(r["peak_bytes_vs_full"]),
+    lambda r: mib(r["peak_bytes"], 2),
+  )
+  return (
+    "Peak memory per device (`argument + output + temp − alias`), × the full "
+    "batch's on the same mesh:\n\n" + table(header, rows)
+  )
+
+
+def meshes_in_loop(results: dict[str, Any]) -> str:
+  header = ["mesh, axes", "full batch", "approach", *_ks_header(results)]
+  rows = _mesh_rows(
+    results,
+    lambda r: str(r["in_loop_data_axis_executions"]),
+    lambda r: str(r["in_loop_data_axis_executions"]),
+  )
+  return (
+    "Data-axis collectives executed inside the micro-batch loop, per step "
+    "(a collective in the loop counts once per micro-batch):\n\n" + table(header, rows)
+  )
+
+
+def _ok(
+  results: dict[str, Any], approach: str, layouts: Sequence[str], modes: Sequence[str]
+) -> Iterable[tuple[str, str, int, dict[str, Any]]]:
+  """Every measured ``(layout, mode, k, row)`` of ``approach``."""
+  for layout in layouts:
+    for mode in modes:
+      entry = results["results"].get(layout, {}).get(mode, {})
+      for k, r in entry.get(approach, {}).items():
+        yield layout, mode, int(k), r
+
+
+def _per_k(
+  results: dict[str, Any],
+  approach: str,
+  layouts: Sequence[str],
+  modes: Sequence[str],
+  key: str,
+  *,
+  fmt: Callable[[float], str] = ratio,
+) -> str:
+  """``a to b at k = 1, c at k = 2 and ...``: ``key``'s span per k over the
+  configurations of ``approach`` that compiled."""
+  by_k: dict[int, list[float]] = {}
+  for _, _, k, r in _ok(results, approach, layouts, modes):
+    if r["ok"]:
+      by_k.setdefault(k, []).append(r[key])
+  spans = {k: span(v, fmt) for k, v in sorted(by_k.items())}
+  if len(set(spans.values())) == 1 and len(spans) > 1:
+    return f"{next(iter(spans.values()))} at every k"
+  return listing([f"{v} at k = {k}" for k, v in spans.items()])
+
+
+def _fails(
+  results: dict[str, Any],
+  approach: str,
+  layouts: Sequence[str],
+  modes: Sequence[str],
+  k_min: int = 1,
+) -> tuple[int, int, list[str]]:
+  """How many configurations with ``k >= k_min`` fail, of how many, and why."""
+  rows = [r for _, _, k, r in _ok(results, approach, layouts, modes) if k >= k_min]
+  failed = [r for r in rows if not r["ok"]]
+  return len(failed), len(rows), sorted({r["error"] for r in failed})
+
+
+def meshes_summary(results: dict[str, Any]) -> str:
+  layouts = list(results["results"])
+  modes = ("auto", "explicit")
+  fsdp = [name for name in layouts if name != "tp"]
+  bullets = []
+  if "tp" in layouts:
+    bullets.append(
+      "**Tensor parallel, jaxaccum.** Relative to the full batch on the same "
+      "mesh (Auto and Explicit axes): data-axis bytes "
+      f"{_per_k(results, 'jaxaccum', ['tp'], modes, 'bytes_over_data_axes_vs_full')}; "
+      "model-axis bytes "
+      f"{_per_k(results, 'jaxaccum', ['tp'], modes, 'bytes_over_model_axis_vs_full')}; "
+      f"peak {_per_k(results, 'jaxaccum', ['tp'], modes, 'peak_bytes_vs_full')}. "
+      "Data-axis collectives in the loop per step: "
+      + _per_k(
+        results, "jaxaccum", ["tp"], modes, "in_loop_data_axis_executions", fmt=count
+      )
+      + "."
+    )
+  for approach, name in (
+    ("jaxaccum", 'jaxaccum\'s default, `fsdp_gather="per_micro_batch"`'),
+    ("jaxaccum_once", 'jaxaccum, `fsdp_gather="once"`'),
+  ):
+    if not fsdp or not any(r["ok"] for *_, r in _ok(results, approach, fsdp, modes)):
+      continue
+    bullets.append(
+      f"**FSDP and HSDP, {name}.** Relative to the full batch on the same mesh "
+      "(both layouts, Auto and Explicit axes): data-axis bytes "
+      f"{_per_k(results, approach, fsdp, modes, 'bytes_over_data_axes_vs_full')}; "
+      f"peak {_per_k(results, approach, fsdp, modes, 'peak_bytes_vs_full')}. "
+      "Data-axis collectives in the loop per step: "
+      + _per_k(
+        results, approach, fsdp, modes, "in_loop_data_axis_executions", fmt=count
+      )
+      + "."
+    )
+  failed, total, errors = _fails(results, "optax_microbatch", layouts, ["explicit"])
+  text = "**optax.microbatch.**"
+  if total:
+    text += f" On Explicit axes it fails in {failed} of {total} configurations"
+    text += f" ({', '.join(f'`{e}`' for e in errors)})." if errors else "."
+  text += (
+    " On Auto axes, relative to the full batch: data-axis bytes "
+    f"{_per_k(results, 'optax_microbatch', layouts, ['auto'], 'bytes_over_data_axes_vs_full')}; "
+    f"peak {_per_k(results, 'optax_microbatch', layouts, ['auto'], 'peak_bytes_vs_full')}."
+  )
+  bullets.append(text)
+  failed, total, errors = _fails(results, "hand_scan", layouts, ["explicit"], 2)
+  text = "**The hand-written scan.**"
+  if total:
+    text += (
+      f" On Explicit axes it fails in {failed} of {total} configurations with k ≥ 2"
+    )
+    text += f" ({', '.join(f'`{e}`' for e in errors)})." if errors else "."
+  text += (
+    " On Auto axes its estimated compute per device over the full batch's is "
+    f"{_per_k(results, 'hand_scan', layouts, ['auto'], 'compute_vs_full_est')} "
+    "(the partitioner shards the micro-batch axis, and devices compute rows that "
+    "are not theirs), its data-axis bytes "
+    f"{_per_k(results, 'hand_scan', layouts, ['auto'], 'bytes_over_data_axes_vs_full')}."
+  )
+  bullets.append(text)
+  measured = [
+    r
+    for approach in MESH_APPROACHES
+    for *_, r in _ok(results, approach, layouts, modes)
+    if r["ok"]
+  ]
+  sharded = sum(r["grads_sharded_like_params"] for r in measured)
+  bullets.append(
+    f"**Every step that compiles** ({len(measured)} of them) equals the full "
+    "batch on one device within a relative error of "
+    f"{max(r['grads_rel_error'] for r in measured):.1e}, and in {sharded} of them "
+    "the grads come back sharded exactly like the parameters."
+  )
+  return bullet_list(bullets)
+
+
+#: The generated blocks this file writes from ``meshes.json``, by name
+#: (``_report.py`` puts each on its page).
+BLOCKS = {
+  "meshes layouts": meshes_layouts,
+  "meshes machine": meshes_machine,
+  "meshes bytes": meshes_bytes,
+  "meshes peak": meshes_peak,
+  "meshes in_loop": meshes_in_loop,
+  "meshes summary": meshes_summary,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

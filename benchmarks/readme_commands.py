@@ -127,6 +127,43 @@ def _report(name: str, r: dict[str, Any]) -> None:
   )
 
 
+# ---------------------------------------------------------------- README.md's block
+
+
+def readme_commands_times(results: dict[str, Any]) -> str:
+  runs, m = results["runs"], results["machine"]
+
+  def one(name: str, what: str) -> str:
+    r = runs[name]
+    outcome = "" if r["returncode"] == 0 else f", **exit {r['returncode']}**"
+    return (
+      f"{what} took {r['seconds'] / 60:.0f} min and made a "
+      f"{r['venv_bytes'] / 2**30:.1f} GiB `.venv`{outcome}"
+    )
+
+  plugin = sum(len(r["plugin_error_lines"]) for r in runs.values())
+  return (
+    f"Measured by `python benchmarks/readme_commands.py` on {results['date']}, "
+    "each in a fresh clone, on a "
+    f"{m['cores']}-core {m['cpu']} (Python {m['python']}) with the wheels "
+    "already in pip's cache (a first install also downloads them): "
+    + one("demo", "the demo")
+    + "; "
+    + one("tests", "the tests")
+    + f" (`{runs['tests']['last_line'].strip('= ')}`). The demo run again in the "
+    "tests' venv took "
+    f"{runs['demo_after_tests']['seconds'] / 60:.0f} min."
+    + ("" if not plugin else f" A CUDA or TPU plugin printed {plugin} error lines.")
+  )
+
+
+#: The generated blocks this file writes from ``readme_commands.json``, by name
+#: (``_report.py`` puts each on its page).
+BLOCKS = {
+  "readme_commands times": readme_commands_times,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks/results")

@@ -39,6 +39,10 @@ Compilation dominates the wall time (every approach compiles per ``k``), so
 size the sweep to the time you have.
 """
 
+# The manual's blocks below use its typography: multiplication signs, en
+# dashes, minus signs.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import argparse
@@ -60,12 +64,25 @@ from typing import Any
 import _approaches
 import _models
 import _paths
-import _report
 import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
 import optax
+from _report import (
+  bullet_list,
+  by_k,
+  command_line,
+  date,
+  duration,
+  format_bytes,
+  ks_text,
+  listing,
+  ms,
+  ratio,
+  span,
+  table,
+)
 from tqdm import tqdm
 
 import jaxaccum
@@ -452,6 +469,456 @@ def evaluate_targets(model_name: str, config: dict[str, Any]) -> list[dict[str, 
   return targets
 
 
+# ---------------------------------------------------------------- the report:
+# the text tables the script prints, and its plots
+
+
+def _mark(ok: bool | None) -> str:
+  return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def _fast_path(effects: list[str]) -> str:
+  """``yes``, or ``no`` and the effects that rule out jit's C++ fast path."""
+  return "no: " + ",".join(sorted(set(effects))) if effects else "yes"
+
+
+def model_table(name: str, entry: dict[str, Any]) -> str:
+  """One model's rows: time, ratio, memory and correctness per ``k``."""
+  lines = [
+    "",
+    f"{entry['title']} [{name}]: B={entry['batch_size']}, "
+    f"{entry['num_params']:,} params ({format_bytes(entry['param_bytes'])}), "
+    f"batch {format_bytes(entry['batch_bytes'])}",
+    f"{'k':>4} {'m':>5}  {'approach':<17} {'ms/step':>9} {'x full':>7} {'calls':>6} "
+    f"{'peak':>11} {'x full':>7}  {'max|dp|':>9} {'check':>5}  fast path",
+  ]
+  for config in entry["configs"]:
+    res = config["approaches"]
+    full_peak = res["full_batch"]["peak_bytes"]
+    for i, r in enumerate(res.values()):
+      head = f"{config['k']:>4} {config['micro_batch_size']:>5}" if i == 0 else " " * 10
+      check = r["correctness"]
+      lines.append(
+        f"{head}  {r['label']:<17} {r['median_ms']:>9.3f} {r['ratio_to_full']:>7.2f} "
+        f"{r['calls_per_step']:>6} {format_bytes(r['peak_bytes']):>11} "
+        f"{r['peak_bytes'] / full_peak:>7.2f}  {check['max_abs_diff']:>9.2e} "
+        f"{_mark(check['pass']):>5}  {_fast_path(r['jaxpr_effects'])}"
+      )
+    bound = config["jaxaccum_memory_bound"]
+    lines.append(
+      f"{'':10}  jaxaccum bound {format_bytes(bound['bound_bytes'])} = micro-batch "
+      f"step {format_bytes(bound['micro_step_peak_bytes'])} + f32 accumulator "
+      f"{format_bytes(bound['accumulator_bytes'])} + rest of batch "
+      f"{format_bytes(bound['rest_of_batch_bytes'])}; peak/bound "
+      f"{bound['jaxaccum_peak_over_bound']:.3f}"
+    )
+    for t in config["targets"]:
+      note = f" ({t['note']})" if t["note"] else ""
+      lines.append(
+        f"{'':10}  target {t['target']:<30} {t['value']:>7.3f} {t['threshold']:<7} "
+        f"{_mark(t['pass'])}{note}"
+      )
+  return "\n".join(lines)
+
+
+def summary(results: dict[str, Any]) -> str:
+  """PASS/MISS counts per target, over all configurations."""
+  counts: dict[str, list[int]] = {}
+  misses: list[str] = []
+  for name, entry in results["models"].items():
+    for config in entry["configs"]:
+      for t in config["targets"]:
+        if t["pass"] is None:
+          continue
+        row = counts.setdefault(t["target"], [0, 0])
+        row[0 if t["pass"] else 1] += 1
+        if not t["pass"]:
+          misses.append(
+            f"  MISS {name} k={config['k']}: {t['target']} = {t['value']:.3f}"
+          )
+  lines = ["", "targets (pass / miss over configurations):"]
+  lines += [f"  {target:<32} {p:>3} / {m:<3}" for target, (p, m) in counts.items()]
+  return "\n".join(lines + misses)
+
+
+def tables(results: dict[str, Any]) -> str:
+  """Every model's table and the target summary."""
+  parts = [model_table(name, entry) for name, entry in results["models"].items()]
+  return "\n".join([*parts, summary(results)])
+
+
+def plots(
+  results: dict[str, Any], out: pathlib.Path, suffix: str = ""
+) -> list[pathlib.Path]:
+  """One PNG per model: ms/step and peak bytes against ``k``, a line per approach."""
+  import matplotlib  # noqa: PLC0415  (the manual's generator needs no plotting)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  paths = []
+  machine = results["machine"]
+  for name, entry in results["models"].items():
+    configs = entry["configs"]
+    if not configs:
+      continue
+    ks = [c["k"] for c in configs]
+    labels = {key: r["label"] for key, r in configs[0]["approaches"].items()}
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label in labels.items():
+      ax_time.plot(
+        ks, [c["approaches"][key]["median_ms"] for c in configs], "o-", label=label
+      )
+      ax_mem.plot(
+        ks,
+        [c["approaches"][key]["peak_bytes"] / 2**20 for c in configs],
+        "o-",
+        label=label,
+      )
+    ax_mem.plot(
+      ks,
+      [c["jaxaccum_memory_bound"]["bound_bytes"] / 2**20 for c in configs],
+      "k--",
+      label="jaxaccum bound",
+    )
+    for ax, ylabel in (
+      (ax_time, "median ms / optimizer step"),
+      (ax_mem, "XLA peak MiB"),
+    ):
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xticks(ks, [str(k) for k in ks])
+      ax.set_xlabel(f"micro-batches k (B = {entry['batch_size']})")
+      ax.set_ylabel(ylabel)
+      ax.grid(True, which="both", alpha=0.3)
+    ax_time.legend(fontsize=8)
+    ax_mem.legend(fontsize=8)
+    fig.suptitle(
+      f"{entry['title']}: {entry['num_params']:,} params; {machine['backend']} "
+      f"({machine['device_kind']}), {machine['date']}",
+      fontsize=10,
+    )
+    fig.tight_layout()
+    path = out / f"step_time_{name}{suffix}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+  return paths
+
+
+# ---------------------------------------------------------------- the manual's blocks
+
+STEP_TIME_COLUMNS = (
+  "full_batch",
+  "jaxaccum",
+  "jaxaccum_no_skip",
+  "optax_microbatch",
+  "optax_multisteps",
+  "naive_loop",
+)
+STEP_TIME_PEERS = ("optax_microbatch", "optax_multisteps", "naive_loop")
+BOUND_TARGET = 1.05  # step_time.py's target: jaxaccum's peak <= 1.05 x its bound
+PROSE_NAMES = {
+  "dispatch_mlp": "the dispatch-bound MLP",
+  "compute_mlp": "the compute-bound MLP",
+  "transformer": "the transformer",
+}
+
+
+def _step_time_configs(results: dict[str, Any], model: str) -> list[dict[str, Any]]:
+  entry = results["models"].get(model)
+  return entry["configs"] if entry else []
+
+
+def step_time_machine(results: dict[str, Any]) -> str:
+  m, s = results["machine"], results["settings"]
+  cores = f"{m['cpu_count']} cores"
+  if m.get("cpu_affinity") not in (None, m["cpu_count"]):
+    cores += f", {m['cpu_affinity']} usable"
+  note = f" ({m['device_note']})" if m.get("device_note") else ""
+  start, end = m["load_average_at_start"][0], m["load_average_at_end"][0]
+  return (
+    f"Measured on {date(m['date'])} with "
+    f"`{command_line('python benchmarks/step_time.py', m.get('argv'))}`: "
+    f"{m['cpu_model'] or m['machine']} ({cores}), {m['backend'].upper()} backend "
+    f"({m['num_devices']} device){note}, jax {m['jax']}, optax {m['optax']}, "
+    f"jaxaccum {m['jaxaccum']}; preset `{s['preset']}`, {s['rounds']} interleaved "
+    f"rounds, samples of at least {s['min_time_ms']:g} ms, "
+    f"`{s['optimizer']}` (learning rate {s['lr']:g}), {s['dtype']}. The "
+    f"one-minute load average was {start:.1f} at the start and {end:.1f} at "
+    f"the end; the run took {duration(results['wall_s'])}."
+  )
+
+
+def _step_time_table(results: dict[str, Any], model: str) -> str:
+  entry = results["models"].get(model)
+  if entry is None:
+    return f"_`{model}` was not part of this run._"
+  configs = entry["configs"]
+  labels = {key: configs[0]["approaches"][key]["label"] for key in STEP_TIME_COLUMNS}
+  head = (
+    f"**{entry['title']}**, batch {entry['batch_size']:,} rows "
+    f"({format_bytes(entry['batch_bytes'])}), {entry['num_params']:,} parameters "
+    f"({format_bytes(entry['param_bytes'])}): median ms per step (× full batch), "
+    "jaxaccum's peak memory against the full batch's, its bound's and "
+    "optax.microbatch's, and the approaches whose parameters after one step "
+    "equal the full batch's"
+  )
+  rows = []
+  for c in configs:
+    res = c["approaches"]
+    full = res["full_batch"]
+    cells = [ms(full["median_ms"])]
+    cells += [
+      f"{ms(res[key]['median_ms'])} ({ratio(res[key]['ratio_to_full'])})"
+      for key in STEP_TIME_COLUMNS[1:]
+    ]
+    peak = res["jaxaccum"]["peak_bytes"]
+    correct = sum(r["correctness"]["pass"] for r in res.values())
+    rows.append(
+      [
+        c["k"],
+        *cells,
+        ratio(peak / full["peak_bytes"]),
+        ratio(c["jaxaccum_memory_bound"]["jaxaccum_peak_over_bound"]),
+        ratio(peak / res["optax_microbatch"]["peak_bytes"]),
+        f"{correct} / {len(res)}",
+      ]
+    )
+  header = [
+    "k",
+    *(labels[key] for key in STEP_TIME_COLUMNS),
+    "jaxaccum peak / full",
+    "/ bound",
+    "/ microbatch",
+    "correct",
+  ]
+  return head + "\n\n" + table(header, rows)
+
+
+def step_time_dispatch_mlp(results: dict[str, Any]) -> str:
+  return _step_time_table(results, "dispatch_mlp")
+
+
+def step_time_compute_mlp(results: dict[str, Any]) -> str:
+  return _step_time_table(results, "compute_mlp")
+
+
+def step_time_transformer(results: dict[str, Any]) -> str:
+  return _step_time_table(results, "transformer")
+
+
+def step_time_targets(results: dict[str, Any]) -> str:
+  counts: dict[str, list[int]] = {}
+  misses: dict[str, list[str]] = {}
+  for name, entry in results["models"].items():
+    for c in entry["configs"]:
+      for t in c["targets"]:
+        if t["pass"] is None:
+          continue
+        row = counts.setdefault(t["target"], [0, 0])
+        row[0 if t["pass"] else 1] += 1
+        if not t["pass"]:
+          misses.setdefault(t["target"], []).append(
+            f"{name} k={c['k']}: {t['value']:.2f}"
+          )
+  rows = [
+    [f"`{target}`", p, m, "; ".join(misses.get(target, [])) or "–"]
+    for target, (p, m) in counts.items()
+  ]
+  return table(["target", "pass", "miss", "misses (value)"], rows)
+
+
+def _ratios(
+  configs: list[dict[str, Any]], num: str, den: str | Sequence[str], ks_from: int = 1
+) -> dict[int, float]:
+  """``k -> num's median over den's`` (or over the fastest of ``den``)."""
+  out = {}
+  for c in configs:
+    if c["k"] < ks_from:
+      continue
+    res = c["approaches"]
+    dens = (den,) if isinstance(den, str) else den
+    out[c["k"]] = res[num]["median_ms"] / min(res[d]["median_ms"] for d in dens)
+  return out
+
+
+def step_time_summary(results: dict[str, Any]) -> str:
+  models = {n: _step_time_configs(results, n) for n in PROSE_NAMES}
+  models = {n: c for n, c in models.items() if c}
+  return bullet_list(
+    text
+    for text in (
+      _step_time_memory(models),
+      _step_time_check(models),
+      _step_time_dispatch(models),
+      _step_time_speed(models),
+      _step_time_correctness(models),
+    )
+    if text
+  )
+
+
+def _step_time_memory(models: dict[str, list[dict[str, Any]]]) -> str:
+  vs_micro, vs_full_last, bound_rows, k1 = [], {}, [], []
+  for name, configs in models.items():
+    for c in configs:
+      res = c["approaches"]
+      peak = res["jaxaccum"]["peak_bytes"]
+      over = c["jaxaccum_memory_bound"]["jaxaccum_peak_over_bound"]
+      bound_rows.append((name, c["k"], over))
+      if c["k"] >= 2:
+        vs_micro.append(peak / res["optax_microbatch"]["peak_bytes"])
+      if c["k"] == 1:
+        k1.append(peak / res["jaxaccum_no_skip"]["peak_bytes"])
+    last = configs[-1]["approaches"]
+    vs_full_last[name] = (
+      configs[-1]["k"],
+      last["jaxaccum"]["peak_bytes"] / last["full_batch"]["peak_bytes"],
+    )
+  text = "**Memory.** "
+  if vs_micro:
+    below = sum(r < 1 for r in vs_micro)
+    text += (
+      f"From k = 2 on, jaxaccum's peak is below optax.microbatch's in {below} "
+      f"of {len(vs_micro)} rows (jaxaccum's over microbatch's: {span(vs_micro)}). "
+    )
+  text += (
+    "At the largest k its peak over the full batch's is "
+    + listing(
+      [
+        f"{ratio(r)} for {PROSE_NAMES[n]} (k = {k})"
+        for n, (k, r) in vs_full_last.items()
+      ]
+    )
+    + ". "
+  )
+  above = [r for r in bound_rows if r[2] > BOUND_TARGET]
+  text += (
+    f"Its peak over the memory bound is at most {BOUND_TARGET:.2f} in "
+    f"{len(bound_rows) - len(above)} of {len(bound_rows)} rows"
+  )
+  if above:
+    text += "; above it: " + listing(
+      [f"{PROSE_NAMES[n]} at k = {k} ({ratio(r)})" for n, k, r in above]
+    )
+  text += "."
+  if k1:
+    text += (
+      " At k = 1 its peak with the finite check over its peak without it is "
+      f"{span(k1)}."
+    )
+  return text
+
+
+def _step_time_check(models: dict[str, list[dict[str, Any]]]) -> str:
+  parts = [
+    f"{span(_ratios(c, 'jaxaccum', 'jaxaccum_no_skip').values())} on {PROSE_NAMES[n]}"
+    for n, c in models.items()
+  ]
+  text = (
+    "**The finite check.** `make_train_step` checks that the loss and every "
+    "gradient are finite and otherwise drops the update, which none of the "
+    "peers does. jaxaccum's time with the check over its time without it "
+    f"(`skip_nonfinite=False`) is {listing(parts)}."
+  )
+  if "dispatch_mlp" in models:
+    configs = models["dispatch_mlp"]
+    cost_us = statistics.median(
+      1e3
+      * (
+        c["approaches"]["jaxaccum"]["median_ms"]
+        - c["approaches"]["jaxaccum_no_skip"]["median_ms"]
+      )
+      for c in configs
+    )
+    with_check = _ratios(configs, "jaxaccum", STEP_TIME_PEERS)
+    without = _ratios(configs, "jaxaccum_no_skip", STEP_TIME_PEERS)
+    text += (
+      " On the dispatch-bound MLP, whose full-batch step takes "
+      f"{ms(configs[0]['approaches']['full_batch']['median_ms'])} ms, the check "
+      f"costs {cost_us:.0f} µs per step (median over k), and jaxaccum's time "
+      f"over the best peer's is {span(with_check.values())} with it, "
+      f"{span(without.values())} without it."
+    )
+  return text
+
+
+def _step_time_dispatch(models: dict[str, list[dict[str, Any]]]) -> str:
+  configs = models.get("dispatch_mlp", [])
+  with_check = {
+    k: 1 / r for k, r in _ratios(configs, "jaxaccum", "optax_multisteps", 2).items()
+  }
+  without = {
+    k: 1 / r
+    for k, r in _ratios(configs, "jaxaccum_no_skip", "optax_multisteps", 2).items()
+  }
+  if not with_check:
+    return ""
+  met = [k for k, r in with_check.items() if r >= 2]
+  missed = [k for k, r in with_check.items() if r < 2]
+  verdict = [f"met at {ks_text(met)}"] if met else []
+  verdict += [f"missed at {ks_text(missed)}"] if missed else []
+  return (
+    "**Dispatch.** jaxaccum makes one call per step where optax.MultiSteps "
+    "makes `k`. On the dispatch-bound MLP MultiSteps' time over jaxaccum's is "
+    f"{by_k(with_check)} with the check "
+    f"({listing([ratio(v) for v in without.values()])} without it). The "
+    f"target, at least 2, is {listing(verdict)}."
+  )
+
+
+def _step_time_speed(models: dict[str, list[dict[str, Any]]]) -> str:
+  text = "**Speed.**"
+  if "compute_mlp" in models:
+    configs = models["compute_mlp"]
+    vs_full = _ratios(configs, "jaxaccum", "full_batch")
+    vs_peer = _ratios(configs, "jaxaccum", STEP_TIME_PEERS, 2)
+    met = [k for k, r in vs_full.items() if r <= 1.10]
+    text += (
+      " On the compute-bound MLP jaxaccum's time over the full batch's is "
+      f"{by_k(vs_full)} (the target, at most 1.10, is met at {len(met)} of "
+      f"{len(vs_full)} k)"
+    )
+    if vs_peer:
+      text += f", and over the best peer's {span(vs_peer.values())} from k = 2 on"
+    text += "."
+  if "transformer" in models:
+    configs = models["transformer"]
+    vs_micro = _ratios(configs, "jaxaccum", "optax_microbatch")
+    vs_full = _ratios(configs, "jaxaccum", "full_batch")
+    text += (
+      " On the transformer its time over optax.microbatch's is "
+      f"{span(vs_micro.values())}, and over the full batch's {by_k(vs_full)}."
+    )
+  return text if text != "**Speed.**" else ""
+
+
+def _step_time_correctness(models: dict[str, list[dict[str, Any]]]) -> str:
+  checks = [
+    r["correctness"]["pass"]
+    for configs in models.values()
+    for c in configs
+    for r in c["approaches"].values()
+  ]
+  return (
+    f"**Correctness.** In {sum(checks)} of {len(checks)} (approach, k) pairs "
+    "the parameters after one step equal the full batch's within float rounding."
+  )
+
+
+#: The generated blocks this file writes from ``step_time.json``, by name
+#: (``_report.py`` puts each on its page).
+BLOCKS = {
+  "step_time machine": step_time_machine,
+  "step_time dispatch_mlp": step_time_dispatch_mlp,
+  "step_time compute_mlp": step_time_compute_mlp,
+  "step_time transformer": step_time_transformer,
+  "step_time targets": step_time_targets,
+  "step_time summary": step_time_summary,
+}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -520,7 +987,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   results["machine"]["load_average_at_end"] = list(os.getloadavg())
   results["wall_s"] = time.perf_counter() - start
 
-  print(_report.tables(results))
+  print(tables(results))
   walls = ", ".join(f"{n} {e['wall_s']:.0f} s" for n, e in results["models"].items())
   print(f"\nwall time {results['wall_s']:.0f} s ({walls})")
   args.out = _paths.output_folder(args.out, args.quick)
@@ -530,7 +997,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   path.write_text(json.dumps(results, indent=1))
   print(f"\nwrote {path}")
   if not args.no_plots:
-    for png in _report.plots(results, args.out, suffix):
+    for png in plots(results, args.out, suffix):
       print(f"wrote {png}")
   return results
 

@@ -1,0 +1,227 @@
+"""The manual's blocks of the two benchmarks whose scripts live in
+``examples/``: ``examples/input_pipeline.py`` (``input_pipeline_device.json``
+and ``input_pipeline_pinned_host.json``) and ``examples/autopilot.py``
+(``autopilot.json``).
+
+Every other benchmark writes its blocks next to the code that measures them
+(its ``BLOCKS``); these two wait here until the examples carry theirs, so
+that ``_report.py`` itself writes no prose about a benchmark.
+"""
+
+# The manual's blocks use its typography: multiplication signs.
+# ruff: noqa: RUF001
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from _report import bullet_list, count, date, listing, met, table
+
+# ---------------------------------------------------------------- input pipelines
+
+
+PIPELINE_STEPS = {
+  "resident": "batches already in device memory, cycled",
+  "grain_batches_source": "Grain, whole shuffled batches as the source, per-batch augmentation",
+  "python_loop": "a synchronous Python loop (numpy shuffle and augmentation, `device_put`)",
+  "grain": "Grain, rows as the source (Grain batches them), per-batch augmentation",
+  "grain_default_read_threads": "the same with Grain's default read options",
+  "grain_1w": "the same with 1 worker process (`mp_prefetch`)",
+  "grain_2w": "the same with 2 worker processes",
+  "grain_per_example_0w": "Grain, rows, per-example augmentation, no workers",
+  "grain_per_example_1w": "the same with 1 worker process",
+  "grain_per_example_2w": "the same with 2 worker processes",
+  "resident_loss_every_step": "resident batches, the loss read (`float(loss)`) after every step",
+  "python_loop_loss_every_step": "the Python loop, the loss read after every step",
+}
+PIPELINE_ALONE = {
+  "batches_per_batch": "whole batches, per-batch augmentation",
+  "rows_no_augment": "rows, no augmentation",
+  "rows_per_batch": "rows, per-batch augmentation",
+  "rows_per_example_0w": "rows, per-example augmentation, no workers",
+  "rows_per_example_1w": "the same with 1 worker process",
+  "rows_per_example_2w": "the same with 2 worker processes",
+}
+
+
+def input_pipeline_machine(runs: dict[str, Any]) -> str:
+  parts = []
+  for placement, r in runs.items():
+    parts.append(f"`{r['command']}` ({placement}: {date(r['date'])})")
+  first = next(iter(runs.values()))
+  return (
+    f"Measured on a {first['machine']}, jax "
+    f"{first['jax']}, with " + listing(parts) + f": {first['steps']} training "
+    f"steps of {first['batch_size']} images as {first['num_micro_batches']} "
+    "micro-batches, then each feeding timed from fresh parameters."
+  )
+
+
+def input_pipeline_steps(runs: dict[str, Any]) -> str:
+  placements = list(runs)
+  rows = []
+  for key, label in PIPELINE_STEPS.items():
+    if not all(key in r["steps_per_s"] for r in runs.values()):
+      continue
+    rows.append([label, *(f"{r['steps_per_s'][key]:.0f}" for r in runs.values())])
+  header = ["fed from", *(f"steps/s, batch in `{p}` memory" for p in placements)]
+  return table(header, rows)
+
+
+def input_pipeline_alone(runs: dict[str, Any]) -> str:
+  placements = list(runs)
+  rows = []
+  for key, label in PIPELINE_ALONE.items():
+    if not all(key in r["batches_per_s"] for r in runs.values()):
+      continue
+    rows.append(
+      [
+        label,
+        *(f"{r['batches_per_s'][key]:,.0f}" for r in runs.values()),
+        *(f"{1e3 * r['first_batch_s'][key]:,.0f}" for r in runs.values()),
+      ]
+    )
+  header = [
+    "pipeline alone",
+    *(f"batches/s ({p} run)" for p in placements),
+    *(f"ms to the first batch ({p} run)" for p in placements),
+  ]
+  return table(header, rows)
+
+
+def input_pipeline_summary(runs: dict[str, Any]) -> str:
+  def each(fn: Callable[[dict[str, Any]], float], fmt: str = "{:.2f}") -> str:
+    return " / ".join(fmt.format(fn(r)) for r in runs.values())
+
+  def s(r: dict[str, Any], key: str) -> float:
+    return r["steps_per_s"][key]
+
+  def b(r: dict[str, Any], key: str) -> float:
+    return r["batches_per_s"][key]
+
+  order = " / ".join(runs)
+  bullets = [
+    "**A loader that keeps up costs little.** Whole-batch sources from Grain "
+    "and the plain loop run at "
+    + each(lambda r: s(r, "grain_batches_source") / s(r, "resident"))
+    + " and "
+    + each(lambda r: s(r, "python_loop") / s(r, "resident"))
+    + f" × the speed of resident data ({order}). The step takes "
+    + each(lambda r: 1e3 / s(r, "resident"), "{:.0f}")
+    + " ms and a whole batch "
+    + each(lambda r: 1e3 / b(r, "batches_per_batch"), "{:.1f}")
+    + " ms to build.",
+    "**Transform batches, not examples.** Per-example augmentation makes the "
+    "pipeline alone "
+    + each(lambda r: b(r, "rows_per_batch") / b(r, "rows_per_example_0w"), "{:.1f}")
+    + " × slower than per-batch augmentation, and the training "
+    + each(lambda r: s(r, "grain") / s(r, "grain_per_example_0w"))
+    + " × slower.",
+    "**Workers and threads help only when cores are free.** With nothing "
+    "training, 2 worker processes make the per-example pipeline "
+    + each(lambda r: b(r, "rows_per_example_2w") / b(r, "rows_per_example_0w"))
+    + " × faster (after "
+    + each(lambda r: r["first_batch_s"]["rows_per_example_2w"], "{:.1f}")
+    + " s to start them); while the step runs, they make per-example training "
+    + each(lambda r: s(r, "grain_per_example_2w") / s(r, "grain_per_example_0w"))
+    + " × as fast, and Grain's default read threads make the row pipeline "
+    + each(lambda r: s(r, "grain_default_read_threads") / s(r, "grain"))
+    + " × as fast as no threads.",
+    "**Keep the dispatch asynchronous.** Reading the loss after every step "
+    "runs the Python loop at "
+    + each(lambda r: s(r, "python_loop_loss_every_step") / s(r, "python_loop"))
+    + " × and resident data at "
+    + each(lambda r: s(r, "resident_loss_every_step") / s(r, "resident"))
+    + " × its speed with the loss read every few steps.",
+    "**Host placement.** The test accuracy after training is "
+    + each(lambda r: r["test_accuracy"], "{:.3f}")
+    + f" ({order}), the final training loss "
+    + each(lambda r: r["final_loss"], "{:.4f}")
+    + ", and training runs at "
+    + each(lambda r: r["train_steps_per_s"], "{:.0f}")
+    + " steps/s.",
+  ]
+  return bullet_list(bullets)
+
+
+# ---------------------------------------------------------------- autopilot
+
+
+def autopilot_table(results: dict[str, Any]) -> str:
+  parts = [
+    f"Run on {results.get('date', '?')} ({results.get('machine', '?')}, "
+    f"{results.get('backend', '?')} backend), jax {results.get('jax', '?')}, seeds "
+    f"{', '.join(map(str, results.get('seeds', [])))}: the held-out loss after the "
+    "whole budget (mean ± standard deviation over the seeds)."
+  ]
+  for task, result in results["tasks"].items():
+    unit = result.get("token_unit", "tokens")
+    rows = [
+      [
+        f"`{name}`",
+        f"{r['final_loss_mean']:.4f} ± {r['final_loss_std']:.4f}",
+        count(r["optimizer_steps"]),
+        count(r["tokens"]),
+      ]
+      for name, r in result["runs"].items()
+    ]
+    text = f"**{task}**:\n\n" + table(
+      ["run", "held-out loss", "optimizer steps", unit], rows
+    )
+    g = result.get("goal")
+    if g:
+      text += (
+        "\n\nThe autopilot against `fixed_small`: loss "
+        f"{g['loss_gap_to_small']:+.4f} (tolerance {g['loss_tolerance']:.4f}), "
+        f"{g['steps_ratio']:.2f} × its optimizer steps (target at most "
+        f"{g['steps_ratio_target']:g}); it "
+        + ("beats" if g["beats_fixed_large"] else "does not beat")
+        + " `fixed_large` and "
+        + ("beats" if g["beats_hand_ramp"] else "does not beat")
+        + " `hand_ramp`. The goal (both within the tolerance and the steps "
+        "target) is " + met(g["met"]) + "."
+      )
+    parts.append(text)
+  parts.append(
+    "![held-out loss against tokens and steps, and k](results/autopilot.png)"
+  )
+  return "\n\n".join(parts)
+
+
+def autopilot_summary(results: dict[str, Any]) -> str:
+  lines = []
+  for task, result in results["tasks"].items():
+    g = result.get("goal")
+    if not g:
+      continue
+    runs = result["runs"]
+    lines.append(
+      f"**{task}**: the autopilot reached a held-out loss of "
+      f"{runs['autopilot']['final_loss_mean']:.3f} against "
+      f"{runs['fixed_small']['final_loss_mean']:.3f} for the small fixed batch, "
+      f"in {g['steps_ratio']:.2f} × its optimizer steps at equal "
+      f"{result.get('token_unit', 'tokens')}."
+    )
+  return (
+    f"On {listing(list(results['tasks']))}, {len(results.get('seeds', []))} "
+    "seeds each, from `examples/autopilot.py`:\n\n"
+    + bullet_list(lines)
+    + "\n\n![held-out loss against tokens and steps, and k for each schedule]"
+    "(../benchmarks/results/autopilot.png)"
+    + "\n\nThe four schedules, how they are compared and the goal each "
+    "run is held to: "
+    "[benchmarks/README.md](../benchmarks/README.md#the-batch-size-autopilot-examplesautopilotpy)."
+  )
+
+
+#: The generated blocks this file writes from ``input_pipeline_*.json`` and
+#: ``autopilot.json``, by name (``_report.py`` puts each on its page).
+BLOCKS = {
+  "input_pipeline machine": input_pipeline_machine,
+  "input_pipeline steps": input_pipeline_steps,
+  "input_pipeline alone": input_pipeline_alone,
+  "input_pipeline summary": input_pipeline_summary,
+  "autopilot table": autopilot_table,
+  "autopilot summary": autopilot_summary,
+}
