@@ -17,6 +17,7 @@ import warnings
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -442,6 +443,60 @@ def test_the_global_view_equals_the_full_batch(name, mode, gather):
   chex.assert_trees_all_close((value, grads), want, **tolerance)
   for g, p in zip(grads, params, strict=True):
     assert g.sharding.is_equivalent_to(p.sharding, 2), (g.sharding, p.sharding)
+
+
+@pytest.mark.parametrize("gather", ["per_micro_batch", "once", "cast_once"])
+@pytest.mark.parametrize("name", ["fsdp", "hsdp"])
+@pytest.mark.parametrize(
+  "mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
+)
+def test_batchnorm_state_with_fsdp_leaves_is_each_devices_chain_averaged(
+  name, mode, gather
+):
+  """BatchNorm-style running statistics (state_argnum) beside FSDP leaves:
+  device d's micro-batch i is slice i of its shard; the statistics are each
+  device's chain over its k slices, averaged; value and gradients are the
+  full batch's."""
+  mesh, data_axis, spec, params, batch, loss = setup(name, mode, layers=2, width=64)
+  k, devices = 2, 8
+  cast = gather == "cast_once"
+  base = bf16_loss(loss) if cast else loss
+
+  def loss_with_stats(params, batch, stats):
+    x, _ = batch
+    w = params[0].astype(jnp.bfloat16) if cast else params[0]  # its first use
+    h = jnp.tanh(x @ w.astype(x.dtype))
+    new = {"mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(h, axis=0)}
+    return base(params, batch), (None, new)
+
+  stats = {"mean": jnp.full((64,), 0.5)}
+  fun = jax.jit(
+    jaxaccum.value_and_grad(
+      loss_with_stats,
+      k,
+      state_argnum=2,
+      has_aux=True,
+      mesh=mesh,
+      data_axis=data_axis,
+      param_specs=[spec] * 2 if mode == AxisType.Auto else None,
+      fsdp_gather=gather,
+      **({"gather_dtype": jnp.bfloat16} if cast else {}),
+    )
+  )
+  with jax.set_mesh(mesh):
+    (value, (_, final)), grads = fun(params, batch, stats)
+    want = jax.jit(jax.value_and_grad(base))(params, batch)
+  tolerance = {"rtol": 2e-2, "atol": 2e-3} if cast else {"rtol": 1e-5, "atol": 1e-6}
+  chex.assert_trees_all_close((value, grads), want, **tolerance)
+  host = [np.asarray(w.astype(jnp.bfloat16) if cast else w, np.float32) for w in params]
+  x = np.asarray(batch[0]).reshape(devices, k, BATCH // (devices * k), 64)
+  chains = []
+  for d in range(devices):
+    mean = np.full((64,), 0.5, np.float32)
+    for i in range(k):
+      mean = 0.9 * mean + 0.1 * np.tanh(x[d, i] @ host[0]).mean(0)
+    chains.append(mean)
+  np.testing.assert_allclose(final["mean"], np.mean(chains, 0), rtol=1e-5, atol=1e-6)
 
 
 #: Explicit meshes whose other axes have size 1, as MaxText builds them
