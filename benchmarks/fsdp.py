@@ -135,7 +135,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import testing
+from jaxaccum import _hlo, _memory, testing
 
 PyTree = Any
 
@@ -506,47 +506,6 @@ def build_step(approach: str, setup: Setup, k: int) -> Any:
 
 # ---------------------------------------------------------------- reading HLO
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_CALLS = re.compile(
-  r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
-)
-_WHILE = re.compile(r"\swhile\(.*\bbody=%?([\w.\-]+)")
-_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
-_KNOWN_TRIPS = re.compile(r'known_trip_count[^0-9]*"?n"?\s*:\s*"?(\d+)')
-_S32_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\][^=]*constant\((\d+)\)")
-_LESS_THAN = re.compile(r"compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\), direction=LT")
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-  """The lines of every computation, and the entry's name."""
-  bodies: dict[str, list[str]] = {}
-  entry, current = "", None
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      current = match.group(1)
-      bodies[current] = []
-      entry = current if line.startswith("ENTRY") else entry
-    elif current is not None:
-      bodies[current].append(line)
-  return bodies, entry
-
-
-def _trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
-  """A while loop's trip count: XLA's ``known_trip_count`` (GPU), or the
-  ``counter < N`` of its condition (TPU)."""
-  match = _KNOWN_TRIPS.search(line)
-  if match:
-    return int(match.group(1))
-  condition = _CONDITION.search(line)
-  lines = bodies.get(condition.group(1), []) if condition else []
-  constants = dict(m.groups() for m in map(_S32_CONSTANT.match, lines) if m)
-  for text in lines:
-    match = _LESS_THAN.search(text)
-    if match and match.group(1) in constants:
-      return int(constants[match.group(1)])
-  return None
-
 
 def micro_batch_loop(hlo_text: str, k: int) -> tuple[set[str], list[int | None]]:
   """The computations inside the micro-batch loop of compiled HLO text, and
@@ -555,36 +514,53 @@ def micro_batch_loop(hlo_text: str, k: int) -> tuple[set[str], list[int | None]]
   The micro-batch loop is a loop outside every other loop that runs ``k``
   times (``k >= 2``): the layer scans and XLA's own loops (on the TPU,
   windowed einsums, which loop over the devices) sit inside it.
+
+  The HLO is read by ``jaxaccum._hlo``, the parser of
+  ``jaxaccum.testing.collectives``, and a loop's trip count as it reads it:
+  XLA's ``known_trip_count`` (GPU), or the ``counter < N`` of its condition
+  (TPU). The computations an instruction calls are those its ``calls=``,
+  ``to_apply=``, ``body=``, ``condition=``, ``true_computation=`` and
+  ``false_computation=`` name (``_hlo._CALLED``; an n-way conditional's
+  ``branch_computations``, which ``_hlo._called`` adds, are not followed,
+  as this reader never followed them).
   """
-  bodies, entry = _computations(hlo_text)
+  module = _hlo.parse(hlo_text)
+  lines = _hlo._computation_lines(hlo_text)
+
+  def called(i: _hlo.Instruction) -> list[str]:
+    return _hlo._CALLED.findall(i.attributes)
 
   def reachable(name: str, seen: set[str]) -> set[str]:
     if name not in seen:
       seen.add(name)
-      for line in bodies.get(name, ()):
-        for called in _CALLS.findall(line):
-          reachable(called, seen)
+      for i in module.computations.get(name, ()):
+        for callee in called(i):
+          reachable(callee, seen)
     return seen
+
+  def trip_count(loop: _hlo.Instruction) -> int | None:
+    known = _hlo._TRIP_COUNT.search(loop.attributes)
+    if known:
+      return int(known.group(1))
+    return _hlo._condition_bound(lines.get(loop.attribute("condition") or "", []))
 
   inside: set[str] = set()
   trips: list[int | None] = []
-  stack, seen = [entry], set()
+  stack, seen = [module.entry], set()
   while stack:  # the computations outside every loop
     name = stack.pop()
     if name in seen:
       continue
     seen.add(name)
-    for line in bodies.get(name, ()):
-      loop = _WHILE.search(line)
-      if not loop:
-        stack.extend(_CALLS.findall(line))
+    for i in module.computations.get(name, ()):
+      if i.op != "while":
+        stack.extend(called(i))
         continue
-      trips.append(_trip_count(line, bodies))
+      trips.append(trip_count(i))
       if k >= 2 and trips[-1] == k:
-        inside |= reachable(loop.group(1), set())
-        condition = _CONDITION.search(line)
-        if condition:
-          inside |= reachable(condition.group(1), set())
+        for part in ("body", "condition"):
+          if i.attribute(part):
+            inside |= reachable(i.attribute(part), set())
   return inside, trips
 
 
@@ -677,7 +653,6 @@ _LIVE = re.compile(r"^\s*(\S+): (\d+) bytes \(cumulative")
 _VALUE = re.compile(
   r"value: <\d+ ([^ >]+)(?: \(phi\))? @\d+> \(size=\d+,offset=\d+\): (.*)$"
 )
-_OP_NAME = re.compile(r'%?([\w.\-]+) = .*?metadata=\{[^}]*op_name="([^"]*)"')
 
 
 def live_at_peak(dump: pathlib.Path, limit: int = 12) -> list[dict[str, Any]]:
@@ -709,9 +684,9 @@ def live_at_peak(dump: pathlib.Path, limit: int = 12) -> list[dict[str, Any]]:
   ops: dict[str, str] = {}
   for path in dump.glob("*gpu_after_optimizations.txt"):
     for line in path.read_text().splitlines():
-      match = _OP_NAME.search(line)
-      if match:
-        ops[match.group(1)] = match.group(2)
+      i = _hlo.parse_instruction(line)
+      if i is not None and i.op_name:
+        ops[i.name] = i.op_name
   live.sort(key=lambda item: -item[1])
   return [
     {
@@ -730,15 +705,6 @@ def live_at_peak(dump: pathlib.Path, limit: int = 12) -> list[dict[str, Any]]:
 def _error(e: Exception) -> str:
   lines = str(e).strip().splitlines()
   return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
-
-
-def _peak(analysis: Any) -> int:
-  return int(
-    analysis.argument_size_in_bytes
-    + analysis.output_size_in_bytes
-    + analysis.temp_size_in_bytes
-    - analysis.alias_size_in_bytes
-  )
 
 
 def _sharded_like_inputs(compiled: Any, args: Sequence[Any]) -> bool:
@@ -803,7 +769,7 @@ def measure(
         compiled = lowered.compile(
           compiler_options={"xla_dump_to": tmp, "xla_gpu_dump_llvmir": False}
         )
-        row["peak_bytes_hlo"] = _peak(compiled.memory_analysis())
+        row["peak_bytes_hlo"] = _memory._memory_of(compiled, target).peak_bytes
         row["largest_live_buffers_at_peak"] = live_at_peak(pathlib.Path(tmp))
       text = compiled.as_text()
       if hlo_dir is not None:
