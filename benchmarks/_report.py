@@ -158,6 +158,44 @@ def met(ok: bool) -> str:
   return "met" if ok else "not met"
 
 
+#: A timing goal is decided only where the run's A/A ratio (one approach
+#: timed twice in the same interleaved rounds, its second median over its
+#: first) is within this of 1, as printed (two decimals).
+AA_TOLERANCE = 0.03
+
+
+def aa_decides(aa: float | None) -> bool:
+  """Whether an A/A ratio is close enough to 1 to decide a timing goal.
+
+  >>> aa_decides(1.03), aa_decides(1.034), aa_decides(0.96), aa_decides(None)
+  (True, True, False, False)
+  """
+  return aa is not None and abs(float(f"{aa:.2f}") - 1) <= AA_TOLERANCE + 1e-9
+
+
+def aa_note(aa: float | None) -> str:
+  """``A/A 1.01``, or ``no A/A control in this run`` (a JSON from before it)."""
+  return "no A/A control in this run" if aa is None else f"A/A {aa:.2f}"
+
+
+def capital(text: str) -> str:
+  """``text`` with its first letter upper-cased (``str.capitalize`` lowers
+  the rest: ``A/A`` would read ``a/a``)."""
+  return text[:1].upper() + text[1:]
+
+
+def timed_verdict(ok: bool, aa: float | None) -> str:
+  """A timing goal's outcome: ``met`` or ``missed`` where the A/A ratio
+  decides it (:func:`aa_decides`), else ``undecided (A/A 1.07)``.
+
+  >>> timed_verdict(True, 1.01), timed_verdict(False, 1.07), timed_verdict(True, None)
+  ('met', 'undecided (A/A 1.07)', 'undecided (no A/A control in this run)')
+  """
+  if not aa_decides(aa):
+    return f"undecided ({aa_note(aa)})"
+  return "met" if ok else "missed"
+
+
 def bullet_list(items: Iterable[str]) -> str:
   """A Markdown list, an item a line."""
   return "\n".join(f"- {item}" for item in items)

@@ -807,13 +807,13 @@ BLOCKS = {
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark, writes the JSON and the PNG, returns the results."""
-  results, out = communication.run_and_write(
-    "meshes", run, plot, argv, __doc__.splitlines()[0]
+  results, path = communication.run_and_write(
+    "meshes", lambda args: run(), plot, argv, __doc__.splitlines()[0]
   )
   print(
     f"\nparameters {format_bytes(results['model']['param_bytes'])}, batch "
     f"{format_bytes(results['batch_bytes'])}; total {results['seconds']:.1f} s; "
-    f"wrote {out / 'meshes.json'} and {out / 'meshes.png'}"
+    f"wrote {path} and {path.with_suffix('.png')}"
   )
   return results
 

@@ -24,7 +24,11 @@ optax.MultiSteps and a naive Python loop. It reports:
 - jaxaccum's memory bound: the full-batch step compiled at the micro-batch
   size, plus one float32 accumulator, plus the rest of the batch;
 - the performance targets, PASS or MISS per configuration. Misses are
-  reported; the script never fails on them.
+  reported; the script never fails on them;
+- an A/A control: the full batch timed a second time (``full_batch_again``)
+  in the same rounds. Its median over the full batch's (``aa_ratio``) is the
+  noise floor of every ratio of the configuration, and a time target counts
+  as passed or missed only where it is within 3% of 1 (``decided``).
 
 Everything runs in one process on JAX's default backend. The results go to
 ``<out>/step_time[_quick].json`` and one PNG per model (time and peak memory
@@ -34,6 +38,10 @@ micro-batch sizes instead of ``k``, e.g. on an H200::
 
   python benchmarks/step_time.py --models transformer --dtype bfloat16 \
     --micro-batch-sizes 1,4,16,64 --rounds 7 --device-note "H200"
+
+On a CPU shared with other work, ``--cpus 0-3`` keeps the run (and XLA's
+threads) on those cores, and more ``--rounds`` and a longer
+``--min-time-ms`` narrow the spread.
 
 Compilation dominates the wall time (every approach compiles per ``k``), so
 size the sweep to the time you have.
@@ -58,20 +66,25 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import _approaches
 import _models
 import _paths
+import _timing
 import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
 import optax
 from _report import (
+  AA_TOLERANCE,
+  aa_decides,
+  aa_note,
   bullet_list,
   by_k,
+  capital,
   command_line,
   date,
   duration,
@@ -112,6 +125,10 @@ NOTES = {
   "dispatch fast path of jax.jit (a Python-path overhead on every call)",
   "micro_batches": "MultiSteps and the naive loop get their micro-batches "
   "pre-sliced (slicing is not timed)",
+  "aa_ratio": "the A/A control: full_batch_again (the full batch's step, timed "
+  "a second time in the same interleaved rounds) over full_batch, median over "
+  "median; a time target is decided (met or missed) only where it is within "
+  "0.03 of 1",
 }
 
 
@@ -170,6 +187,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="repeat a step within one timing until it lasts this long "
     "(default 20, quick 10); the time per step is the average",
   )
+  _timing.add_cpus_argument(parser)
   parser.add_argument(
     "--device-note", default="", help="free text stored with the results"
   )
@@ -211,8 +229,8 @@ def _cpu_model() -> str:
   return ""
 
 
-def machine_info(args: argparse.Namespace) -> dict[str, Any]:
-  """What ran the benchmark."""
+def machine_info(args: argparse.Namespace, cpus: list[int] | None) -> dict[str, Any]:
+  """What ran the benchmark (``cpus``: the CPUs it ran on)."""
   device = jax.devices()[0]
   try:
     affinity = len(os.sched_getaffinity(0))
@@ -226,6 +244,8 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
     "python": platform.python_version(),
     "cpu_count": os.cpu_count(),
     "cpu_affinity": affinity,
+    "cpus": cpus,
+    "pinned": bool(args.cpus),
     "load_average_at_start": list(os.getloadavg()),
     "jax": jax.__version__,
     "jaxlib": jaxlib.__version__,
@@ -284,6 +304,25 @@ def compare_params(
 # ---------------------------------------------------------------- timing
 
 
+class FullBatchAgain(_approaches.FullBatch):
+  """The full batch's step, timed a second time in the same rounds: the A/A
+  control. Its median over the full batch's is the noise floor of every
+  ratio of its configuration."""
+
+  name, label = "full_batch_again", "full batch again"
+
+
+#: Every approach a configuration times, the A/A control last.
+TIMED = (*_approaches.APPROACHES, FullBatchAgain)
+#: The targets that compare times: decided only where the A/A ratio is
+#: within ``_report.AA_TOLERANCE`` of 1.
+TIMED_TARGETS = (
+  "time <= 1.05 x best peer",
+  "2x faster than MultiSteps",
+  "time <= 1.10 x full batch",
+)
+
+
 def time_step(approach: _approaches.Approach, repeats: int) -> float:
   """Milliseconds per step over ``repeats`` back-to-back steps."""
   start = time.perf_counter()
@@ -336,7 +375,7 @@ def run_config(
 ) -> dict[str, Any]:
   """Compiles, checks and times every approach for one ``(model, k)``."""
   setup_start = time.perf_counter()
-  approaches = [cls(model, tx, k) for cls in _approaches.APPROACHES]
+  approaches = [cls(model, tx, k) for cls in TIMED]
   bar.set_postfix_str(f"{model.name} k={k}: compiling")
   # Compile everything once, in parallel threads (XLA compiles outside the
   # GIL); the jit caches then serve the timed calls.
@@ -369,6 +408,11 @@ def run_config(
     jax.block_until_ready(a.step())
     once = time_step(a, 1)
     repeats[a.name] = max(1, min(1000, math.ceil(min_time_ms / max(once, 1e-3))))
+
+  # One untimed round first: the first sample after the warmup ran slow
+  # (the A/A control showed it, on the approach timed first).
+  for a in approaches:
+    time_step(a, repeats[a.name])
 
   timing_start = time.perf_counter()
   samples: dict[str, list[float]] = {a.name: [] for a in approaches}
@@ -416,6 +460,7 @@ def run_config(
     "setup_s": timing_start - setup_start,
     "timing_s": end - timing_start,
     "approaches": results,
+    "aa_ratio": results[FullBatchAgain.name]["ratio_to_full"],
     "jaxaccum_memory_bound": bound,
   }
 
@@ -424,7 +469,9 @@ def run_config(
 
 
 def evaluate_targets(model_name: str, config: dict[str, Any]) -> list[dict[str, Any]]:
-  """The performance targets of one configuration; ``pass`` is None if n/a."""
+  """The performance targets of one configuration; ``pass`` is None if n/a.
+  A time target also says whether the A/A control decides it (``decided``):
+  its ``pass`` counts only then."""
   res = config["approaches"]
   ms = {name: r["median_ms"] for name, r in res.items()}
   acc_ms = ms[_approaches.JaxAccum.name]
@@ -437,6 +484,8 @@ def evaluate_targets(model_name: str, config: dict[str, Any]) -> list[dict[str, 
     targets.append(
       {"target": name, "value": value, "threshold": threshold, "pass": ok, "note": note}
     )
+    if name in TIMED_TARGETS:
+      targets[-1]["decided"] = aa_decides(config["aa_ratio"])
 
   ratio = acc_ms / ms[best_peer]
   add(
@@ -477,6 +526,12 @@ def _mark(ok: bool | None) -> str:
   return "n/a" if ok is None else ("PASS" if ok else "MISS")
 
 
+def undecided(t: dict[str, Any], config: dict[str, Any]) -> bool:
+  """Whether target ``t`` compares times that the configuration's A/A
+  control leaves undecided (or that its run had no A/A control)."""
+  return t["target"] in TIMED_TARGETS and not aa_decides(config.get("aa_ratio"))
+
+
 def _fast_path(effects: list[str]) -> str:
   """``yes``, or ``no`` and the effects that rule out jit's C++ fast path."""
   return "no: " + ",".join(sorted(set(effects))) if effects else "yes"
@@ -512,17 +567,22 @@ def model_table(name: str, entry: dict[str, Any]) -> str:
       f"{format_bytes(bound['rest_of_batch_bytes'])}; peak/bound "
       f"{bound['jaxaccum_peak_over_bound']:.3f}"
     )
+    lines.append(
+      f"{'':10}  noise floor: {aa_note(config.get('aa_ratio'))} (full batch again "
+      "/ full batch; a time target is decided within 0.03 of 1)"
+    )
     for t in config["targets"]:
       note = f" ({t['note']})" if t["note"] else ""
+      mark = "UNDEC" if undecided(t, config) else _mark(t["pass"])
       lines.append(
         f"{'':10}  target {t['target']:<30} {t['value']:>7.3f} {t['threshold']:<7} "
-        f"{_mark(t['pass'])}{note}"
+        f"{mark}{note}"
       )
   return "\n".join(lines)
 
 
 def summary(results: dict[str, Any]) -> str:
-  """PASS/MISS counts per target, over all configurations."""
+  """PASS/MISS/undecided counts per target, over all configurations."""
   counts: dict[str, list[int]] = {}
   misses: list[str] = []
   for name, entry in results["models"].items():
@@ -530,14 +590,19 @@ def summary(results: dict[str, Any]) -> str:
       for t in config["targets"]:
         if t["pass"] is None:
           continue
-        row = counts.setdefault(t["target"], [0, 0])
+        row = counts.setdefault(t["target"], [0, 0, 0])
+        if undecided(t, config):
+          row[2] += 1
+          continue
         row[0 if t["pass"] else 1] += 1
         if not t["pass"]:
           misses.append(
             f"  MISS {name} k={config['k']}: {t['target']} = {t['value']:.3f}"
           )
-  lines = ["", "targets (pass / miss over configurations):"]
-  lines += [f"  {target:<32} {p:>3} / {m:<3}" for target, (p, m) in counts.items()]
+  lines = ["", "targets (pass / miss / undecided over configurations):"]
+  lines += [
+    f"  {target:<32} {p:>3} / {m:<3} / {u:<3}" for target, (p, m, u) in counts.items()
+  ]
   return "\n".join(lines + misses)
 
 
@@ -633,7 +698,9 @@ def _step_time_configs(results: dict[str, Any], model: str) -> list[dict[str, An
 def step_time_machine(results: dict[str, Any]) -> str:
   m, s = results["machine"], results["settings"]
   cores = f"{m['cpu_count']} cores"
-  if m.get("cpu_affinity") not in (None, m["cpu_count"]):
+  if m.get("pinned"):
+    cores += f", pinned to CPUs {','.join(map(str, m['cpus']))}"
+  elif m.get("cpu_affinity") not in (None, m["cpu_count"]):
     cores += f", {m['cpu_affinity']} usable"
   note = f" ({m['device_note']})" if m.get("device_note") else ""
   start, end = m["load_average_at_start"][0], m["load_average_at_end"][0]
@@ -664,6 +731,13 @@ def _step_time_table(results: dict[str, Any], model: str) -> str:
     "optax.microbatch's, and the approaches whose parameters after one step "
     "equal the full batch's"
   )
+  has_aa = any("aa_ratio" in c for c in configs)
+  if has_aa:
+    head += (
+      "; A/A: the full batch timed twice in the same rounds, its second median "
+      "over its first (the noise floor of the row's ratios; its time targets "
+      f"count where it is within {AA_TOLERANCE:.0%} of 1)"
+    )
   rows = []
   for c in configs:
     res = c["approaches"]
@@ -674,26 +748,31 @@ def _step_time_table(results: dict[str, Any], model: str) -> str:
       for key in STEP_TIME_COLUMNS[1:]
     ]
     peak = res["jaxaccum"]["peak_bytes"]
-    correct = sum(r["correctness"]["pass"] for r in res.values())
+    correct = sum(res[key]["correctness"]["pass"] for key in STEP_TIME_COLUMNS)
     rows.append(
       [
         c["k"],
         *cells,
+        *([ratio(c.get("aa_ratio"))] if has_aa else []),
         ratio(peak / full["peak_bytes"]),
         ratio(c["jaxaccum_memory_bound"]["jaxaccum_peak_over_bound"]),
         ratio(peak / res["optax_microbatch"]["peak_bytes"]),
-        f"{correct} / {len(res)}",
+        f"{correct} / {len(STEP_TIME_COLUMNS)}",
       ]
     )
   header = [
     "k",
     *(labels[key] for key in STEP_TIME_COLUMNS),
+    *(["A/A"] if has_aa else []),
     "jaxaccum peak / full",
     "/ bound",
     "/ microbatch",
     "correct",
   ]
-  return head + "\n\n" + table(header, rows)
+  text = head + "\n\n" + table(header, rows)
+  if not has_aa:
+    text += f"\n\n_{capital(aa_note(None))}: its time targets are undecided._"
+  return text
 
 
 def step_time_dispatch_mlp(results: dict[str, Any]) -> str:
@@ -716,17 +795,37 @@ def step_time_targets(results: dict[str, Any]) -> str:
       for t in c["targets"]:
         if t["pass"] is None:
           continue
-        row = counts.setdefault(t["target"], [0, 0])
+        row = counts.setdefault(t["target"], [0, 0, 0])
+        if undecided(t, c):
+          row[2] += 1
+          continue
         row[0 if t["pass"] else 1] += 1
         if not t["pass"]:
           misses.setdefault(t["target"], []).append(
             f"{name} k={c['k']}: {t['value']:.2f}"
           )
   rows = [
-    [f"`{target}`", p, m, "; ".join(misses.get(target, [])) or "–"]
-    for target, (p, m) in counts.items()
+    [f"`{target}`", p, m, u, "; ".join(misses.get(target, [])) or "–"]
+    for target, (p, m, u) in counts.items()
   ]
-  return table(["target", "pass", "miss", "misses (value)"], rows)
+  head = (
+    "Over every configuration; a time target counts as passed or missed only "
+    f"where the configuration's A/A ratio is within {AA_TOLERANCE:.0%} of 1."
+    if _has_aa(results)
+    else f"Over every configuration. {capital(aa_note(None))}: its time "
+    "targets are undecided."
+  )
+  return (
+    head
+    + "\n\n"
+    + table(["target", "pass", "miss", "undecided", "misses (value)"], rows)
+  )
+
+
+def _has_aa(results: dict[str, Any]) -> bool:
+  return any(
+    "aa_ratio" in c for entry in results["models"].values() for c in entry["configs"]
+  )
 
 
 def _ratios(
@@ -750,6 +849,7 @@ def step_time_summary(results: dict[str, Any]) -> str:
     text
     for text in (
       _step_time_memory(models),
+      _step_time_noise(models),
       _step_time_check(models),
       _step_time_dispatch(models),
       _step_time_speed(models),
@@ -811,6 +911,44 @@ def _step_time_memory(models: dict[str, list[dict[str, Any]]]) -> str:
   return text
 
 
+def _step_time_noise(models: dict[str, list[dict[str, Any]]]) -> str:
+  """The A/A control: the noise floor of every ratio below."""
+  aas = {n: [c["aa_ratio"] for c in cs if "aa_ratio" in c] for n, cs in models.items()}
+  if not any(aas.values()):
+    return (
+      f"**Noise floor.** {capital(aa_note(None))} (the full batch timed "
+      "twice in the same rounds), so the time targets below are undecided."
+    )
+  decided = sum(aa_decides(a) for v in aas.values() for a in v)
+  return (
+    "**Noise floor.** The full batch timed twice in the same rounds, its "
+    "second median over its first (A/A): "
+    + listing([f"{span(v)} on {PROSE_NAMES[n]}" for n, v in aas.items() if v])
+    + f". Within {AA_TOLERANCE:.0%} of 1, where a time target counts as met "
+    f"or missed, in {decided} of {sum(map(len, aas.values()))} configurations."
+  )
+
+
+def _goal(
+  values: dict[int, float], ok: Callable[[float], bool], configs: list[dict[str, Any]]
+) -> str:
+  """``met at k = 2 and 4, missed at k = 8 and undecided at k = 16 (A/A
+  1.07)``: a time target per k, decided where the A/A control decides."""
+  aa = {c["k"]: c.get("aa_ratio") for c in configs}
+  met = [k for k, v in values.items() if aa_decides(aa[k]) and ok(v)]
+  missed = [k for k, v in values.items() if aa_decides(aa[k]) and not ok(v)]
+  open_ = [k for k in values if not aa_decides(aa[k])]
+  parts = [f"met at {ks_text(met)}"] if met else []
+  parts += [f"missed at {ks_text(missed)}"] if missed else []
+  if open_ and all(aa[k] is None for k in open_):
+    parts.append(f"undecided at {ks_text(open_)}, with {aa_note(None)}")
+  elif open_:
+    parts.append(
+      "undecided at " + listing([f"k = {k} ({aa_note(aa[k])})" for k in open_])
+    )
+  return listing(parts)
+
+
 def _step_time_check(models: dict[str, list[dict[str, Any]]]) -> str:
   parts = [
     f"{span(_ratios(c, 'jaxaccum', 'jaxaccum_no_skip').values())} on {PROSE_NAMES[n]}"
@@ -855,16 +993,12 @@ def _step_time_dispatch(models: dict[str, list[dict[str, Any]]]) -> str:
   }
   if not with_check:
     return ""
-  met = [k for k, r in with_check.items() if r >= 2]
-  missed = [k for k, r in with_check.items() if r < 2]
-  verdict = [f"met at {ks_text(met)}"] if met else []
-  verdict += [f"missed at {ks_text(missed)}"] if missed else []
   return (
     "**Dispatch.** jaxaccum makes one call per step where optax.MultiSteps "
     "makes `k`. On the dispatch-bound MLP MultiSteps' time over jaxaccum's is "
     f"{by_k(with_check)} with the check "
     f"({listing([ratio(v) for v in without.values()])} without it). The "
-    f"target, at least 2, is {listing(verdict)}."
+    f"target, at least 2, is {_goal(with_check, lambda r: r >= 2, configs)}."
   )
 
 
@@ -874,15 +1008,16 @@ def _step_time_speed(models: dict[str, list[dict[str, Any]]]) -> str:
     configs = models["compute_mlp"]
     vs_full = _ratios(configs, "jaxaccum", "full_batch")
     vs_peer = _ratios(configs, "jaxaccum", STEP_TIME_PEERS, 2)
-    met = [k for k, r in vs_full.items() if r <= 1.10]
     text += (
       " On the compute-bound MLP jaxaccum's time over the full batch's is "
-      f"{by_k(vs_full)} (the target, at most 1.10, is met at {len(met)} of "
-      f"{len(vs_full)} k)"
+      f"{by_k(vs_full)}"
     )
     if vs_peer:
       text += f", and over the best peer's {span(vs_peer.values())} from k = 2 on"
-    text += "."
+    text += (
+      f". The target there, at most 1.10 × the full batch, is "
+      f"{_goal(vs_full, lambda r: r <= 1.10, configs)}."
+    )
   if "transformer" in models:
     configs = models["transformer"]
     vs_micro = _ratios(configs, "jaxaccum", "optax_microbatch")
@@ -896,10 +1031,10 @@ def _step_time_speed(models: dict[str, list[dict[str, Any]]]) -> str:
 
 def _step_time_correctness(models: dict[str, list[dict[str, Any]]]) -> str:
   checks = [
-    r["correctness"]["pass"]
+    c["approaches"][key]["correctness"]["pass"]
     for configs in models.values()
     for c in configs
-    for r in c["approaches"].values()
+    for key in STEP_TIME_COLUMNS
   ]
   return (
     f"**Correctness.** In {sum(checks)} of {len(checks)} (approach, k) pairs "
@@ -925,6 +1060,7 @@ BLOCKS = {
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark; returns (and writes) the results."""
   args = parse_args(argv)
+  cpus = _timing.pin(args.cpus)  # before JAX starts its threads
   warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   backend = jax.default_backend()
   preset = (
@@ -940,7 +1076,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if unknown:
     raise SystemExit(f"Unknown models {sorted(unknown)}; choose from {MODEL_NAMES}.")
 
-  info = machine_info(args)
+  info = machine_info(args, cpus)
   print(
     f"jaxaccum step-time benchmark: {info['backend']} ({info['device_kind']}), "
     f"{info['cpu_count']} CPUs, jax {info['jax']}, preset {preset}, "
