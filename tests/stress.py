@@ -11,8 +11,10 @@ process, so one abort costs one run and is counted as one. With
 ``--beside``, another pytest (single-device test files, in a loop) loads the
 machine meanwhile, as a second job does on a shared CI runner. ``--control``
 first runs ``tests/cpu_rendezvous_repro.py`` (no jaxaccum) with one and with
-two threads per device: it shows that a load like this one does make XLA
-abort, and that the setting the suite uses does not.
+two threads per device, with 3 busy processes beside it (``--burn 3``): it
+shows that such a load does make XLA abort, and that the setting the suite
+uses does not. ``--control-only`` runs only that, and replaces the control
+of the record in ``--out``, keeping its runs of the files.
 
 The counts go to ``tests/results/stress.json`` (``--out``) and, rendered,
 into tests/README.md between its ``stress`` markers.
@@ -49,6 +51,8 @@ BESIDE = (
   "tests/test_accumulate.py",
   "tests/test_precision.py",
 )
+#: Busy processes beside each run of the reproduction.
+CONTROL_BURN = 3
 ABORTED = ("Termination timeout", "Fatal Python error", "rendezvous")
 
 
@@ -146,6 +150,7 @@ def stress(
         sys.executable,
         "tests/cpu_rendezvous_repro.py",
         f"--threads-per-device={threads}",
+        f"--burn={CONTROL_BURN}",
       ]
       outcomes = [run_once(repro, timeout, env) for _ in range(control)]
       results["control"][f"{threads} thread(s) per device"] = tally(outcomes)
@@ -187,7 +192,14 @@ def render(record: dict) -> str:
     )
     + f"` on {record['date']}, {record['machine']}, jax {record['jax']}"
     + (", another pytest running beside" if record["beside"] else "")
-    + ":",
+    + ":"
+    + (
+      f" the control rows by `python tests/stress.py --control-only --control "
+      f"{record['control_runs']}` on {record['control_date']}, each run of the "
+      f"reproduction with {CONTROL_BURN} busy processes beside it."
+      if "control_date" in record
+      else ""
+    ),
     "",
     "| file | runs | passed | failed | aborted | hung | median run |",
     "|---|---|---|---|---|---|---|",
@@ -195,6 +207,7 @@ def render(record: dict) -> str:
   for name, t in {**record["control"], **record["files"]}.items():
     label = (
       f"`cpu_rendezvous_repro.py`, {name}"
+      + (f", {CONTROL_BURN} busy processes beside" if "control_date" in record else "")
       if "per device" in name
       else f"`{Path(name).name}`"
     )
@@ -232,6 +245,11 @@ def main() -> None:
   parser.add_argument(
     "--control", type=int, default=0, help="runs of the repro per setting"
   )
+  parser.add_argument(
+    "--control-only",
+    action="store_true",
+    help="only the control; the files' runs are kept from --out",
+  )
   parser.add_argument("--out", type=Path, default=RESULTS)
   args = parser.parse_args()
   import jax  # noqa: PLC0415  (only for its version)
@@ -252,6 +270,20 @@ def main() -> None:
       write_manual(record)
     return record
 
+  if args.control_only:
+    kept = json.loads(args.out.read_text())
+    control = stress([], 0, args.timeout, False, args.control)["control"]
+    record = {
+      **kept,
+      "control": control,
+      "control_runs": args.control,
+      "control_date": head["date"],
+    }
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.out.resolve() == RESULTS.resolve():
+      write_manual(record)
+    print(render(record))
+    return
   results = stress(
     args.files, args.runs, args.timeout, args.beside, args.control, progress=save
   )
