@@ -1,24 +1,70 @@
 """MaxText's own llama, unmodified, through ``jaxaccum.value_and_grad(...,
-mesh=..., view="global")``: equal to its full batch on every mesh.
+mesh=..., view="global")``: equal to its full batch on every mesh, and its
+peak memory against MaxText's own gradient accumulation.
 
 Usage (Python 3.12, in a venv of its own: MaxText needs it)::
 
   python3.12 -m venv /tmp/maxtext-venv && . /tmp/maxtext-venv/bin/activate
   pip install maxtext==0.2.5 -e .
-  python benchmarks/maxtext_llama.py            # writes results/maxtext_llama.json
+  python benchmarks/maxtext_llama.py            # tiny llama on 8 CPU devices
+  pip install "jax[cuda13-local]==0.12.0.1"     # XLA's GPU compiler, for:
+  python benchmarks/maxtext_llama.py --config 1b  # 1.1B llama, 8 H100s
+
+Each run rewrites its own part of ``results/maxtext_llama.json`` (a mesh at
+a time, keeping the other part and the other meshes).
 
 MaxText's model is built as its trainer builds it (``pyconfig``, its mesh,
-its logical-axis rules, its NNX model and its ``train.loss_fn``), as a tiny
-llama2 (2 layers, d_model 64, 4 heads, vocabulary 256, 32 tokens, 2
-sequences per device) in float32 on 8 CPU devices. Its activation
-constraints name the data axes on the batch dimension, which
-``view="global"`` accepts as written: ``fun`` sees the global micro-batch,
-as under plain ``jit``. The loss is MaxText's token-weighted cross-entropy,
-returned as ``(xent_sum, total_weights)`` with ``normalize="weighted"``.
+its logical-axis rules, its NNX model, its parameter shardings and its
+``train.loss_fn``). Its activation constraints name the data axes on the
+batch dimension, which ``view="global"`` accepts as written: ``fun`` sees
+the global micro-batch, as under plain ``jit``. For jaxaccum the loss is
+MaxText's token-weighted cross-entropy, returned as ``(xent_sum,
+total_weights)`` with ``normalize="weighted"``. Meshes: data 8, fsdp 8 and
+data 4 x fsdp 2.
 
-Per mesh (data 8, fsdp 8, data 4 x fsdp 2) and k: the loss and the largest
-relative gradient difference (max |a - b| / max |b| per leaf) against
-``jax.value_and_grad`` of MaxText's loss on the whole batch.
+Three programs compute the loss and the gradients (no optimizer) of the
+same global batch, each under ``jit`` with the gradients' shardings those
+of the parameters:
+
+- the full batch: ``jax.value_and_grad`` of ``train.loss_fn``;
+- MaxText's own accumulation: its config with
+  ``gradient_accumulation_steps=k`` (and ``per_device_batch_size`` divided
+  by ``k``, so that the global batch is the same), through the function its
+  ``train_step`` calls, ``gradient_accumulation_loss_and_grad`` (a
+  ``lax.scan`` over strided micro-batches);
+- ``jaxaccum.value_and_grad(..., k, view="global")``.
+
+``--config tiny`` (the default): a tiny llama2 (2 layers, d_model 64, 4
+heads, vocabulary 256, 32 tokens, 4 sequences per device) in float32 on 8
+CPU devices. It runs the three: the loss and the largest relative gradient
+difference (max |a - b| / max |b| per leaf) of jaxaccum and of MaxText's
+accumulation against the full batch; and compiles them for XLA's memory
+analysis.
+
+``--config 1b``: MaxText's llama2 with TinyLlama-1.1B's shapes (22 layers,
+d_model 2048, 32 query and 4 key-value heads, MLP 5632, vocabulary 32000),
+bfloat16 activations and float32 weights as MaxText runs it on a GPU
+(``hardware=gpu``, full rematerialization, scanned layers; dot-product
+attention, since the cuDNN kernel needs Transformer Engine), 8 sequences of
+2048 tokens per device. Compiled for 8 H100s
+(``jaxaccum.compile_target("h100", topology="1x1x8")``), never run.
+
+Per program and device, from the compiled program:
+
+- ``peak_bytes``: XLA's memory analysis
+  (``jax.jit(f).lower(...).compile().memory_analysis()``), argument +
+  output + temp - alias bytes (``jaxaccum.MemoryStats``);
+- ``live_at_peak_bytes``: the bytes of the values live at the program's
+  fullest point, from the live-range report XLA dumps for it
+  (``--xla_dump_to``): what the program holds at once, before XLA packs it
+  into buffers (the peak adds what packing leaves unused);
+- ``in_loop_collectives``: the collective instructions inside the
+  micro-batch loop (the loop outside every other loop that runs ``k`` times
+  and holds the layer scans), read from the optimized HLO with
+  ``jaxaccum.testing.collectives``.
+
+MaxText's persistent compilation cache is off (``jax_cache_dir=""``), so
+that every program is compiled and dumped.
 """
 
 from __future__ import annotations
@@ -33,52 +79,102 @@ import importlib.metadata
 import json
 import pathlib
 import platform
-from typing import Any
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxaccum
-from jaxaccum import testing
+from jaxaccum import _hlo, _memory, testing
 
 MESHES = {
   "data (8)": {"ici_data_parallelism": 8, "ici_fsdp_parallelism": 1},
   "fsdp (8)": {"ici_data_parallelism": 1, "ici_fsdp_parallelism": 8},
   "data (4) x fsdp (2)": {"ici_data_parallelism": 4, "ici_fsdp_parallelism": 2},
 }
-KS = (2, 4)
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "maxtext_llama.json"
+#: Where XLA dumps each compiled program (``--xla_dump_to``, set in main()).
+DUMP = pathlib.Path(tempfile.gettempdir()) / "jaxaccum-maxtext-dump"
+_LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
 
 
-def config(parallelism: dict[str, int]) -> Any:
-  """MaxText's config of the tiny float32 llama2."""
+class Size(NamedTuple):
+  """A model to measure: MaxText settings, the k to run, where."""
+
+  settings: dict[str, Any]
+  ks: tuple[int, ...]
+  target: str | None  # a jaxaccum.compile_target name; None: run on CPU
+  section: str  # where its rows go in the results
+
+
+SIZES = {
+  "tiny": Size(
+    {
+      "model_name": "llama2-7b",
+      "base_emb_dim": 64,
+      "base_num_query_heads": 4,
+      "base_num_kv_heads": 4,
+      "base_mlp_dim": 128,
+      "base_num_decoder_layers": 2,
+      "head_dim": 16,
+      "vocab_size": 256,
+      "max_target_length": 32,
+      "per_device_batch_size": 4,
+      "dtype": "float32",
+      "matmul_precision": "highest",
+      "hardware": "cpu",
+    },
+    ks=(2, 4),
+    target=None,
+    section="rows",
+  ),
+  "1b": Size(
+    {
+      "model_name": "llama2-7b",
+      "base_emb_dim": 2048,
+      "base_num_query_heads": 32,
+      "base_num_kv_heads": 4,
+      "base_mlp_dim": 5632,
+      "base_num_decoder_layers": 22,
+      "head_dim": 64,
+      "vocab_size": 32000,
+      "max_target_length": 2048,
+      "per_device_batch_size": 8,
+      "dtype": "bfloat16",
+      "hardware": "gpu",
+    },
+    ks=(2, 4, 8),
+    target="h100",
+    section="h100",
+  ),
+}
+
+
+def config(size: Size, parallelism: dict[str, int], k: int = 1) -> Any:
+  """MaxText's config; with ``k``, its own accumulation over ``k``
+  micro-batches of the same global batch."""
   import maxtext  # noqa: PLC0415
   from maxtext.configs import pyconfig  # noqa: PLC0415
 
   base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
   settings = {
-    "model_name": "llama2-7b",
+    **size.settings,
     "override_model_config": "true",
-    "base_emb_dim": 64,
-    "base_num_query_heads": 4,
-    "base_num_kv_heads": 4,
-    "base_mlp_dim": 128,
-    "base_num_decoder_layers": 2,
-    "head_dim": 16,
-    "vocab_size": 256,
-    "max_target_length": 32,
-    "per_device_batch_size": 2,
+    "per_device_batch_size": size.settings["per_device_batch_size"] / k,
+    "gradient_accumulation_steps": k,
     "attention": "dot_product",
-    "dtype": "float32",
-    "matmul_precision": "highest",
-    "hardware": "cpu",
     "enable_checkpointing": "false",
     "dataset_type": "synthetic",
     "run_name": "jaxaccum",
     "base_output_directory": "/tmp/jaxaccum-maxtext",
     "enable_goodput_recording": "false",
     "skip_jax_distributed_system": "true",
+    "jax_cache_dir": "",  # every program compiled, and dumped
     **parallelism,
   }
   return pyconfig.initialize(
@@ -86,21 +182,27 @@ def config(parallelism: dict[str, int]) -> Any:
   )
 
 
-def measure(name: str, parallelism: dict[str, int]) -> dict[str, Any]:
-  """The full batch against jaxaccum's global view at each k, on one mesh."""
+class Setup(NamedTuple):
+  """MaxText's model as its trainer builds it, split for differentiation."""
+
+  cfg: Any
+  mesh: jax.sharding.Mesh
+  graphdef: Any
+  params: Any  # nnx.State of the Params: arrays, or ShapeDtypeStructs
+  rest: Any  # the other state (RNGs), likewise
+  params_shardings: Any  # what train_step gets as params_shardings
+  batch: dict[str, Any]
+
+
+def build(cfg: Any, devices: list[jax.Device], *, concrete: bool) -> Setup:
+  """The model, its parameters and a synthetic batch on MaxText's mesh of
+  ``devices``; with ``concrete=False``, only their shapes and shardings."""
   from flax import nnx  # noqa: PLC0415
-  from flax.linen import partitioning  # noqa: PLC0415
   from maxtext.common import train_state_nnx  # noqa: PLC0415
   from maxtext.optimizers import optimizers  # noqa: PLC0415
-  from maxtext.trainers.pre_train import train  # noqa: PLC0415
   from maxtext.utils import maxtext_utils, model_creation_utils, sharding  # noqa: PLC0415
 
-  cfg = config(parallelism)
-  mesh = maxtext_utils.get_mesh_from_config(cfg)
-
-  def rules():
-    return partitioning.axis_rules(cfg.logical_axis_rules)
-
+  mesh = maxtext_utils.get_mesh_from_config(cfg, devices)
   create_model, abstract = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
   tx = optimizers.get_optimizer(
     cfg, maxtext_utils.create_learning_rate_schedule(cfg), abstract, mesh=mesh
@@ -111,114 +213,362 @@ def measure(name: str, parallelism: dict[str, int]) -> dict[str, Any]:
     return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
 
   _, _, shardings = maxtext_utils.get_abstract_state(cfg, mesh, init_state, True)
-  with rules():
-    state = jax.jit(lambda: nnx.state(init_state()), out_shardings=shardings)()
+  params_shardings, _ = sharding.maybe_update_params_sharding_with_opt(cfg, shardings)
+  init = jax.jit(lambda: nnx.state(init_state()), out_shardings=shardings)
+  with rules(cfg):
+    state = init() if concrete else jax.eval_shape(init)
     model = nnx.merge(nnx.graphdef(nnx.eval_shape(init_state)), state).model
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   rows, length = cfg.global_batch_size_to_train_on, cfg.max_target_length
-  tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (rows, length + 1))
-  positions = np.broadcast_to(np.arange(length), (rows, length))
-  ones = np.ones((rows, length))
-  batch = {
-    "inputs": tokens[:, :-1],
-    "inputs_position": positions,
-    "inputs_segmentation": ones,
-    "targets": tokens[:, 1:],
-    "targets_position": positions,
-    "targets_segmentation": ones,
-  }
-  batch = jax.device_put(
-    {k: np.asarray(v, np.int32) for k, v in batch.items()},
-    sharding.get_input_data_sharding(cfg, mesh),
-  )
+  data_sharding = sharding.get_input_data_sharding(cfg, mesh)
+  if concrete:
+    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (rows, length + 1))
+    positions = np.broadcast_to(np.arange(length), (rows, length))
+    ones = np.ones((rows, length))
+    batch = {
+      "inputs": tokens[:, :-1],
+      "inputs_position": positions,
+      "inputs_segmentation": ones,
+      "targets": tokens[:, 1:],
+      "targets_position": positions,
+      "targets_segmentation": ones,
+    }
+    batch = jax.device_put(
+      {k: np.asarray(v, np.int32) for k, v in batch.items()}, data_sharding
+    )
+  else:
+    names = ("inputs", "targets")
+    batch = {
+      f"{n}{part}": jax.ShapeDtypeStruct(
+        (rows, length), jnp.int32, sharding=data_sharding
+      )
+      for n in names
+      for part in ("", "_position", "_segmentation")
+    }
+  return Setup(cfg, mesh, graphdef, params, rest, params_shardings, batch)
 
-  def maxtext_loss(params, batch, rest):
-    model = nnx.merge(graphdef, params, rest, copy=True)
-    return train.loss_fn(model, cfg, dict(batch), None, None, is_train=True)
 
-  def full_loss(params, batch, rest):
-    return maxtext_loss(params, batch, rest)[0]
+def rules(cfg: Any) -> Any:
+  from flax.linen import partitioning  # noqa: PLC0415
+
+  return partitioning.axis_rules(cfg.logical_axis_rules)
+
+
+def programs(full: Setup, size: Size, parallelism: dict[str, int], k: int) -> dict:
+  """The three programs of ``(params, batch, rest)`` -> ``(loss, grads)``
+  at ``k``, each jitted with the gradients in the parameters' shardings."""
+  from flax import nnx  # noqa: PLC0415
+  from maxtext.trainers.pre_train import train  # noqa: PLC0415
+  from maxtext.utils import gradient_accumulation  # noqa: PLC0415
+
+  ga = build(config(size, parallelism, k), list(full.mesh.devices.flat), concrete=False)
+
+  def loss_fn(setup, params, batch, rest):
+    model = nnx.merge(setup.graphdef, params, rest, copy=True)
+    return train.loss_fn(model, setup.cfg, dict(batch), None, None, is_train=True)
+
+  def full_batch(params, batch, rest):
+    return jax.value_and_grad(lambda p: loss_fn(full, p, batch, rest)[0])(params)
+
+  def maxtext_ga(params, batch, rest):  # what train_step does with k > 1
+    model = nnx.merge(ga.graphdef, params, rest, copy=True)
+    loss, _, grads = gradient_accumulation.gradient_accumulation_loss_and_grad(
+      train.loss_fn, ga.cfg, model, None, ga.params_shardings, dict(batch), None
+    )
+    return loss, grads
 
   def summed_loss(params, batch, rest):  # normalize="weighted": (sum, weight)
-    aux = maxtext_loss(params, batch, rest)[1]
+    aux = loss_fn(full, params, batch, rest)[1]
     return aux["xent_sum"], aux["total_weights"]
 
-  row: dict[str, Any] = {"mesh": name, "axes": dict(mesh.shape), "ks": {}}
-  data_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-  with jax.set_mesh(mesh), rules():
-    value, want = jax.jit(jax.value_and_grad(full_loss))(params, batch, rest)
-    row["full_batch_loss"] = float(value)
-    for k in KS:
-      step = jaxaccum.value_and_grad(
-        summed_loss,
-        k,
-        normalize="weighted",
-        mesh=mesh,
-        data_axis=data_axes,
-        view="global",
-        param_specs=jax.tree.map(lambda x: x.sharding.spec, params),
-      )
-      value, grads = jax.jit(step)(params, batch, rest)
-      differences = [
-        float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
-        for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True)
-      ]
-      row["ks"][str(k)] = {"loss": float(value), "grad_rel_diff": max(differences)}
-      print(
-        f"{name:<20} k={k}: loss {float(value):.7f}, gradients {max(differences):.1e}"
-      )
+  data_axes = tuple(a for a in ("data", "fsdp") if full.mesh.shape[a] > 1)
+  accumulated = jaxaccum.value_and_grad(
+    summed_loss,
+    k,
+    normalize="weighted",
+    mesh=full.mesh,
+    data_axis=data_axes,
+    view="global",
+    param_specs=jax.tree.map(lambda s: s.spec, full.params_shardings),
+  )
+  scalar = jax.sharding.NamedSharding(full.mesh, jax.sharding.PartitionSpec())
+  out = (scalar, full.params_shardings)
+  return {
+    "full_batch": jax.jit(full_batch, out_shardings=out),
+    "maxtext_ga": jax.jit(maxtext_ga, out_shardings=out),
+    "jaxaccum": jax.jit(accumulated, out_shardings=out),
+  }
+
+
+def micro_batch_loop(hlo_text: str, k: int) -> set[str] | None:
+  """The computations inside the micro-batch loop: the one loop outside
+  every other loop that runs ``k`` times and holds loops of its own (the
+  layer scans). None if there is not exactly one."""
+  module = _hlo.parse(hlo_text)
+
+  def reachable(name: str, seen: set[str]) -> set[str]:
+    if name not in seen and name in module.computations:
+      seen.add(name)
+      for i in module.computations[name]:
+        for called in (*_hlo._called(i), i.attribute("body"), i.attribute("condition")):
+          if called:
+            reachable(called, seen)
+    return seen
+
+  loops, stack, seen = [], [module.entry], set()
+  while stack:  # the computations outside every loop
+    name = stack.pop()
+    if name in seen or name not in module.computations:
+      continue
+    seen.add(name)
+    for i in module.computations[name]:
+      if i.op != "while":
+        stack.extend(_hlo._called(i))
+        continue
+      trips = _hlo._TRIP_COUNT.search(i.attributes)
+      inside = reachable(i.attribute("body") or "", set())
+      nested = any(j.op == "while" for c in inside for j in module.computations[c])
+      if trips and int(trips.group(1)) == k and nested:
+        loops.append(inside | reachable(i.attribute("condition") or "", set()))
+  return loops[0] if len(loops) == 1 else None
+
+
+def live_at_peak(hlo_text: str) -> int | None:
+  """The bytes live at the fullest point of the compiled program (the peak
+  of the live-range report XLA dumped for it, before they are packed into
+  buffers)."""
+  module = hlo_text.split(None, 2)[1].rstrip(",")  # "HloModule jit_f, ..."
+  paths = sorted(DUMP.glob(f"*.{module}.*after_optimizations-live-range.txt"))
+  match = _LIVE_PEAK.search(paths[-1].read_text()) if paths else None
+  return int(match.group(1).replace(" ", "")) if match else None
+
+
+def measure_memory(compiled: Any, target: Any, k: int | None) -> dict[str, Any]:
+  """Peak bytes per device, the bytes live at the peak and, with ``k``,
+  the collectives in the micro-batch loop."""
+  stats = _memory._memory_of(compiled, target)
+  text = compiled.as_text()
+  row: dict[str, Any] = {
+    "peak_bytes": stats.peak_bytes,
+    "argument_bytes": stats.argument_bytes,
+    "output_bytes": stats.output_bytes,
+    "temp_bytes": stats.temp_bytes,
+    "live_at_peak_bytes": live_at_peak(text),
+  }
+  if k is not None:
+    loop = micro_batch_loop(text, k)
+    row["in_loop_collectives"] = (
+      None
+      if loop is None
+      else sum(c.computation in loop for c in testing.collectives(text))
+    )
   return row
 
 
+def relative_difference(grads: Any, want: Any) -> float:
+  """The largest over the leaves of max |a - b| / max |b|."""
+  return max(
+    float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True)
+  )
+
+
+def measure(size: Size, name: str, target: Any) -> tuple[dict[str, Any], dict]:
+  """One mesh: each program's peak and in-loop collectives per k; on CPU
+  also each one's loss and gradient difference against the full batch.
+  Returns the row and the model's size."""
+  parallelism = MESHES[name]
+  devices = list(target.mesh().devices.flat) if target else jax.devices()[:8]
+  full = build(config(size, parallelism), devices, concrete=target is None)
+  args = (full.params, full.batch, full.rest)
+  row: dict[str, Any] = {"mesh": name, "axes": dict(full.mesh.shape), "ks": {}}
+  model = {
+    "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full.params)),
+    "global_batch": full.cfg.global_batch_size_to_train_on,
+    "sequence_length": full.cfg.max_target_length,
+  }
+  with jax.set_mesh(full.mesh), rules(full.cfg):
+    for k in size.ks:
+      cell: dict[str, Any] = {}
+      for approach, fun in programs(full, size, parallelism, k).items():
+        if approach == "full_batch" and "full_batch" in row:
+          continue
+        shutil.rmtree(DUMP, ignore_errors=True)
+        compiled = _memory.compile_for(fun, args, {}, target)
+        memory = measure_memory(
+          compiled, target, None if approach == "full_batch" else k
+        )
+        if target is None:
+          value, grads = compiled(*args)
+          if approach == "full_batch":
+            want = grads
+            row["full_batch_loss"] = float(value)
+          else:
+            memory["loss"] = float(value)
+            memory["grad_rel_diff"] = relative_difference(grads, want)
+        if approach == "full_batch":
+          row["full_batch"] = memory
+        else:
+          cell[approach] = memory
+        print(f"{name:<20} k={k} {approach:<10} {memory}", flush=True)
+      if target is None:  # the fields of the first table
+        cell["loss"] = cell["jaxaccum"]["loss"]
+        cell["grad_rel_diff"] = cell["jaxaccum"]["grad_rel_diff"]
+      row["ks"][str(k)] = cell
+  return row, model
+
+
 def table(results: dict[str, Any]) -> str:
-  """The manual's table: per mesh, the full batch's loss and each k's loss
-  and largest relative gradient difference."""
+  """The manual's table: per mesh, the full batch's loss and, per k, the
+  loss and largest relative gradient difference of jaxaccum and of
+  MaxText's own accumulation."""
   ks = sorted({k for r in results["rows"] for k in r["ks"]}, key=int)
   v = results["versions"]
   head = (
     f"Run on {results['date']}, 8 CPU devices, Python {results['python']}, "
     f"jax {v['jax']}, flax {v['flax']}, MaxText {v['maxtext']}: MaxText's "
     "llama and loss as its trainer builds them, unmodified, through "
-    '`jaxaccum.value_and_grad(..., mesh=mesh, view="global")`, against '
-    "`jax.value_and_grad` of the same loss on the whole batch. The gradient "
-    "difference is the largest over the parameters of max |a - b| / max |b|."
+    '`jaxaccum.value_and_grad(..., mesh=mesh, view="global")` and through '
+    "MaxText's own accumulation (`gradient_accumulation_steps=k`), against "
+    "`jax.value_and_grad` of the same loss on the whole batch. Each cell: "
+    "the loss / the largest over the parameters of max |a - b| / max |b|."
     "\n\n"
   )
+
+  def cell(c: dict[str, Any]) -> str:
+    return f"{c['loss']:.7f} / {c['grad_rel_diff']:.1e}"
+
   header = "| mesh | full batch loss | " + " | ".join(
-    f"k = {k}: loss / max gradient difference" for k in ks
+    f"k = {k}: jaxaccum | k = {k}: MaxText GA" for k in ks
   )
-  lines = [header + " |", "|---|---|" + "---|" * len(ks)]
+  lines = [header + " |", "|---|---|" + "---|---|" * len(ks)]
   for r in results["rows"]:
-    cells = [
-      f"{r['ks'][k]['loss']:.7f} / {r['ks'][k]['grad_rel_diff']:.1e}" for k in ks
-    ]
+    cells = [f"{cell(r['ks'][k])} | {cell(r['ks'][k]['maxtext_ga'])}" for k in ks]
     lines.append(
       f"| {r['mesh']} | {r['full_batch_loss']:.7f} | " + " | ".join(cells) + " |"
     )
   return head + "\n".join(lines)
 
 
-BLOCKS = {"maxtext_llama table": table}
+def peak_table(rows: list[dict[str, Any]], head: str, unit: str) -> str:
+  """Per mesh and k: the three peaks (in ``unit``); jaxaccum's ratio to
+  MaxText's accumulation, and its difference in peak and in the bytes live
+  at the peak; and the collectives inside each one's micro-batch loop."""
+  scale = {"KiB": 2**10, "GiB": 2**30}[unit]
+
+  def size(n: int) -> str:
+    return f"{n / scale:,.{1 if unit == 'KiB' else 2}f}"
+
+  def difference(a: int | None, b: int | None) -> str:
+    if a is None or b is None:
+      return "?"
+    n = a - b
+    return f"{n:+,} B" if abs(n) < 2**20 else f"{n / 2**20:+,.1f} MiB"
+
+  lines = [
+    head,
+    "",
+    f"| mesh | k | full batch ({unit}) | MaxText GA ({unit}) | jaxaccum ({unit}) "
+    "| jaxaccum ÷ MaxText GA | jaxaccum - MaxText GA: peak / live at peak "
+    "| in-loop collectives: MaxText GA / jaxaccum |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    full = r["full_batch"]["peak_bytes"]
+    for k, cell in sorted(r["ks"].items(), key=lambda item: int(item[0])):
+      ga, ours = cell["maxtext_ga"], cell["jaxaccum"]
+      peak = difference(ours["peak_bytes"], ga["peak_bytes"])
+      live = difference(ours["live_at_peak_bytes"], ga["live_at_peak_bytes"])
+      lines.append(
+        f"| {r['mesh']} | {k} | {size(full)} | {size(ga['peak_bytes'])} "
+        f"| {size(ours['peak_bytes'])} "
+        f"| {ours['peak_bytes'] / ga['peak_bytes']:.3f} | {peak} / {live} "
+        f"| {ga['in_loop_collectives']} / {ours['in_loop_collectives']} |"
+      )
+  return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
-  parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated")
-  args = parser.parse_args(argv)
-  testing.cpu_devices(8)  # before JAX starts its backend
-  rows = [measure(name, MESHES[name]) for name in args.meshes.split(",")]
-  results = {
+def cpu_peaks(results: dict[str, Any]) -> str:
+  """The tiny llama's peaks on 8 CPU devices."""
+  v = results["versions"]
+  head = (
+    f"Run on {results['date']}, jax {v['jax']}, MaxText {v['maxtext']}: the "
+    "tiny float32 llama on 8 CPU devices, loss and gradients of the same "
+    "global batch. Peak per device (XLA's memory analysis: argument + output "
+    "+ temp - alias). MaxText GA: its `gradient_accumulation_steps=k`; "
+    'jaxaccum: `value_and_grad(..., view="global")`.'
+  )
+  return peak_table(results["rows"], head, "KiB")
+
+
+def h100_peaks(results: dict[str, Any]) -> str:
+  """The 1.1B llama's peaks compiled for 8 H100s."""
+  run = results["h100"]
+  v = run["versions"]
+  head = (
+    f"Compile-only, {run['date']}, jax {v['jax']}, MaxText {v['maxtext']}: "
+    f"MaxText's llama2 with {run['parameters']:,} parameters (bfloat16 "
+    "activations, float32 weights), "
+    f"{run['global_batch']} sequences of {run['sequence_length']} tokens per "
+    f"step, compiled for {run['devices']} {run['device_kind']}s. Peak per "
+    "device, as above."
+  )
+  return peak_table(run["rows"], head, "GiB")
+
+
+BLOCKS: dict[str, Callable[[dict[str, Any]], str]] = {
+  "maxtext_llama table": table,
+  "maxtext_llama peak": cpu_peaks,
+  "maxtext_llama h100": h100_peaks,
+}
+
+
+def save(
+  path: pathlib.Path, size: Size, rows: list[dict[str, Any]], info: dict
+) -> None:
+  """Writes ``rows`` into their section of the results, replacing the rows
+  of the same meshes and keeping the rest."""
+  results = json.loads(path.read_text()) if path.exists() else {}
+  header = {
     "date": datetime.date.today().isoformat(),
     "versions": {
       name: importlib.metadata.version(name) for name in ("jax", "flax", "maxtext")
     },
     "python": platform.python_version(),
-    "rows": rows,
   }
-  args.out.write_text(json.dumps(results, indent=1) + "\n")
-  print(f"wrote {args.out}")
+  part = results if size.section == "rows" else results.setdefault(size.section, {})
+  done = {r["mesh"] for r in rows}
+  kept = [r for r in part.get("rows", []) if r["mesh"] not in done]
+  order = list(MESHES)
+  part.update(header, **info)
+  part["rows"] = sorted(kept + rows, key=lambda r: order.index(r["mesh"]))
+  path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", choices=SIZES, default="tiny")
+  parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated")
+  parser.add_argument("--ks", help="comma-separated (default: the config's)")
+  args = parser.parse_args(argv)
+  size = SIZES[args.config]
+  if args.ks:
+    size = size._replace(ks=tuple(int(k) for k in args.ks.split(",")))
+  testing.cpu_devices(8)  # before JAX starts its backend
+  os.environ["XLA_FLAGS"] += f" --xla_dump_to={DUMP} --xla_gpu_dump_llvmir=false"
+  target = None
+  info: dict[str, Any] = {}
+  if size.target:
+    target = jaxaccum.compile_target(size.target, topology="1x1x8")
+    info = {"devices": len(target.devices), "device_kind": target.device_kind}
+  rows = []
+  for name in args.meshes.split(","):
+    row, model = measure(size, name, target)
+    rows.append(row)
+    save(args.out, size, rows, {**info, **model})
+    print(f"wrote {args.out}", flush=True)
 
 
 if __name__ == "__main__":
