@@ -396,7 +396,7 @@ def table(results: dict[str, Any]) -> str:
 
 def summary(results: dict[str, Any]) -> str:
   """The ``pipeline summary`` block: the lowest peak per target and model,
-  against FSDP, and what MaxText gave."""
+  against FSDP."""
   bullets = []
   for target, info in results["targets"].items():
     for model in results["models"]:
@@ -426,7 +426,6 @@ def summary(results: dict[str, Any]) -> str:
         f"**{info['title']}**: {len(refused)} configurations refused by the "
         "compiler (beyond the device's memory, or an error), shown as refused."
       )
-  bullets.append(maxtext_bullet(results))
   return "\n".join(f"- {b}" for b in bullets)
 
 
@@ -452,63 +451,59 @@ def _against_fsdp(
   )
 
 
-def maxtext_bullet(results: dict[str, Any]) -> str:
-  """MaxText's own pipeline on the same configurations, where it compiled,
-  against jaxaccum's: its note and one sentence per row."""
+def maxtext_table(results: dict[str, Any]) -> str:
+  """The ``pipeline maxtext`` block: MaxText's own pipeline on the same
+  configurations, against jaxaccum's, a row per configuration."""
   maxtext = results["maxtext"]
-  parts = [f"**MaxText's pipeline.** {maxtext['note']}"]
+  if not maxtext["rows"]:
+    return f"{maxtext['note']}"
+  lines = [
+    maxtext["note"],
+    "",
+    "| target | stages × data | m | r | bubble | MaxText: peak / collective GiB "
+    "| jaxaccum: peak / collective GiB | jaxaccum ÷ MaxText: peak / bytes "
+    "| at or below MaxText |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for m in maxtext["rows"]:
+    config = (m["stages"], m["data"], m["m"], m["r"])
     ours = [
       r
       for r in results["rows"]
-      if r["target"] == m["target"]
-      and r["model"] == m["model"]
-      and (r["stages"], r["data"], r["m"], r["r"])
-      == (m["stages"], m["data"], m["m"], m["r"])
+      if (r["target"], r["model"]) == (m["target"], m["model"])
+      and (r["stages"], r["data"], r["m"], r["r"]) == config
       and r["peak_bytes"]
     ]
-    title = results["targets"][m["target"]]["title"]
-    where = f"{title}, {m['stages']} × {m['data']}, m = {m['m']}, r = {m['r']}"
-    if m.get("peak_bytes") is None:
-      parts.append(f"On the {where} it did not compile: {m['error']}.")
-      continue
-    text = (
-      f"On the {where} (bubble {_bubble(m['stages'], m['m'], m['r']):.2f}) MaxText's "
-      f"peak is {_gib(m['peak_bytes'])} GiB"
-      + (
-        f" and it moves {_gib(m['collective_bytes'])} GiB"
-        if m.get("collective_bytes") is not None
-        else ""
-      )
+    head = (
+      f"| {m['target']} | {m['stages']} × {m['data']} | {m['m']} | {m['r']} "
+      f"| {_bubble(m['stages'], m['m'], m['r']):.2f} "
     )
-    if ours:
-      o = ours[0]
-      text += (
-        f"; jaxaccum's {_gib(o['peak_bytes'])} GiB "
-        f"({o['peak_bytes'] / m['peak_bytes']:.2f} ×)"
-        + (
-          f" and {_gib(o['collective_bytes'])} GiB "
-          f"({o['collective_bytes'] / m['collective_bytes']:.2f} ×)"
-          if m.get("collective_bytes")
-          else ""
-        )
-        + ": the goal, at or below MaxText at equal bubble, is "
-        + (
-          "met"
-          if o["peak_bytes"] <= m["peak_bytes"]
-          and (
-            not m.get("collective_bytes")
-            or o["collective_bytes"] <= m["collective_bytes"]
-          )
-          else "**missed**"
-        )
-      )
-    parts.append(text + ".")
-  return " ".join(parts)
+    if m.get("peak_bytes") is None:
+      lines.append(head + f"| did not compile: {m['error']} | | | |")
+      continue
+    theirs = f"{_gib(m['peak_bytes'])} / {_gib(m['collective_bytes'])}"
+    if not ours:
+      lines.append(head + f"| {theirs} | not measured | | |")
+      continue
+    o = ours[0]
+    peak = o["peak_bytes"] / m["peak_bytes"]
+    moved = o["collective_bytes"] / m["collective_bytes"]
+    met = o["peak_bytes"] <= m["peak_bytes"] and (
+      o["collective_bytes"] <= m["collective_bytes"]
+    )
+    lines.append(
+      head + f"| {theirs} | {_gib(o['peak_bytes'])} / {_gib(o['collective_bytes'])} "
+      f"| {peak:.2f} / {moved:.2f} | {'yes' if met else '**no**'} |"
+    )
+  return "\n".join(lines)
 
 
 #: The blocks of ``benchmarks/README.md`` this file writes from ``pipeline.json``.
-BLOCKS = {"pipeline table": table, "pipeline summary": summary}
+BLOCKS = {
+  "pipeline table": table,
+  "pipeline summary": summary,
+  "pipeline maxtext": maxtext_table,
+}
 
 
 # ---------------------------------------------------------------- main
