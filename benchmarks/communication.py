@@ -148,12 +148,16 @@ PLAIN_APPROACHES = {
   "full_batch_again": "the full batch timed again (the A/A control)",
   "jaxaccum": "jaxaccum.value_and_grad(loss, k), plain jit, no mesh=",
   "jaxaccum_mesh": 'jaxaccum.value_and_grad(loss, k, mesh=, data_axis="data")',
+  "optax_microbatch": "optax.microbatching.microbatch(jax.value_and_grad(loss)), "
+  "plain jit (its strided split keeps each device's rows in place)",
   "contiguous_scan": "contiguous split: hand-written lax.scan over "
   "batch.reshape(k, B // k, ...), plain jit",
   "full_batch_one_device": "full batch on one device (a reference for the loop's "
   "own cost)",
   "jaxaccum_one_device": "jaxaccum.value_and_grad(loss, k) on one device; its "
   "ratio is to the full batch on one device",
+  "hand_scan_one_device": "the hand-written lax.scan on one device (the loop "
+  "any accumulation runs); its ratio is to the full batch on one device",
 }
 #: Collectives that move batch data between devices (the gradient
 #: reductions are all-reduces or reduce-scatters).
@@ -523,9 +527,14 @@ def run_plain_jit(*, rounds: int, min_sample_ms: float) -> dict[str, Any]:
       jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis="data", param_specs=P()),
       on_mesh,
     ),
+    "optax_microbatch": (
+      make_approach("optax_microbatch", k, mesh, batch_size=PLAIN_BATCH_SIZE),
+      on_mesh,
+    ),
     "contiguous_scan": (hand_scan(k), on_mesh),
     "full_batch_one_device": (jax.value_and_grad(loss), one_device),
     "jaxaccum_one_device": (jaxaccum.value_and_grad(loss, k), one_device),
+    "hand_scan_one_device": (hand_scan(k), one_device),
   }
   compiled = {
     name: (compile_step(fun, *args)[0], args) for name, (fun, args) in steps.items()
@@ -682,6 +691,8 @@ def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
     "contiguous_scan": "contiguous\nsplit",
     "full_batch_one_device": "full batch,\n1 device",
     "jaxaccum_one_device": "jaxaccum,\n1 device",
+    "optax_microbatch": "optax.\nmicrobatch",
+    "hand_scan_one_device": "hand scan,\n1 device",
   }
   ax.set_xticks(range(len(names)), [short.get(n, n) for n in names], fontsize=7)
   ax.set(
@@ -806,9 +817,11 @@ PLAIN_LABELS = {
   "full_batch_again": "the full batch again (A/A)",
   "jaxaccum": "jaxaccum, plain `jit`, no `mesh=`",
   "jaxaccum_mesh": "jaxaccum, `mesh=`",
+  "optax_microbatch": "optax.microbatch, plain `jit`",
   "contiguous_scan": "contiguous split (hand-written scan)",
   "full_batch_one_device": "full batch, one device",
   "jaxaccum_one_device": "jaxaccum, one device (× the full batch on one device)",
+  "hand_scan_one_device": "hand-written scan, one device (× the same)",
 }
 
 
@@ -901,6 +914,15 @@ def _plain_jit_prose(plain: dict[str, Any]) -> str:
       "over the full batch's is "
       f"{ratio(mesh['ratio_to_full'])}."
     )
+  if "optax_microbatch" in res:
+    peer = res["optax_microbatch"]
+    text += (
+      " optax.microbatch under plain `jit` (collective executions in its loop: "
+      f"{peer['in_loop_executions_per_step']}) takes "
+      f"{ratio(peer['ratio_to_full'])} × the full batch's time: jaxaccum's "
+      f"plain-jit step takes {ratio(acc['median_ms'] / peer['median_ms'])} × "
+      "optax.microbatch's."
+    )
   if "contiguous_scan" in res:
     scan = res["contiguous_scan"]
     gathered = scan["bytes_by_op"].get("all-gather", 0)
@@ -915,6 +937,11 @@ def _plain_jit_prose(plain: dict[str, Any]) -> str:
     text += (
       " On one device the same jaxaccum step takes "
       f"{ratio(one)} × the one-device full batch's time"
+      + (
+        f" (a hand-written scan {ratio(res['hand_scan_one_device']['ratio_to_full'])} ×)"
+        if "hand_scan_one_device" in res
+        else ""
+      )
       + (
         ", so the difference on the mesh comes with running the loop over "
         "devices that share the host's cores (not profiled further)."
