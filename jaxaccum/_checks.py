@@ -69,21 +69,6 @@ def check_args(options: Options, args: tuple[Any, ...]) -> None:
     _check_batch_is_no_key(options, args, n)
 
 
-def is_single_key(x: Any) -> bool:
-  """Whether ``x`` is one PRNG key: a typed key (``jax.random.key``) or a raw
-  ``uint32[2]`` key (``jax.random.PRNGKey``).
-
-  >>> is_single_key(jax.random.key(0)), is_single_key(jax.random.PRNGKey(0))
-  (True, True)
-  >>> is_single_key(jnp.zeros(2)), is_single_key(jax.random.split(jax.random.key(0)))
-  (False, False)
-  """
-  if _tree.is_key(x):
-    return jnp.ndim(x) == 0
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and dtype == jnp.uint32 and jnp.shape(x) == (2,)
-
-
 def _rng_fix(options: Options, n: int) -> str:
   """How to give each micro-batch its own key, for the user's argument at
   engine position ``n``."""
@@ -99,7 +84,7 @@ def _rng_fix(options: Options, n: int) -> str:
 def _check_batch_is_no_key(options: Options, args: tuple[Any, ...], n: int) -> None:
   """A PRNG key where the batch belongs (``loss(params, key, batch)`` with
   the default ``batch_argnums=1``) is named, with the positions that fit."""
-  if not is_single_key(args[n]):
+  if not _tree.is_single_key(args[n]):
     return
   offset = options.names.offset
   fits = _batch_like(options, args, exclude=n)
@@ -157,7 +142,7 @@ def warn_shared_args(
   offset = options.names.offset
   used = set(options.array_argnums) | set(options.shared_argnums)
   for n, arg in enumerate(args):
-    if n in used or not is_single_key(arg):
+    if n in used or not _tree.is_single_key(arg):
       continue
     warnings.warn(
       f"jaxaccum: {options.names(n)} is a PRNG key that reaches every "
@@ -241,7 +226,10 @@ def describe(x: Any) -> str:
   if isinstance(x, (tuple, list)):
     return f"a {type(x).__name__} of length {len(x)}"
   if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"a {jnp.dtype(x.dtype).name} array of shape={tuple(x.shape)}"
+    dtype = (
+      x.dtype if _tree.is_key(x) else jnp.dtype(x.dtype)
+    )  # key<fry> is no numpy dtype
+    return f"a {dtype.name} array of shape={tuple(x.shape)}"
   return f"a {type(x).__name__}"
 
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum import _compat, _normalize, _split
+from jaxaccum import _compat, _normalize, _split, _tree
 
 PyTree = Any
 
@@ -386,13 +386,20 @@ def noise_config(
   expected_batch_size: Any,
 ) -> NoiseConfig:
   """:func:`dp_noise`'s arguments, checked."""
-  from jaxaccum._options import check_clip_norm  # noqa: PLC0415 (the options import us)
+  # Imported here: the options (and through them the checks) import us.
+  from jaxaccum._checks import describe  # noqa: PLC0415
+  from jaxaccum._options import check_clip_norm  # noqa: PLC0415
 
   if key is None:
     raise ValueError(
       "dp_noise needs a key: the noise must come from randomness you pass, "
       "e.g. dp_noise(noise_multiplier, clip_norm, jax.random.key(seed), ...), "
       "with a fresh seed for every training run."
+    )
+  if not _tree.is_single_key(key):
+    raise TypeError(
+      "dp_noise's key must be one PRNG key, jax.random.key(seed) (or a raw "
+      f"uint32[2] jax.random.PRNGKey(seed)), got {describe(key)}."
     )
   _check_number("noise_multiplier", noise_multiplier)
   if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
@@ -459,11 +466,20 @@ def check_noise_matches(
       f"pass clip_per_example={config.clip_norm} (noise calibrated to C "
       "protects nothing unless each example's gradient is clipped to C)."
     )
-  if clip_per_example != config.clip_norm:
+  if np.float32(clip_per_example) != np.float32(config.clip_norm):
+    # Compared as the float32 the step computes with: 0.1 and np.float32(0.1)
+    # clip alike.
     raise ValueError(
       f"clip_per_example={clip_per_example} differs from dp_noise's "
       f"clip_norm={config.clip_norm}: the noise must be calibrated to the "
       "norm the examples are clipped to. Pass the same number to both."
+    )
+  if config.normalize == "fixed" and normalize == "sum":
+    raise ValueError(
+      'dp_noise\'s normalize="fixed" divides by the actual number of examples, '
+      'and the step\'s normalize="sum" divides by nothing: the update would be '
+      'the noisy sum. Use normalize="mean" (or "weighted") with a fixed batch '
+      'size, or dp_noise(..., normalize="poisson") for Poisson sampling.'
     )
   if config.normalize == "poisson" and normalize == "weighted":
     raise ValueError(
@@ -514,6 +530,16 @@ class PoissonSampler:
       draw larger than ``max_batch_size``.
     multiple_of: round ``max_batch_size`` up to a multiple of this (the
       number of micro-batches times the data-parallel devices).
+
+  Attributes:
+    num_examples: N, as given.
+    expected_batch_size: ``q * N``, as given (a float); pass it to
+      :func:`dp_noise` with ``normalize="poisson"``.
+    sampling_rate: ``q = expected_batch_size / num_examples``, for
+      :func:`dp_epsilon`.
+    max_batch_size: the padded size of every draw (rows).
+    overflow_probability: the exact probability, per step, of a draw larger
+      than ``max_batch_size``.
 
   >>> import numpy as np, jaxaccum
   >>> sampler = jaxaccum.PoissonSampler(1000, 100, multiple_of=8)

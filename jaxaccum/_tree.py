@@ -49,6 +49,21 @@ def is_key(x: Any) -> bool:
   return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def is_single_key(x: Any) -> bool:
+  """Whether ``x`` is one PRNG key: a typed key (``jax.random.key``) or a raw
+  ``uint32[2]`` key (``jax.random.PRNGKey``).
+
+  >>> is_single_key(jax.random.key(0)), is_single_key(jax.random.PRNGKey(0))
+  (True, True)
+  >>> is_single_key(jnp.zeros(2)), is_single_key(jax.random.split(jax.random.key(0)))
+  (False, False)
+  """
+  if is_key(x):
+    return jnp.ndim(x) == 0
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and dtype == jnp.uint32 and jnp.shape(x) == (2,)
+
+
 def fold_in(tree: PyTree, index: jax.Array | int) -> PyTree:
   """``jax.random.fold_in(key, index)`` for every typed key (or array of keys)
   in ``tree``; other leaves are returned as they are.

@@ -34,6 +34,7 @@ from jaxaccum import (
   _equivalence,
   _opt_state,
   _options,
+  _privacy,
   _train_step,
   _tree,
   _value_and_grad,
@@ -365,6 +366,11 @@ def make_train_step(
   advances once per micro-batch, so by ``k`` per step: micro-batch ``i``
   draws what the ``i``-th of ``k`` eager calls would.
 
+  DP-SGD: with ``clip_per_example=C`` and :func:`jaxaccum.dp_noise` first in
+  the optimizer's chain, the step passes the noise what the clipped sum was
+  divided by and checks its ``clip_norm``, as :func:`jaxaccum.make_train_step`
+  does.
+
   Args:
     loss_fn: ``loss_fn(model, batch, ...)``, as for
       :func:`jaxaccum.nnx.value_and_grad`.
@@ -428,14 +434,19 @@ def make_train_step(
     model, opt = flax_nnx.merge(graphdef, rngs, rest, copy=True)
     result, _ = run(model, *args, **call_kwargs)
     grads = result.grads[0]
+    noise = _privacy.find_noise(opt.opt_state)
+    extra: dict[str, Any] = {}
+    if noise is not None:  # dp_noise, as jaxaccum.make_train_step passes it
+      _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
+      extra["divided_by"] = _privacy.divided_by(result.total_weight, options.normalize)
     if both_update:
-      opt.update(grads)
+      opt.update(grads, **extra)
     else:
-      opt.update(model, grads)
+      opt.update(model, grads, **extra)
     parts: tuple[Any, ...] = flax_nnx.split((model, opt), flax_nnx.RngState, ...)
     _, new_rngs, new_rest = parts
     if skip_nonfinite:
-      ok = _train_step.worth_a_step(result, options)
+      ok = _train_step.worth_a_step(result, options, noise)
       new_rest = _tree.select(ok, new_rest, _tree.cast_like(rest, new_rest))
     value = (result.value, result.aux) if options.has_aux else result.value
     return new_rngs, new_rest, (value, result.noise) if options.noise_stats else value

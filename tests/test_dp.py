@@ -201,7 +201,7 @@ def test_linen_model_clipped_sum_equals_the_full_batch_vmap():
   batch = data()
   want, norms = clipped_sum(loss, params, batch)
   assert 0 < int(jnp.sum(norms > C)) < B
-  for k in (1, 4):
+  for k in (1, 2, 4, 8):
     grads = jaxaccum.grad(loss, k, normalize="sum", clip_per_example=C)(params, batch)
     assert_tree_close(grads, want, tolerance(B))
 
@@ -262,6 +262,8 @@ def test_nnx_model_with_an_rng_stream_is_refused_by_name():
   [
     (1, (8,), False, "device"),
     (2, (8,), False, "device"),
+    (4, (8,), False, "device"),
+    (8, (8,), False, "device"),
     (2, (2, 4), False, "device"),
     (2, (2, 4), True, "device"),
     (2, (2, 4), True, "global"),
@@ -292,6 +294,29 @@ def test_mesh_each_device_clips_its_own_examples(k, shape, fsdp, view):
   assert_tree_close(grads, jax.tree.map(lambda g: g / n, want), tolerance(64) / n)
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_mesh_weighted_divides_by_the_total_weight_of_real_examples(k):
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+  params, (x, y) = params0(), data(rows=64)
+  weight = jnp.where(jnp.arange(64) % 3 == 0, 0.0, 1.0 + (jnp.arange(64) % 2))
+  loss_sum = lambda p, e: weighted_example_loss(p, e)[0]  # noqa: E731
+  want, _ = clipped_sum(loss_sum, params, (x, y, weight))
+  put = lambda t: jax.device_put(t, NamedSharding(mesh, P(("data", "fsdp"))))  # noqa: E731
+  fun = jaxaccum.value_and_grad(
+    weighted_example_loss,
+    k,
+    normalize="weighted",
+    clip_per_example=C,
+    mesh=mesh,
+    data_axis=("data", "fsdp"),
+  )
+  _, grads = jax.jit(fun)(params, put((x, y, weight)))
+  total = float(weight.sum())
+  assert_tree_close(
+    grads, jax.tree.map(lambda g: g / total, want), tolerance(64) / total
+  )
+
+
 # ---------------------------------------------------------------- noise
 
 
@@ -306,11 +331,11 @@ def dp_tx(sigma, key, normalize="poisson", expected=float(B), lr=1.0):
   return optax.chain(noise, optax.sgd(lr))
 
 
-def full_batch_dp_sgd(params, batch, mask, key, *, sigma, divide_by):
+def full_batch_dp_sgd(params, batch, mask, key, *, sigma, divide_by, loss=example_loss):
   """DP-SGD by hand: the full batch's clipped sum, plus noise drawn as
   dp_noise documents it (draw 0: fold_in(key, 0), leaf i: split(.., n)[i]),
   divided, one SGD step of rate 1."""
-  total, _ = clipped_sum(example_loss, params, batch, mask)
+  total, _ = clipped_sum(loss, params, batch, mask)
   leaves, treedef = jax.tree.flatten(total)
   keys = jax.random.split(jax.random.fold_in(key, 0), len(leaves))
   noise = [jax.random.normal(k, g.shape) for k, g in zip(keys, leaves, strict=True)]
@@ -338,6 +363,28 @@ def test_train_step_update_equals_full_batch_dp_sgd_with_the_same_key(
   assert_tree_close(new, want, tolerance(B) + 1e-6)
   assert int(opt_state[0].draws) == 1
   assert opt_state[0].draws.dtype == jnp.int32  # mutmut: _privacy.dp_noise
+
+
+@pytest.mark.parametrize(("normalize", "divide_by"), [("poisson", B), ("fixed", 27)])
+def test_nnx_train_step_update_equals_full_batch_dp_sgd_with_the_same_key(
+  normalize, divide_by
+):
+  model, batch = NnxNet(nnx.Rngs(0)), data()
+  graphdef, params = nnx.split(model, nnx.Param)
+  pure = lambda p, e: nnx_loss(nnx.merge(graphdef, p), e)  # noqa: E731
+  mask = (jnp.arange(B) < 27).astype(jnp.float32)
+  sigma = 0.8
+  want = full_batch_dp_sgd(
+    params, batch, mask, jax.random.key(7), sigma=sigma, divide_by=divide_by, loss=pure
+  )
+  # The step donates the optimizer state, the key in it included.
+  optimizer = nnx.Optimizer(
+    model, dp_tx(sigma, jax.random.key(7), normalize), wrt=nnx.Param
+  )
+  step = jaxaccum.nnx.make_train_step(nnx_loss, optimizer, 4, clip_per_example=C)
+  step(model, batch, example_mask=mask)
+  assert_tree_close(nnx.state(model, nnx.Param), want, tolerance(B) + 1e-6)
+  assert int(optimizer.opt_state[0].draws[...]) == 1
 
 
 @pytest.mark.parametrize("divided_by", [0.0, 1.0, 4.0])
@@ -640,6 +687,47 @@ def test_noise_calibrated_to_another_clip_norm_is_named():
     f"clip_per_example={2 * C} differs from dp_noise's clip_norm={C}: the noise "
     "must be calibrated to the norm the examples are clipped to. Pass the same "
     "number to both."
+  )
+
+
+def test_a_clip_norm_given_as_float32_matches_the_noises():
+  clip = np.float32(0.1)  # 0.10000000149011612 as a Python float
+  noise = jaxaccum.dp_noise(1.0, 0.1, jax.random.key(0), normalize="fixed")
+  tx = optax.chain(noise, optax.sgd(1.0))
+  step = jaxaccum.make_train_step(example_loss, tx, 2, clip_per_example=clip)
+  _, opt_state, _ = step(params0(), tx.init(params0()), data())
+  assert int(opt_state[0].draws) == 1
+
+
+def test_fixed_noise_with_a_summed_step_is_named():
+  tx = dp_tx(1.0, jax.random.key(0), "fixed")
+  step = jaxaccum.make_train_step(
+    example_loss, tx, 2, normalize="sum", clip_per_example=C
+  )
+  with pytest.raises(ValueError) as error:
+    step(params0(), tx.init(params0()), data())
+  assert message(error) == (
+    'dp_noise\'s normalize="fixed" divides by the actual number of examples, and '
+    'the step\'s normalize="sum" divides by nothing: the update would be the noisy '
+    'sum. Use normalize="mean" (or "weighted") with a fixed batch size, or '
+    'dp_noise(..., normalize="poisson") for Poisson sampling.'
+  )
+
+
+@pytest.mark.parametrize(
+  ("key", "described"),
+  [
+    (0, "a int"),
+    (np.zeros(2, np.float32), "a float32 array of shape=(2,)"),
+    (jax.random.split(jax.random.key(0)), "a key<fry> array of shape=(2,)"),
+  ],
+)
+def test_a_key_that_is_not_one_prng_key_is_named(key, described):
+  with pytest.raises(TypeError) as error:
+    jaxaccum.dp_noise(1.0, 1.0, key, normalize="fixed")
+  assert message(error) == (
+    "dp_noise's key must be one PRNG key, jax.random.key(seed) (or a raw "
+    f"uint32[2] jax.random.PRNGKey(seed)), got {described}."
   )
 
 

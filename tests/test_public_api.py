@@ -143,3 +143,19 @@ def test_the_version_is_read_from_one_place():
     r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M
   )
   assert releases[0] == jaxaccum.__version__
+
+
+def test_every_public_name_is_in_all_so_that_the_reference_documents_it():
+  """pdoc, and so docs/api.py's docstring check, follows ``__all__``: a
+  public name left out of it had no entry in the API reference."""
+  import jaxaccum  # noqa: PLC0415
+
+  for module in (jaxaccum, jaxaccum.nnx):
+    public = {
+      name
+      for name, obj in vars(module).items()
+      if not name.startswith("_")
+      and (not inspect.ismodule(obj) or name == "nnx")
+      and getattr(obj, "__module__", "jaxaccum").startswith("jaxaccum")
+    }
+    assert public == set(module.__all__), module.__name__
