@@ -155,17 +155,17 @@ def psum_scatter(x: jax.Array, axis: str, dim: int) -> jax.Array:
   """``jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)``
   inside a ``shard_map`` manual over ``axis``.
 
-  JAX 0.12.0.1 fails to lower ``psum_scatter`` in a ``shard_map`` that
-  leaves some Explicit mesh axis to the partitioner (``ValueError: Length of
-  sharding.spec (2) must be equal to aval's ndim (0)``: the reduction's
-  scalars keep the operand's sharding), and 0.10.2 lowers it. There an
-  all-to-all of the ``n`` blocks and a sum of the blocks each device
-  receives give the same result for the same bytes on the wire; elsewhere
-  it is ``psum_scatter`` itself.
+  Where the ``shard_map`` leaves an Explicit mesh axis to the partitioner,
+  JAX cannot lower ``psum_scatter``: 0.12.0.1 fails with ``ValueError:
+  Length of sharding.spec (2) must be equal to aval's ndim (0)`` (the
+  reduction's scalars keep the operand's sharding), and 0.10.2 fails an
+  ``AssertionError`` when the operand is sharded along such an axis (FSDP
+  inside a pipeline stage). There an all-to-all of the ``n`` blocks and a
+  sum of the blocks each device receives give the same result for the same
+  bytes on the wire; elsewhere it is ``psum_scatter`` itself.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  explicit = jax.sharding.AxisType.Explicit
-  if jax.__version_info__ < (0, 12) or explicit not in mesh.axis_types:
+  if jax.sharding.AxisType.Explicit not in mesh.axis_types:  # manual axes show Manual
     return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
   return scatter_by_all_to_all(x, axis, dim)
 

@@ -27,7 +27,8 @@ The layout is MaxText's circular pipeline, written as one function of
   devices is split where it lies; the output rows come back in the input's
   order.
 - **Keys.** With ``rng_argnum``, layer ``l`` (its index among the ``L``) on
-  micro-batch ``j`` gets ``fold_in(fold_in(key, j), l)``.
+  micro-batch ``j`` gets ``fold_in(fold_in(key, j), l)``; data shard ``d``'s
+  micro-batch ``j`` counts as ``d·m + j``.
 - **Memory.** Each stage's ``n`` layers are rematerialized (``remat=True``):
   the backward pass keeps one micro-batch's activation per iteration.
 """
@@ -161,7 +162,12 @@ def pipeline(
       activation per iteration instead of every layer's.
     rng_argnum: the position of a PRNG key among ``pipe``'s arguments (2 or
       more: ``pipe(stacked, x, key)`` has it at 2). Layer ``l`` (counting all
-      ``L``) on micro-batch ``j`` gets ``fold_in(fold_in(key, j), l)``.
+      ``L``) on micro-batch ``j`` gets ``fold_in(fold_in(key, j), l)``. With
+      ``data_axis``, data shard ``d`` (its index over those axes, row-major)
+      pipelines its own rows, and its micro-batch ``j`` is number ``d·m +
+      j``: ``fold_in(fold_in(key, d·m + j), l)``, so that no two shards
+      draw the same numbers. Under jaxaccum's ``mesh=`` the key is already
+      each device's own.
     data_axis: mesh axes that the batch is sharded over (data parallelism
       beside the stages), under plain ``jit``: each device pipelines its own
       rows, and the weight gradients are summed over these axes once, after
@@ -416,8 +422,8 @@ class _Pipe:
   def __call__(self, stacked: PyTree, x: PyTree, *args: Any) -> PyTree:
     schedule = self.plan(stacked, x, args)
     self.check_layer(stacked, x, args, schedule)
-    stage = _StageFn(self.layer_fn, schedule, self.key_index, self.remat)
     extra = _Args(args)
+    stage = _StageFn(self.layer_fn, schedule, self.key_index, self.remat, extra)
     mesh = _find_mesh(stacked, self.axis, self.stages)
     if mesh is None:
       return self.on_one_device(stage, extra, stacked, x)
@@ -457,14 +463,21 @@ class _Pipe:
     micro = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct((rows, *jnp.shape(a)[1:]), a.dtype), x
     )
-    _check_layer_output(jax.eval_shape(self.layer_fn, one_layer, micro, *args), micro)
+    extra = _Args(args)  # static values closed over, not traced
+    out = jax.eval_shape(
+      lambda w, h, traced: self.layer_fn(w, h, *extra.full(traced)),
+      one_layer,
+      micro,
+      extra.traced,
+    )
+    _check_layer_output(out, micro)
 
   def on_one_device(
     self, stage: _StageFn, extra: _Args, stacked: PyTree, x: PyTree
   ) -> PyTree:
     """The stages as a ``vmap`` over the named stage axis: the same loop,
     without a mesh."""
-    loop = _Loop(stage, self.axis, extra, devices=False)
+    loop = _Loop(stage, self.axis, devices=False)
     run = jax.vmap(loop, in_axes=(0, None, None), out_axes=None, axis_name=self.axis)
     w = jax.tree.map(functools.partial(_by_stage, stage.schedule), stacked)
     return run(w, x, extra.traced)
@@ -488,10 +501,11 @@ class _Pipe:
     # the reduce-scatter).
     rows = jnp.shape(jax.tree.leaves(x)[0])[0]
     shards = math.prod(mesh.shape[a] for a in manual)
+    _check_shard_rows(rows, shards, manual, self.micro_batches)
     split_rows = (rows // shards) % self.stages == 0 and not _compat.spmd_vmap_axes(
       x, explicit=True
     )
-    loop = _Loop(stage, axis, extra, devices=True, split_rows=split_rows)
+    loop = _Loop(stage, axis, devices=True, split_rows=split_rows, data_axes=manual)
 
     def body(w, x, traced):
       if not vmapped:  # cotangents summed over these axes here, once
@@ -563,6 +577,27 @@ def _check_data_axes(data: tuple[str, ...], mesh: Any, stage_axis: str) -> None:
     )
 
 
+def _check_shard_rows(
+  rows: int, shards: int, axes: tuple[str, ...], micro_batches: int
+) -> None:
+  """Each data shard pipelines its own rows: they split into the
+  micro-batches."""
+  if rows % shards:
+    raise ValueError(
+      f"The batch_size={rows} does not split over the {shards} devices of the "
+      f"data axes {axes}: pass a batch whose size is a multiple of {shards}."
+    )
+  local = rows // shards
+  if local % micro_batches:
+    raise ValueError(
+      f"Each of the {shards} data shards (axes {axes}) pipelines its own "
+      f"{local} of the batch_size={rows} rows, and num_micro_batches="
+      f"{micro_batches} does not divide {local}: choose a num_micro_batches "
+      f"that does ({_divisors(local)}), or a batch_size that is a multiple "
+      f"of {shards * micro_batches}."
+    )
+
+
 def _entry(axes: tuple[str, ...]) -> Any:
   if not axes:
     return None
@@ -594,17 +629,19 @@ class _StageFn:
     schedule: Schedule,
     key_index: int | None,
     remat: Any,
+    extra: _Args,
   ):
     self.layer_fn = layer_fn
     self.schedule = schedule
     self.key_index = key_index
+    self.extra = extra
     fn = self._run
     if remat is not False:
       policy = None if remat is True else remat
       fn = jax.checkpoint(fn, prevent_cse=False, policy=policy)
     self.fn = fn
 
-  def _run(self, w, h, where, args):
+  def _run(self, w, h, where, traced):
     stage, micro, repeat = where
     sched = self.schedule
     n = sched.layers_per_stage
@@ -613,7 +650,7 @@ class _StageFn:
 
     def layer(h, xs):
       w_l, i = xs
-      call = list(args)
+      call = self.extra.full(traced)
       if self.key_index is not None:
         key = jax.random.fold_in(call[self.key_index], micro)
         call[self.key_index] = jax.random.fold_in(key, first + i)
@@ -622,9 +659,11 @@ class _StageFn:
     h, _ = jax.lax.scan(layer, h, (w, jnp.arange(n, dtype=jnp.int32)))
     return h
 
-  def __call__(self, w: PyTree, h: PyTree, where: tuple, args: list[Any]) -> PyTree:
-    """Runs the layers of repeat ``where = (stage, micro, repeat)`` on ``h``."""
-    return self.fn(w, h, where, args)
+  def __call__(self, w: PyTree, h: PyTree, where: tuple, traced: list[Any]) -> PyTree:
+    """Runs the layers of repeat ``where = (stage, micro, repeat)`` on ``h``;
+    ``micro`` is the index the keys fold in. ``traced``: the arrays among
+    ``pipe``'s extra arguments (the static values are closed over)."""
+    return self.fn(w, h, where, traced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,31 +674,34 @@ class _Loop:
   Attributes:
     stage_fn: the stage's layers.
     axis: the stage axis.
-    extra: ``pipe``'s extra arguments.
     devices: whether the stages are devices (else a ``vmap``, which wants
       every ``ppermute`` to be a permutation).
     split_rows: return each stage its share of the result's rows (a
       reduce-scatter), instead of all of them (an all-reduce).
+    data_axes: the manual data axes: data shard ``d`` (its index over
+      them) numbers its micro-batches ``d·m .. d·m + m - 1`` for the keys.
   """
 
   stage_fn: _StageFn
   axis: str
-  extra: _Args
   devices: bool
   split_rows: bool = False
+  data_axes: tuple[str, ...] = ()
 
   def __call__(self, w: PyTree, x: PyTree, traced: list[Any]) -> PyTree:
     """``w``: this stage's layers, leaves ``(r, n, ...)``; ``x``: the whole
-    batch; ``traced``: the arrays among the extra arguments."""
-    return _run_loop(self, w, x, self.extra.full(traced))
+    batch (of this data shard); ``traced``: the arrays among the extra
+    arguments."""
+    return _run_loop(self, w, x, traced)
 
 
-def _run_loop(loop: _Loop, w: PyTree, x: PyTree, args: list[Any]) -> PyTree:
+def _run_loop(loop: _Loop, w: PyTree, x: PyTree, traced: list[Any]) -> PyTree:
   """See :class:`_Loop`."""
   stage_fn, axis, devices = loop.stage_fn, loop.axis, loop.devices
   schedule = stage_fn.schedule
   S, r, m = schedule.stages, schedule.repeats, schedule.micro_batches
   stage = jax.lax.axis_index(axis)
+  shard = jax.lax.axis_index(loop.data_axes) if loop.data_axes else 0
   # Micro-batch j: rows j, j + m, ... (a batch sharded over devices stays put).
   buf = jax.tree.map(lambda a: _split(a, m), x)
   take = lambda tree, j: jax.tree.map(  # noqa: E731
@@ -682,7 +724,7 @@ def _run_loop(loop: _Loop, w: PyTree, x: PyTree, args: list[Any]) -> PyTree:
     micro, repeat, real = schedule.slot(t, stage)
     first = stage == 0
     inp = jax.tree.map(lambda b, a: jnp.where(first, b, a), take(buf, micro), act)
-    out = stage_fn(w, inp, (stage, micro, repeat), args)
+    out = stage_fn(w, inp, (stage, shard * m + micro, repeat), traced)
     # The last stage keeps its results: a slot's last write is the last
     # repeat's (every repeat writes every slot, in order).
     buf = put(buf, micro, out, real & (stage == S - 1))

@@ -273,19 +273,23 @@ def test_side_inputs_travel_with_the_activations_and_come_back_unchanged():
 # -- keys --------------------------------------------------------------------
 
 
-def keyed_reference(stacked, x, key, m):
+def keyed_reference(stacked, x, key, m, shards=1):
   """Pipeline micro-batch j (rows j, j + m, ...) through the L layers, layer
   l with ``fold_in(fold_in(key, j), l)``: a Python loop over j, a scan
-  over l."""
+  over l. With data ``shards``, shard d's rows (the d-th block of the
+  batch) are pipelined apart, its micro-batch j numbered d·m + j."""
   out = jnp.zeros_like(x)
-  for j in range(m):
-    keys = jax.vmap(
-      lambda layer, j=j: jax.random.fold_in(jax.random.fold_in(key, j), layer)
-    )(jnp.arange(LAYERS))
-    h = jax.lax.scan(
-      lambda h, wk: (dropout_layer(wk[0], h, wk[1]), None), x[j::m], (stacked, keys)
-    )[0]
-    out = out.at[j::m].set(h)
+  rows = x.shape[0] // shards
+  for d in range(shards):
+    for j in range(m):
+      keys = jax.vmap(
+        lambda layer, n=d * m + j: jax.random.fold_in(jax.random.fold_in(key, n), layer)
+      )(jnp.arange(LAYERS))
+      where = slice(d * rows + j, (d + 1) * rows, m)
+      h = jax.lax.scan(
+        lambda h, wk: (dropout_layer(wk[0], h, wk[1]), None), x[where], (stacked, keys)
+      )[0]
+      out = out.at[where].set(h)
   return out
 
 
@@ -309,6 +313,47 @@ def test_layer_l_on_micro_batch_j_gets_fold_in_fold_in_key_j_l():
   assert_close((value, by_layer(d_stacked, 2), dx), (want[0], *want[1]), terms(4))
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_each_data_shard_draws_its_own_keys(axis_type):
+  """On a 2 data x 4 stage mesh, data shard d's micro-batch j is number
+  d·m + j: the two shards' dropout masks differ (the same key on both drew
+  the same masks for both halves of the batch)."""
+  stacked, x = make_problem()
+  key = jax.random.key(7)
+  pipe = jaxaccum.pipeline(
+    dropout_layer, num_stages=4, num_micro_batches=4, rng_argnum=2, data_axis="data"
+  )
+  mesh = data_stage_mesh(axis_type)
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.value_and_grad(loss_of(pipe), argnums=(0, 1)))(
+      on_stages(mesh, stacked, 1),
+      jax.device_put(x, NamedSharding(mesh, P("data"))),
+      key,
+    )
+  reference = functools.partial(keyed_reference, m=4, shards=2)
+  want = jax.jit(jax.value_and_grad(loss_of(reference), argnums=(0, 1)))(
+    stacked, x, key
+  )
+  value, (d_stacked, dx) = got
+  assert_close((value, d_stacked, dx), (want[0], *want[1]), terms(4))
+
+
+def test_static_arguments_reach_the_layers_as_they_are():
+  """A Python bool and a float among pipe's arguments are static, as the
+  docstring says, with remat and without."""
+
+  def switched(w, h, train, scale):
+    return layer(w, h) * scale if train else h
+
+  stacked, x = make_problem()
+  for remat in (True, False):
+    pipe = jaxaccum.pipeline(switched, num_stages=4, num_micro_batches=4, remat=remat)
+    for train in (True, False):
+      got = jax.jit(pipe, static_argnums=(2, 3))(stacked, x, train, 0.5)
+      assert_close(got, scanned(switched, stacked, x, train, 0.5), terms())
+
+
+# -- composition -------------------------------------------------------------
 # -- composition -------------------------------------------------------------
 
 
@@ -403,6 +448,45 @@ def test_data_and_stage_axes_under_the_mesh_path_equal_the_scan(axis_type):
     x = jax.device_put(x, NamedSharding(mesh, P("data")))
     value, grads = jax.jit(step)(on_stages(mesh, stacked, 2), x)
   assert_close((value, by_layer(grads, 2)), mean_reference(), terms(4))
+
+
+def replicated_out(w, h):
+  """The residual layer with its output replicated: on Explicit axes a
+  tensor-parallel matmul's output is typed sharded, and a scan carry (the
+  user's own ``lax.scan`` as much as the pipeline's) must keep its type."""
+  return jax.sharding.reshard(layer(w, h), P())
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("within", ["fsdp", "tensor"])
+def test_fsdp_or_tensor_parallelism_inside_a_stage_equal_the_scan(within, axis_type):
+  """A 2 x 4 mesh whose first axis shards each stage's weights: FSDP (the
+  batch over it too, ``data_axis=()`` so the partitioner gathers the
+  weights where they are used) or tensor parallelism (the weights' output
+  dimension). Values and gradients are the scan's; on Explicit axes the
+  gradients are typed like the weights."""
+  stacked, x = make_problem()
+  mesh = jax.make_mesh((2, 4), (within, "stage"), (axis_type, axis_type))
+  fsdp = within == "fsdp"
+  specs = (
+    {"a": P("stage", "fsdp"), "b": P("stage")}
+    if fsdp
+    else {"a": P("stage", None, "tensor"), "b": P("stage", "tensor")}
+  )
+  layer_fn = replicated_out if not fsdp and axis_type == AxisType.Explicit else layer
+  pipe = jaxaccum.pipeline(
+    layer_fn, num_stages=4, num_micro_batches=4, data_axis=() if fsdp else None
+  )
+  with jax.set_mesh(mesh):
+    w = jax.tree.map(
+      lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), stacked, specs
+    )
+    rows = jax.device_put(x, NamedSharding(mesh, P("fsdp" if fsdp else None)))
+    value, grads = jax.jit(jax.value_and_grad(mean_loss_of(pipe)))(w, rows)
+  assert_close((value, grads), mean_reference(), terms(4))
+  if axis_type == AxisType.Explicit:  # on Auto axes jit's outputs are XLA's choice
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(specs), strict=True):
+      assert g.sharding.is_equivalent_to(NamedSharding(mesh, p), g.ndim)
 
 
 # -- the compiled program ------------------------------------------------------
@@ -576,6 +660,26 @@ def test_a_batch_that_does_not_split_into_the_micro_batches():
     "num_micro_batches that divides it (1, 2, 3, 4, 6, 12)."
   ):
     trace(pipe, stacked, x)
+
+
+def test_a_data_shard_that_does_not_split_into_the_micro_batches():
+  """16 rows split into 16 micro-batches, but each of 2 data shards
+  pipelines its own 8 (JAX's reshape error named neither)."""
+  stacked, x = make_problem()
+  mesh = data_stage_mesh(AxisType.Explicit)
+  pipe = jaxaccum.pipeline(layer, num_stages=4, num_micro_batches=16)
+  with (
+    jax.set_mesh(mesh),
+    raises_whole(
+      "Each of the 2 data shards (axes ('data',)) pipelines its own 8 of the "
+      "batch_size=16 rows, and num_micro_batches=16 does not divide 8: choose a "
+      "num_micro_batches that does (1, 2, 4, 8), or a batch_size that is a "
+      "multiple of 32."
+    ),
+  ):
+    jax.jit(pipe).trace(
+      on_stages(mesh, stacked, 1), jax.device_put(x, NamedSharding(mesh, P("data")))
+    )
 
 
 def test_a_mesh_without_the_stage_axis():
