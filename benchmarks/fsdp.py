@@ -3,6 +3,7 @@
 Usage::
 
   python benchmarks/fsdp.py [--quick] [--targets h100,tpu-v5e] [--ks 1,2,4,8,16]
+                            [--model llama_1b] [--approaches A,B,...]
                             [--out benchmarks/results] [--hlo-dir DIR]
   python benchmarks/fsdp.py --collectives-from DIR   # recount a saved run
 
@@ -86,7 +87,9 @@ compiler refuses a program above the chip's 16 GiB) has ``peak_bytes:
 null`` and an ``error``.
 
 Outputs ``fsdp.json`` and ``fsdp.png`` in ``--out`` (``fsdp_quick.*`` with
-``--quick``: a 3-layer model, k in 1 and 4). Each H100 row compiles twice,
+``--quick``: a 3-layer model, k in 1 and 4; ``fsdp_llama_2.7b.*`` with
+``--model llama_2.7b``, pipeline.py's larger model, which ``pipeline.py``
+weighs pipelining against). Each H100 row compiles twice,
 and a GPU compile takes 10 to 30 s whatever the model's size, so on two
 CPU cores ``--quick`` takes about 5 minutes and ``--quick --targets
 tpu-v5e`` about one. The full sweep took 73 minutes on two CPU cores shared
@@ -207,6 +210,10 @@ class LlamaConfig:
 MODELS = {
   "llama_1b": LlamaConfig(
     vocab=32_000, d_model=2048, num_heads=16, num_layers=16, d_ff=5632, seq_len=2048
+  ),
+  # pipeline.py's larger model, where pipelining is weighed against FSDP.
+  "llama_2.7b": LlamaConfig(
+    vocab=32_000, d_model=2560, num_heads=20, num_layers=32, d_ff=6912, seq_len=2048
   ),
   "llama_quick": LlamaConfig(
     vocab=512, d_model=128, num_heads=4, num_layers=3, d_ff=352, seq_len=64
@@ -1353,6 +1360,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   parser.add_argument("--ks", help="comma-separated k (default 1,2,4,8,16)")
   parser.add_argument(
+    "--model",
+    choices=[m for m in MODELS if m != "llama_quick"],
+    default="llama_1b",
+    help="the model (llama_2.7b: pipeline.py's larger one; writes fsdp_llama_2.7b.json)",
+  )
+  parser.add_argument(
+    "--approaches",
+    help=f"comma-separated, of {', '.join(APPROACHES)} (default: all)",
+  )
+  parser.add_argument(
     "--out",
     type=pathlib.Path,
     help="output folder (default: benchmarks/results; quick: the temporary folder)",
@@ -1382,6 +1399,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   unknown = [t for t in args.targets if t not in TARGETS]
   if unknown:
     parser.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+  args.approaches = args.approaches.split(",") if args.approaches else list(APPROACHES)
+  unknown = [a for a in args.approaches if a not in APPROACHES]
+  if unknown:
+    parser.error(f"unknown approaches {unknown}; choose from {list(APPROACHES)}")
+  if args.quick:
+    args.model = "llama_quick"
   ks = [int(k) for k in args.ks.split(",")] if args.ks else None
   args.ks = ks or list(QUICK_KS if args.quick else DEFAULT_KS)
   bad = [k for k in args.ks if k < 1 or BATCH_SIZE % (NUM_DEVICES * k)]
@@ -1395,7 +1418,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
   """Compiles every target, approach and k; the JSON-ready results."""
   warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-  name = "llama_quick" if args.quick else "llama_1b"
+  name = args.model
   cfg = MODELS[name]
   shapes = param_shapes(cfg)
   rows: list[dict[str, Any]] = []
@@ -1419,7 +1442,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hlo = setup if target.platform == "tpu" else make_setup(name, cfg, hlo_mesh(target))
     whole: dict[str, dict[str, Any]] = {}
     for k in args.ks:
-      for approach in APPROACHES:
+      for approach in args.approaches:
         if (target.name, k, approach) in done:
           row = done[target.name, k, approach]
           if approach in WHOLE_BATCH:
@@ -1499,7 +1522,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   # of n devices needs n CPU devices), with threads enough for their
   # collectives.
   testing.cpu_devices()
-  stem = "fsdp_quick" if args.quick else "fsdp"
+  stem = {"llama_quick": "fsdp_quick", "llama_1b": "fsdp"}.get(
+    args.model, f"fsdp_{args.model}"
+  )
   if args.collectives_from is not None:
     results = recount(
       json.loads((args.out / f"{stem}.json").read_text()), args.collectives_from

@@ -29,8 +29,10 @@ circular repeats) and per device:
 
 The FSDP comparison is ``fsdp.py``'s results for the same model, batch,
 devices and targets (``results/fsdp.json``): jaxaccum's best mode per
-target, the lowest peak over its modes and ``k``. A larger model (``--large``)
-shows where pipelining starts to win. Outputs ``pipeline.json`` in ``--out``
+target, the lowest peak and the fewest bytes over its modes and ``k``
+(``results/fsdp_llama_2.7b.json``, from ``fsdp.py --model llama_2.7b``, for
+the larger model). A larger model (``--large``) shows where pipelining
+starts to win. Outputs ``pipeline.json`` in ``--out``
 and the generated blocks of ``benchmarks/README.md`` (written by this file's
 ``BLOCKS``, stitched in by ``_report.py``).
 """
@@ -245,10 +247,8 @@ def configs(model: str, quick: bool, large: bool) -> list[Config]:
 
 def large_config(fsdp: Any) -> Any:
   """A Llama-style model of about 2.7B parameters (d_model 2560, 32 layers),
-  fsdp.py's batch."""
-  return dataclasses.replace(
-    fsdp.MODELS["llama_1b"], d_model=2560, num_heads=20, num_layers=32, d_ff=6912
-  )
+  fsdp.py's batch: ``fsdp.MODELS["llama_2.7b"]``."""
+  return fsdp.MODELS["llama_2.7b"]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -310,29 +310,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def fsdp_best() -> dict[str, Any]:
-  """From ``results/fsdp.json``: per target, jaxaccum's FSDP rows with the
-  lowest peak and with the fewest collective bytes (over its two modes and
-  every k), the model's size and the run's date."""
-  path = RESULTS / "fsdp.json"
-  if not path.exists():
-    return {}
-  data = json.loads(path.read_text())
-  best: dict[str, Any] = {
-    "date": data.get("date"),
-    "model": data["model"]["name"],
-    "num_params": data["model"]["num_params"],
-  }
-  keys = ("approach", "k", "peak_bytes", "collective_bytes")
-  for row in data["rows"]:
-    if not row["approach"].startswith("jaxaccum") or row.get("peak_bytes") is None:
-      continue
-    kept = best.setdefault(row["target"], {})
-    for name, key in (
-      ("lowest_peak", "peak_bytes"),
-      ("fewest_bytes", "collective_bytes"),
-    ):
-      if name not in kept or row[key] < kept[name][key]:
-        kept[name] = {k: row[k] for k in keys}
+  """From ``fsdp.py``'s results (``results/fsdp.json``, and
+  ``results/fsdp_<model>.json`` from ``fsdp.py --model``): per model and
+  target, jaxaccum's FSDP rows with the lowest peak and with the fewest
+  collective bytes (over its modes and every k), the model's size and the
+  run's date."""
+  best: dict[str, Any] = {}
+  for path in sorted(RESULTS.glob("fsdp*.json")):
+    data = json.loads(path.read_text())
+    model = data["model"]["name"]
+    entry = best.setdefault(
+      model, {"date": data.get("date"), "num_params": data["model"]["num_params"]}
+    )
+    keys = ("approach", "k", "peak_bytes", "collective_bytes")
+    for row in data["rows"]:
+      if not row["approach"].startswith("jaxaccum") or row.get("peak_bytes") is None:
+        continue
+      kept = entry.setdefault(row["target"], {})
+      for name, key in (
+        ("lowest_peak", "peak_bytes"),
+        ("fewest_bytes", "collective_bytes"),
+      ):
+        if name not in kept or row[key] < kept[name][key]:
+          kept[name] = {k: row[k] for k in keys}
   return best
 
 
@@ -379,8 +379,8 @@ def table(results: dict[str, Any]) -> str:
             f"{_cell(found[0])} ({found[0]['bubble']:.2f})" if found else "–"
           )
         lines.append(f"| {s} × {d} | {m} | {' | '.join(cells)} |")
-      fsdp = results["fsdp"].get(target)
-      if fsdp and model == results["fsdp"].get("model"):
+      fsdp = results["fsdp"].get(model, {}).get(target)
+      if fsdp:
         low, few = fsdp["lowest_peak"], fsdp["fewest_bytes"]
         lines += [
           "",
@@ -416,10 +416,13 @@ def summary(results: dict[str, Any]) -> str:
         f"{_gib(few['collective_bytes'])} GiB at {few['stages']} × {few['data']}, "
         f"m = {few['m']}, r = {few['r']}"
       )
-      fsdp = results["fsdp"].get(target)
-      if fsdp and model == results["fsdp"].get("model"):
-        text += "; " + _against_fsdp(low, few, fsdp, results["fsdp"]["num_params"])
+      fsdp = results["fsdp"].get(model, {}).get(target)
+      if fsdp:
+        text += "; " + _against_fsdp(low, few, fsdp)
       bullets.append(text + ".")
+    crossing = _bytes_by_size(results, target, info["title"])
+    if crossing:
+      bullets.append(crossing)
     refused = [r for r in results["rows"] if r["target"] == target and "error" in r]
     if refused:
       bullets.append(
@@ -430,24 +433,49 @@ def summary(results: dict[str, Any]) -> str:
 
 
 def _against_fsdp(
-  low: dict[str, Any], few: dict[str, Any], fsdp: dict[str, Any], params: int
+  low: dict[str, Any], few: dict[str, Any], fsdp: dict[str, Any]
 ) -> str:
-  """The pipeline's lowest peak and fewest bytes against FSDP's, and the
-  model size from which the pipeline moves fewer bytes."""
+  """The pipeline's lowest peak and fewest bytes against FSDP's."""
   peak = low["peak_bytes"] / fsdp["lowest_peak"]["peak_bytes"]
   moved = few["collective_bytes"] / fsdp["fewest_bytes"]["collective_bytes"]
-  text = (
-    f"against jaxaccum's FSDP, the lowest peak is {peak:.2f} × FSDP's lowest "
-    f"and the fewest bytes {moved:.2f} × FSDP's fewest"
+  return (
+    f"against jaxaccum's FSDP of the same model, the lowest peak is {peak:.2f} × "
+    f"FSDP's lowest and the fewest bytes {moved:.2f} × FSDP's fewest (whose peak "
+    f"is {_gib(fsdp['fewest_bytes']['peak_bytes'])} GiB)"
   )
-  if moved <= 1:
-    return text + ": pipelining already moves fewer bytes at this size"
-  # FSDP moves the weights (bytes in proportion to the parameters); the
-  # pipeline moves activations (bytes independent of them at this batch).
-  return text + (
-    f". FSDP's bytes grow with the parameters and the pipeline's do not, so "
-    f"at this batch the pipeline moves fewer from about {params * moved / 1e9:.1f}B "
-    "parameters (extrapolated from this size)"
+
+
+def _bytes_by_size(results: dict[str, Any], target: str, title: str) -> str | None:
+  """Where pipelining starts to move fewer bytes than FSDP: the ratio of
+  their fewest bytes per step at every model size measured both ways."""
+  ratios = []
+  for model, described in results["models"].items():
+    fsdp = results["fsdp"].get(model, {}).get(target)
+    rows = [
+      r
+      for r in results["rows"]
+      if r["target"] == target and r["model"] == model and r.get("collective_bytes")
+    ]
+    if fsdp and rows:
+      few = min(r["collective_bytes"] for r in rows)
+      ratio = few / fsdp["fewest_bytes"]["collective_bytes"]
+      ratios.append((described["num_params"], model, ratio))
+  if len(ratios) < 2:
+    return None
+  ratios.sort()
+  listed = ", ".join(f"{ratio:.2f} × at `{model}`" for _, model, ratio in ratios)
+  below = [model for _, model, ratio in ratios if ratio <= 1]
+  where = (
+    f"the pipeline moves fewer from `{below[0]}` on"
+    if below
+    else "the pipeline still moves more at the largest size measured, by "
+    f"{ratios[-1][2] - 1:.0%}, and the gap closes as the model grows: FSDP "
+    "moves the weights, whose bytes grow with the parameters, the pipeline "
+    "the activations, whose bytes grow with the width"
+  )
+  return (
+    f"**{title}, pipeline ÷ FSDP in bytes per step** (the fewest of each, "
+    f"measured at both sizes): {listed}: {where}."
   )
 
 
@@ -572,13 +600,14 @@ def render_manual() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
   args = parse_args(argv)
   testing.cpu_devices(NUM_DEVICES)  # before JAX starts: the targets' stand-ins
-  if args.maxtext is not None:
+  if args.maxtext is not None or args.render:  # nothing compiled
     path = args.out / "pipeline.json"
     results = json.loads(path.read_text())
-    results["maxtext"] = json.loads(args.maxtext.read_text())
-    results["fsdp"] = fsdp_best()  # read again from fsdp.json
+    if args.maxtext is not None:
+      results["maxtext"] = json.loads(args.maxtext.read_text())
+    results["fsdp"] = fsdp_best()  # fsdp.py's results, read again
     path.write_text(json.dumps(results, indent=1) + "\n")
-  elif not args.render:
+  else:
     start = time.perf_counter()
     results = run(args)
     results["wall_s"] = round(time.perf_counter() - start, 1)
