@@ -134,14 +134,23 @@ def placed(mesh, specs, data):
   return params, batch
 
 
+#: The FSDP modes and views of the mesh path, as make_train_step's options.
+MODES = {
+  "per_micro_batch": {},
+  "once": {"fsdp_gather": "once"},
+  "cast_once": {"fsdp_gather": "cast_once", "gather_dtype": jnp.bfloat16},
+  "global view": {"view": "global"},
+}
+
+
 @pytest.mark.parametrize(
   "axis_type", [AxisType.Auto, AxisType.Explicit], ids=["Auto", "Explicit"]
 )
-@pytest.mark.parametrize("fsdp_gather", ["per_micro_batch", "once"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("layout", list(MESHES))
-def test_no_train_step_decision_depends_on_one_device(layout, fsdp_gather, axis_type):
+def test_no_train_step_decision_depends_on_one_device(layout, mode, axis_type):
   shape, names, data, specs, fsdp = MESHES[layout]
-  if fsdp_gather == "once" and not fsdp:
+  if "fsdp_gather" in MODES[mode] and not fsdp:
     pytest.skip("no FSDP leaf: the gather mode does not apply")
   if axis_type == AxisType.Explicit and "model" in names:
     pytest.skip("tensor parallelism on Explicit axes needs out_sharding in the loss")
@@ -155,8 +164,8 @@ def test_no_train_step_decision_depends_on_one_device(layout, fsdp_gather, axis_
     mesh=mesh,
     data_axis=data,
     donate=False,
-    fsdp_gather=fsdp_gather,
     param_specs=specs,
+    **MODES[mode],
   )
   assert (
     testing.divergent_decisions(
@@ -201,6 +210,32 @@ def test_a_loss_scaled_train_step_decides_on_reduced_values_only(mesh):
     testing.divergent_decisions(compiled(step, w, tx.init(w), batch, mesh=mesh), mesh)
     == []
   )
+
+
+@pytest.mark.parametrize("normalize", ["poisson", "fixed"])
+def test_a_dp_sgd_step_decides_on_reduced_values_only(mesh, normalize):
+  """Clipped per example, noise once per step: the skip of a step without
+  real examples (fixed sampling) reads the total over every device."""
+
+  def example_loss(w, example):
+    x, y = example
+    return (x @ w - y) ** 2
+
+  expected = {"expected_batch_size": 8.0} if normalize == "poisson" else {}
+  noise = jaxaccum.dp_noise(
+    1.0, 1.0, jax.random.key(0), normalize=normalize, **expected
+  )
+  tx = optax.chain(noise, optax.sgd(0.1))
+  step = jaxaccum.make_train_step(
+    example_loss, tx, 2, clip_per_example=1.0, mesh=mesh, data_axis="data", donate=False
+  )
+  w = steps.replicated(mesh, jnp.ones(steps.DIM))
+  batch = sharded_batch(mesh)(*steps.host_batch(8, 0))
+  rows = 8 * steps.ROWS_PER_DEVICE
+  mask = jax.device_put(jnp.ones(rows), NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    text = step.lower(w, tx.init(w), batch, example_mask=mask).compile()
+  assert testing.divergent_decisions(text, mesh) == []
 
 
 def test_a_step_that_skips_on_one_devices_rows_is_caught(mesh):
