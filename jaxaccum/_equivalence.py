@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _normalize, _options
+from jaxaccum import _compat, _normalize, _options
 from jaxaccum._value_and_grad import value_and_grad
 
 PyTree = Any
@@ -62,6 +62,33 @@ def _full_batch(fun: Callable[..., Any], o: _options.Options) -> Callable[..., A
     )
     value = jnp.where(weight != 0, loss / safe, 0).astype(jnp.result_type(loss))
     return ((value, aux) if has_aux else value), grads
+
+  return reference
+
+
+def _replicated_batch(
+  full: Callable[..., Any], o: _options.Options
+) -> Callable[..., Any]:
+  """``full`` on the batch replicated over the devices. On Explicit axes a
+  batch typed sharded over the data axes makes a model's weight gradient (a
+  contraction over the rows) ask for an ``out_sharding`` that an ordinary
+  model does not give; the reference is the same numbers either way."""
+
+  def replicated(x):
+    spec = _compat.explicit_spec(x)
+    if spec is None or all(entry is None for entry in spec):
+      return x
+    mesh = jax.typeof(x).sharding.mesh
+    return jax.sharding.reshard(
+      x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+
+  def reference(*args, **kwargs):
+    args = tuple(
+      jax.tree.map(replicated, a) if n in o.batch_argnums else a
+      for n, a in enumerate(args)
+    )
+    return full(*args, **kwargs)
 
   return reference
 
@@ -141,6 +168,8 @@ def verify_equivalence(
     # DP-SGD's full batch: every example's clipped gradient in one vmap.
     whole = {n: v for n, v in options.items() if n != "micro_batch_size"}
     full = value_and_grad(fun, 1, **whole)
+  if o.mesh is not None:
+    full = _replicated_batch(full, o)
   reference = jax.jit(functools.partial(full, **fun_kwargs))
   (value, grads) = accumulated(*args, **fun_kwargs)
   ref_value, ref_grads = reference(*args)

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 from jax.experimental import checkify
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 
@@ -127,3 +129,27 @@ def test_verify_equivalence_keeps_its_bfloat16_tolerance_under_weighted():
 
   with pytest.raises(AssertionError, match="differ by up to"):
     jaxaccum.verify_equivalence(max_row, (w, (x, mask)), 4, normalize="weighted")
+
+
+@pytest.mark.parametrize(
+  "axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto]
+)
+def test_verify_equivalence_with_mesh_takes_a_batch_sharded_on_explicit_axes(axis_type):
+  """The full-batch reference of an ordinary MLP on a batch sharded over the
+  data axis: on Explicit axes (jax.make_mesh's default) its weight gradient,
+  a contraction over the sharded rows, failed with JAX's ShardingTypeError."""
+
+  def loss(w, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ w["a"]) @ w["b"] - y) ** 2)
+
+  w = {"a": jnp.ones((4, 8)) / 4, "b": jnp.linspace(-1.0, 1.0, 8)}
+  mesh = jax.make_mesh(
+    (4,), ("data",), devices=jax.devices()[:4], axis_types=(axis_type,)
+  )
+  x = jax.random.normal(jax.random.key(0), (32, 4))
+  batch = jax.device_put((x, jnp.sin(x[:, 0])), NamedSharding(mesh, P("data")))
+  deviation = jaxaccum.verify_equivalence(
+    loss, (w, batch), 2, mesh=mesh, data_axis="data"
+  )
+  assert deviation.grads < 1e-5

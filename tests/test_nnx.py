@@ -509,6 +509,28 @@ def test_verify_equivalence_passes_in_eval_mode_and_leaves_the_model():
   chex.assert_trees_all_equal(arrays(model), state)
 
 
+def test_verify_equivalence_on_a_mesh_passes_and_catches_interacting_examples():
+  """Through mesh=, each device's micro-batches against the full batch: a
+  per-example loss passes, and one that mixes the examples of a batch (the
+  devices' means differ from the whole batch's) fails."""
+  model = Net(nnx.Rngs(0, dropout=1))
+  model.eval()
+  state = arrays(model)
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  batch = jax.device_put(batch_data(rows=4 * K * 2), NamedSharding(mesh, P("data")))
+  options = {"mesh": mesh, "data_axis": "data"}
+  deviation = jaxaccum.nnx.verify_equivalence(loss, model, batch, 2, **options)
+  assert deviation.grads < 1e-5
+  chex.assert_trees_all_equal(arrays(model), state)
+
+  def interacting(model, batch):
+    x, y = batch
+    return jnp.mean(model(x) - y) ** 2  # the square of a mean: not per example
+
+  with pytest.raises(AssertionError, match="Accumulated and full-batch"):
+    jaxaccum.nnx.verify_equivalence(interacting, model, batch, 2, **options)
+
+
 def test_verify_equivalence_fails_on_a_loss_whose_examples_interact():
   """A loss normalized by the batch's own largest target is not a mean of
   per-example terms: the check must say so."""
