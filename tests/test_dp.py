@@ -834,6 +834,24 @@ def test_dp_noise_arguments_are_named(kwargs, want):
   assert message(error) == want
 
 
+def test_dp_noise_names_a_sigma_or_clip_norm_that_is_no_number_and_takes_zero_noise():
+  # mutmut: _privacy.noise_config
+  key = jax.random.key(0)
+  with pytest.raises(TypeError) as error:
+    jaxaccum.dp_noise("1.0", 1.0, key, normalize="fixed")
+  assert message(error) == "noise_multiplier must be a number, got '1.0'."
+  with pytest.raises(ValueError) as error:
+    jaxaccum.dp_noise(1.0, 0.0, key, normalize="fixed")
+  assert message(error) == (
+    "clip_norm must be a positive number, the L2 norm C that each example's "
+    "gradient is clipped to, got clip_norm=0.0. Pass e.g. clip_norm=1.0."
+  )
+  # sigma = 0 is allowed (no noise, no privacy: a clipped-only baseline).
+  tx = jaxaccum.dp_noise(0.0, 1.0, key, normalize="fixed")
+  out, _ = tx.update(jnp.array([0.5, 0.25]), tx.init(jnp.zeros(2)), divided_by=4.0)
+  np.testing.assert_array_equal(out, [0.5, 0.25])
+
+
 def test_dp_noise_without_divided_by_is_named():
   tx = jaxaccum.dp_noise(1.0, 1.0, jax.random.key(0), normalize="fixed")
   with pytest.raises(ValueError) as error:

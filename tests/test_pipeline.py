@@ -682,6 +682,22 @@ def test_a_data_shard_that_does_not_split_into_the_micro_batches():
     )
 
 
+def test_a_batch_that_does_not_split_over_the_data_devices():
+  """15 rows, 5 micro-batches, but 2 data shards (named on Auto axes, where
+  the batch's sharding is hidden)."""
+  stacked, x = make_problem(batch=15)
+  mesh = data_stage_mesh(AxisType.Auto)
+  pipe = jaxaccum.pipeline(layer, num_stages=4, num_micro_batches=5, data_axis="data")
+  with (
+    jax.set_mesh(mesh),
+    raises_whole(
+      "The batch_size=15 does not split over the 2 devices of the data axes "
+      "('data',): pass a batch whose size is a multiple of 2."
+    ),
+  ):
+    jax.jit(pipe).trace(on_stages(mesh, stacked, 1), x)
+
+
 def test_a_mesh_without_the_stage_axis():
   stacked, x = make_problem()
   mesh = jax.make_mesh((2, 4), ("data", "model"))
