@@ -834,7 +834,7 @@ def test_dp_noise_arguments_are_named(kwargs, want):
   assert message(error) == want
 
 
-def test_dp_noise_names_a_sigma_or_clip_norm_that_is_no_number_and_takes_zero_noise():
+def test_dp_noise_names_arguments_that_are_no_numbers_and_takes_zero_noise():
   # mutmut: _privacy.noise_config
   key = jax.random.key(0)
   with pytest.raises(TypeError) as error:
@@ -846,6 +846,11 @@ def test_dp_noise_names_a_sigma_or_clip_norm_that_is_no_number_and_takes_zero_no
     "clip_norm must be a positive number, the L2 norm C that each example's "
     "gradient is clipped to, got clip_norm=0.0. Pass e.g. clip_norm=1.0."
   )
+  with pytest.raises(TypeError) as error:
+    jaxaccum.dp_noise(1.0, 1.0, key, normalize="poisson", expected_batch_size="8")
+  assert message(error) == "expected_batch_size must be a number, got '8'."
+  # Fewer than one example expected per step (q * N < 1) is a valid rate.
+  jaxaccum.dp_noise(1.0, 1.0, key, normalize="poisson", expected_batch_size=0.5)
   # sigma = 0 is allowed (no noise, no privacy: a clipped-only baseline).
   tx = jaxaccum.dp_noise(0.0, 1.0, key, normalize="fixed")
   out, _ = tx.update(jnp.array([0.5, 0.25]), tx.init(jnp.zeros(2)), divided_by=4.0)
