@@ -1362,8 +1362,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--model",
     choices=[m for m in MODELS if m != "llama_quick"],
-    default="llama_1b",
-    help="the model (llama_2.7b: pipeline.py's larger one; writes fsdp_llama_2.7b.json)",
+    help="the model (default llama_1b; llama_2.7b: pipeline.py's larger one, "
+    "written to fsdp_llama_2.7b.json)",
   )
   parser.add_argument(
     "--approaches",
@@ -1394,6 +1394,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "from the HLO a run saved with --hlo-dir (after a fix to the reader)",
   )
   args = parser.parse_args(argv)
+  partial_sweep = args.approaches is not None or args.ks is not None
+  if partial_sweep and args.out is None and not args.quick and args.model is None:
+    parser.error(
+      "--approaches and --ks make a partial sweep of llama_1b: pass --out, so "
+      "that benchmarks/results/fsdp.json keeps the whole one"
+    )
+  if args.quick and args.model is not None:
+    parser.error("--quick compiles its own small model: drop --model")
+  args.model = "llama_quick" if args.quick else args.model or "llama_1b"
   args.out = _paths.output_folder(args.out, args.quick)
   args.targets = [t for t in args.targets.split(",") if t]
   unknown = [t for t in args.targets if t not in TARGETS]
@@ -1403,8 +1412,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   unknown = [a for a in args.approaches if a not in APPROACHES]
   if unknown:
     parser.error(f"unknown approaches {unknown}; choose from {list(APPROACHES)}")
-  if args.quick:
-    args.model = "llama_quick"
   ks = [int(k) for k in args.ks.split(",")] if args.ks else None
   args.ks = ks or list(QUICK_KS if args.quick else DEFAULT_KS)
   bad = [k for k in args.ks if k < 1 or BATCH_SIZE % (NUM_DEVICES * k)]

@@ -29,9 +29,9 @@ circular repeats) and per device:
 
 The FSDP comparison is ``fsdp.py``'s results for the same model, batch,
 devices and targets (``results/fsdp.json``): jaxaccum's best mode per
-target, the lowest peak and the fewest bytes over its modes and ``k``
-(``results/fsdp_llama_2.7b.json``, from ``fsdp.py --model llama_2.7b``, for
-the larger model). A larger model (``--large``) shows where pipelining
+target, the lowest peak and the fewest bytes over the modes and ``k`` that
+``fsdp.py`` measured (``results/fsdp_llama_2.7b.json``, from ``fsdp.py
+--model llama_2.7b``, for the larger model: three modes at k = 1, 2, 16). A larger model (``--large``) shows where pipelining
 starts to win. Outputs ``pipeline.json`` in ``--out``
 and the generated blocks of ``benchmarks/README.md`` (written by this file's
 ``BLOCKS``, stitched in by ``_report.py``).
@@ -313,8 +313,8 @@ def fsdp_best() -> dict[str, Any]:
   """From ``fsdp.py``'s results (``results/fsdp.json``, and
   ``results/fsdp_<model>.json`` from ``fsdp.py --model``): per model and
   target, jaxaccum's FSDP rows with the lowest peak and with the fewest
-  collective bytes (over its modes and every k), the model's size and the
-  run's date."""
+  collective bytes (over the modes and k in the file), the model's size and
+  the run's date."""
   best: dict[str, Any] = {}
   for path in sorted(RESULTS.glob("fsdp*.json")):
     data = json.loads(path.read_text())
@@ -464,18 +464,15 @@ def _bytes_by_size(results: dict[str, Any], target: str, title: str) -> str | No
     return None
   ratios.sort()
   listed = ", ".join(f"{ratio:.2f} × at `{model}`" for _, model, ratio in ratios)
-  below = [model for _, model, ratio in ratios if ratio <= 1]
+  fewer = [f"`{model}`" for _, model, ratio in ratios if ratio <= 1]
   where = (
-    f"the pipeline moves fewer from `{below[0]}` on"
-    if below
-    else "the pipeline still moves more at the largest size measured, by "
-    f"{ratios[-1][2] - 1:.0%}, and the gap closes as the model grows: FSDP "
-    "moves the weights, whose bytes grow with the parameters, the pipeline "
-    "the activations, whose bytes grow with the width"
+    f"the pipeline moves fewer at {', '.join(fewer)}"
+    if fewer
+    else "the pipeline moves more at every size measured"
   )
   return (
-    f"**{title}, pipeline ÷ FSDP in bytes per step** (the fewest of each, "
-    f"measured at both sizes): {listed}: {where}."
+    f"**{title}, pipeline ÷ FSDP in bytes per step** (the fewest of each over "
+    f"what was measured at each size): {listed}; {where}."
   )
 
 

@@ -226,11 +226,21 @@ def describe(x: Any) -> str:
   if isinstance(x, (tuple, list)):
     return f"a {type(x).__name__} of length {len(x)}"
   if hasattr(x, "shape") and hasattr(x, "dtype"):
-    dtype = (
-      x.dtype if _tree.is_key(x) else jnp.dtype(x.dtype)
-    )  # key<fry> is no numpy dtype
-    return f"a {dtype.name} array of shape={tuple(x.shape)}"
-  return f"a {type(x).__name__}"
+    # A key array's dtype (key<fry>) is no numpy dtype.
+    dtype = x.dtype if _tree.is_key(x) else jnp.dtype(x.dtype)
+    return f"{_article(dtype.name)} {dtype.name} array of shape={tuple(x.shape)}"
+  name = type(x).__name__
+  return f"{_article(name)} {name}"
+
+
+def _article(word: str) -> str:
+  """``a`` or ``an``, by how the word starts (``an int``, ``an int32
+  array``, ``a float32 array``, ``a uint32 array``).
+
+  >>> [_article(w) for w in ("int", "object", "float32", "uint32")]
+  ['an', 'an', 'a', 'a']
+  """
+  return "an" if word[:1].lower() in "aeio" else "a"
 
 
 def check_aux(aux: PyTree) -> None:

@@ -15,9 +15,10 @@ of behaviour elsewhere:
 - compiling for compile-only GPUs (:func:`compile_lowered`);
 - whether JAX's backends have started (:func:`backends_started`), after
   which the CPU device count and XLA's thread pools are fixed;
-- :func:`psum_scatter`: ``jax.lax.psum_scatter`` where JAX 0.12 fails to
-  lower it (in a ``shard_map`` that leaves an Explicit axis to the
-  partitioner), as an all-to-all and a sum;
+- :func:`psum_scatter`: ``jax.lax.psum_scatter`` where JAX fails to lower
+  it (in a ``shard_map`` that leaves an Explicit axis to the partitioner:
+  0.12 always, 0.10.2 when the operand is sharded along such an axis), as an
+  all-to-all and a sum;
 - :func:`spmd_vmap_axes`: the mesh axes of the ``vmap``s (with
   ``spmd_axis_name``) that map a value, which a ``shard_map`` inside them
   must count among its manual axes (jaxaccum's ``mesh=`` path runs the loss
@@ -164,10 +165,21 @@ def psum_scatter(x: jax.Array, axis: str, dim: int) -> jax.Array:
   sum of the blocks each device receives give the same result for the same
   bytes on the wire; elsewhere it is ``psum_scatter`` itself.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if jax.sharding.AxisType.Explicit not in mesh.axis_types:  # manual axes show Manual
+  if _psum_scatter_lowers(x):
     return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
   return scatter_by_all_to_all(x, axis, dim)
+
+
+def _psum_scatter_lowers(x: jax.Array) -> bool:
+  """Whether this JAX lowers ``psum_scatter`` of ``x`` here (see
+  :func:`psum_scatter`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if jax.sharding.AxisType.Explicit not in mesh.axis_types:  # manual axes show Manual
+    return True
+  if jax.__version_info__ >= (0, 12):
+    return False
+  spec = getattr(jax.typeof(x).sharding, "spec", None) or ()
+  return all(entry is None for entry in spec)
 
 
 def scatter_by_all_to_all(x: jax.Array, axis: str, dim: int) -> jax.Array:

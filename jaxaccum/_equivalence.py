@@ -109,7 +109,9 @@ def verify_equivalence(
   whole batch, under ``jit``; for ``normalize="weighted"``, the full-batch
   ``loss_sum / weight``), and compares value and gradients leaf by leaf with
   ``chex``. With ``mesh=`` and ``data_axis=`` the accumulated side runs
-  data-parallel and the reference is the full batch on the same arrays.
+  data-parallel and the reference is the full batch on the same arrays;
+  where the batch is typed sharded (Explicit axes) the reference takes it
+  replicated, so that each device holds the whole batch for the check.
   With ``clip_per_example`` the reference is the same function with one
   micro-batch: every example's clipped gradient from one ``vmap`` over the
   whole batch.

@@ -163,11 +163,12 @@ def pipeline(
     rng_argnum: the position of a PRNG key among ``pipe``'s arguments (2 or
       more: ``pipe(stacked, x, key)`` has it at 2). Layer ``l`` (counting all
       ``L``) on micro-batch ``j`` gets ``fold_in(fold_in(key, j), l)``. With
-      ``data_axis``, data shard ``d`` (its index over those axes, row-major)
-      pipelines its own rows, and its micro-batch ``j`` is number ``d·m +
-      j``: ``fold_in(fold_in(key, d·m + j), l)``, so that no two shards
-      draw the same numbers. Under jaxaccum's ``mesh=`` the key is already
-      each device's own.
+      data axes, data shard ``d`` (its row-major index over the data axes
+      that ``pipe`` maps itself) pipelines its own rows, and its micro-batch
+      ``j`` is number ``d·m + j``: ``fold_in(fold_in(key, d·m + j), l)``,
+      so that no two shards draw the same numbers. Under jaxaccum's
+      ``mesh=`` the key is already each device's own, and ``d`` counts only
+      the data axes that ``mesh=`` does not map.
     data_axis: mesh axes that the batch is sharded over (data parallelism
       beside the stages), under plain ``jit``: each device pipelines its own
       rows, and the weight gradients are summed over these axes once, after

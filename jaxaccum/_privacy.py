@@ -399,7 +399,7 @@ def noise_config(
   if not _tree.is_single_key(key):
     raise TypeError(
       "dp_noise's key must be one PRNG key, jax.random.key(seed) (or a raw "
-      f"uint32[2] jax.random.PRNGKey(seed)), got {describe(key)}."
+      f"jax.random.PRNGKey(seed)), got {describe(key)}."
     )
   _check_number("noise_multiplier", noise_multiplier)
   if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):

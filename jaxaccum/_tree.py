@@ -51,7 +51,8 @@ def is_key(x: Any) -> bool:
 
 def is_single_key(x: Any) -> bool:
   """Whether ``x`` is one PRNG key: a typed key (``jax.random.key``) or a raw
-  ``uint32[2]`` key (``jax.random.PRNGKey``).
+  ``uint32`` key (``jax.random.PRNGKey``): ``uint32[2]``, or the raw shape
+  of the default generator's keys (``uint32[4]`` under ``"unsafe_rbg"``).
 
   >>> is_single_key(jax.random.key(0)), is_single_key(jax.random.PRNGKey(0))
   (True, True)
@@ -61,7 +62,10 @@ def is_single_key(x: Any) -> bool:
   if is_key(x):
     return jnp.ndim(x) == 0
   dtype = getattr(x, "dtype", None)
-  return dtype is not None and dtype == jnp.uint32 and jnp.shape(x) == (2,)
+  if dtype is None or dtype != jnp.uint32:
+    return False
+  raw = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+  return jnp.shape(x) in {(2,), tuple(raw)}
 
 
 def fold_in(tree: PyTree, index: jax.Array | int) -> PyTree:

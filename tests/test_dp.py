@@ -717,7 +717,7 @@ def test_fixed_noise_with_a_summed_step_is_named():
 @pytest.mark.parametrize(
   ("key", "described"),
   [
-    (0, "a int"),
+    (0, "an int"),
     (np.zeros(2, np.float32), "a float32 array of shape=(2,)"),
     (jax.random.split(jax.random.key(0)), "a key<fry> array of shape=(2,)"),
   ],
@@ -727,8 +727,19 @@ def test_a_key_that_is_not_one_prng_key_is_named(key, described):
     jaxaccum.dp_noise(1.0, 1.0, key, normalize="fixed")
   assert message(error) == (
     "dp_noise's key must be one PRNG key, jax.random.key(seed) (or a raw "
-    f"uint32[2] jax.random.PRNGKey(seed)), got {described}."
+    f"jax.random.PRNGKey(seed)), got {described}."
   )
+
+
+def test_a_raw_key_of_the_default_generator_is_taken():
+  """Under "unsafe_rbg" (MaxText's generator) a raw key is uint32[4]."""
+  # mutmut: _tree.is_single_key
+  with jax.default_prng_impl("unsafe_rbg"):
+    key = jax.random.PRNGKey(0)
+    assert key.shape == (4,)
+    tx = jaxaccum.dp_noise(1.0, 1.0, key, normalize="fixed")
+    out, state = tx.update(jnp.zeros(3), tx.init(jnp.zeros(3)), divided_by=1.0)
+  assert int(state.draws) == 1 and bool(jnp.all(out != 0))
 
 
 def test_noise_without_clipping_is_named():

@@ -314,23 +314,31 @@ def test_layer_l_on_micro_batch_j_gets_fold_in_fold_in_key_j_l():
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-def test_each_data_shard_draws_its_own_keys(axis_type):
-  """On a 2 data x 4 stage mesh, data shard d's micro-batch j is number
-  d·m + j: the two shards' dropout masks differ (the same key on both drew
-  the same masks for both halves of the batch)."""
+@pytest.mark.parametrize(
+  ("shape", "names", "data"),
+  [
+    ((2, 4), ("data", "stage"), "data"),
+    ((2, 2, 2), ("a", "b", "stage"), ("a", "b")),
+  ],
+  ids=["2 data x 4 stages", "2 x 2 data x 2 stages"],
+)
+def test_each_data_shard_draws_its_own_keys(shape, names, data, axis_type):
+  """Data shard d's micro-batch j is number d·m + j, d the row-major index
+  over the data axes: no two shards draw the same dropout masks (the same
+  key on both drew the same masks for both halves of the batch)."""
   stacked, x = make_problem()
   key = jax.random.key(7)
+  stages = shape[-1]
   pipe = jaxaccum.pipeline(
-    dropout_layer, num_stages=4, num_micro_batches=4, rng_argnum=2, data_axis="data"
+    dropout_layer, num_stages=stages, num_micro_batches=4, rng_argnum=2, data_axis=data
   )
-  mesh = data_stage_mesh(axis_type)
+  mesh = jax.make_mesh(shape, names, (axis_type,) * len(shape))
   with jax.set_mesh(mesh):
     got = jax.jit(jax.value_and_grad(loss_of(pipe), argnums=(0, 1)))(
-      on_stages(mesh, stacked, 1),
-      jax.device_put(x, NamedSharding(mesh, P("data"))),
-      key,
+      on_stages(mesh, stacked, 1), jax.device_put(x, NamedSharding(mesh, P(data))), key
     )
-  reference = functools.partial(keyed_reference, m=4, shards=2)
+  shards = 8 // stages
+  reference = functools.partial(keyed_reference, m=4, shards=shards)
   want = jax.jit(jax.value_and_grad(loss_of(reference), argnums=(0, 1)))(
     stacked, x, key
   )
@@ -340,20 +348,32 @@ def test_each_data_shard_draws_its_own_keys(axis_type):
 
 def test_static_arguments_reach_the_layers_as_they_are():
   """A Python bool and a float among pipe's arguments are static, as the
-  docstring says, with remat and without."""
+  docstring says, with remat and without, on a stage mesh and on one
+  device: the layer branches on the bool and loops int(4 * scale) times,
+  which a traced value could do neither of."""
 
   def switched(w, h, train, scale):
-    return layer(w, h) * scale if train else h
+    if not train:
+      return h
+    for _ in range(int(4 * scale)):
+      h = layer(w, h)
+    return h
 
   stacked, x = make_problem()
+  mesh = stage_mesh(4)
   for remat in (True, False):
     pipe = jaxaccum.pipeline(switched, num_stages=4, num_micro_batches=4, remat=remat)
     for train in (True, False):
+      want = scanned(switched, stacked, x, train, 0.5)
       got = jax.jit(pipe, static_argnums=(2, 3))(stacked, x, train, 0.5)
-      assert_close(got, scanned(switched, stacked, x, train, 0.5), terms())
+      assert_close(got, want, 2 * terms())
+      with jax.set_mesh(mesh):
+        got = jax.jit(pipe, static_argnums=(2, 3))(
+          on_stages(mesh, stacked, 1), x, train, 0.5
+        )
+      assert_close(got, want, 2 * terms())
 
 
-# -- composition -------------------------------------------------------------
 # -- composition -------------------------------------------------------------
 
 
