@@ -49,10 +49,25 @@ def test_the_programs_input_shardings_win_over_a_missing_annotation():
     ("{devices=[2,1,4]<=[8] last_tile_dims={manual}}", frozenset({0, 1})),
     ("{maximal device=0}", frozenset()),
     ("{manual}", frozenset({0, 1})),
+    # The replicated subgroup is the last of two: only "data" tiles.
+    ("{devices=[1,2,4]<=[8] last_tile_dims={manual, replicated}}", frozenset({0})),
+    # A tuple's shardings, element by element.
+    ("{{replicated}, {devices=[8]<=[8]}}", (frozenset(), frozenset({0, 1}))),
   ],
 )
 def test_sharding_forms(sharding, axes):
+  # mutmut: _agreement.sharding_taint
   assert _agreement.sharding_taint(sharding, _agreement.Grid(SHAPE, NAMES)) == axes
+
+
+def test_on_one_device_a_value_without_a_sharding_agrees():
+  # mutmut: _agreement.sharding_taint
+  assert (
+    _agreement.sharding_taint(None, _agreement.Grid((1,), ("data",))) == frozenset()
+  )
+  assert _agreement.sharding_taint(None, _agreement.Grid(SHAPE, NAMES)) == frozenset(
+    {0, 1}
+  )
 
 
 def test_device_ids_differ_but_an_offset_table_is_evaluated_per_device():
@@ -66,6 +81,56 @@ def test_device_ids_differ_but_an_offset_table_is_evaluated_per_device():
   assert differs(body) == ("model",)
   assert differs("  ROOT %pid = u32[] partition-id()") == ("data", "model")
   assert differs("  ROOT %r = u32[] replica-id()") == ()
+
+
+@pytest.mark.parametrize(
+  ("choice", "axes"),
+  [
+    # The same constant either way: a device-dependent predicate decides nothing.
+    ("select(%first, %seven, %seven)", ()),
+    ("select(%first, %seven, %zero)", ("data",)),
+    # A predicate true everywhere picks its first operand, which varies.
+    ("select(%yes, %col, %zero)", ("model",)),
+    ("select(%yes, %zero, %col)", ()),
+    # clamp(lo, x, hi): the model coordinate clamped to [0, 1], or to [1, 1].
+    ("clamp(%zero, %col, %one)", ("model",)),
+    ("clamp(%one, %col, %one)", ()),
+  ],
+)
+def test_choices_on_device_ids_are_evaluated(choice, axes):
+  # mutmut: _agreement._choice
+  body = f"""  %pid = s32[] partition-id()
+  %four = s32[] constant(4)
+  %row = s32[] divide(%pid, %four)
+  %col = s32[] remainder(%pid, %four)
+  %zero = s32[] constant(0)
+  %one = s32[] constant(1)
+  %seven = s32[] constant(7)
+  %first = pred[] compare(%row, %zero), direction=EQ
+  %yes = pred[] constant(true)
+  ROOT %r = s32[] {choice}"""
+  assert differs(body) == axes
+
+
+def test_a_table_lookup_clamps_its_index_as_dynamic_slice_does():
+  """Indices past the table's end read its last entry (XLA clamps a
+  dynamic-slice's start): devices 3 to 7 read 9, devices 0 to 2 read 5."""
+  # mutmut: _agreement._lookup
+  body = """  %pid = u32[] partition-id()
+  %t = s32[4]{0} constant({5, 5, 5, 9})
+  %off = s32[1]{0} dynamic-slice(%t, %pid), dynamic_slice_sizes={1}
+  ROOT %r = s32[] reshape(%off)"""
+  assert differs(body) == ("data", "model")
+  same = body.replace("{5, 5, 5, 9}", "{5, 5, 5, 5}")
+  assert differs(same) == ()
+  # A negative start reads the first entry: devices 0 to 4 read 5.
+  below = """  %pid = s32[] partition-id()
+  %four = s32[] constant(4)
+  %i = s32[] subtract(%pid, %four)
+  %t = s32[4]{0} constant({5, 5, 5, 9})
+  %off = s32[1]{0} dynamic-slice(%t, %i), dynamic_slice_sizes={1}
+  ROOT %r = s32[] reshape(%off)"""
+  assert differs(below) == ("data", "model")
 
 
 def test_arithmetic_on_device_ids_is_evaluated():
@@ -213,6 +278,67 @@ ENTRY %main (p: f32[1]) -> f32[] {
     )
     == []
   )
+
+
+BRANCHES = """%keep (a: f32[]) -> f32[] {
+  ROOT %a = f32[] parameter(0)
+}
+
+%fixed (a: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  ROOT %z = f32[] constant(0)
+}
+
+"""
+
+
+@pytest.mark.parametrize(
+  ("operands", "branches", "axes"),
+  [
+    # The true branch returns its argument: a value sharded over data.
+    ("%sharded, %same", ("keep", "fixed"), ("data",)),
+    # The false branch gets the sharded value and drops it.
+    ("%same, %sharded", ("keep", "fixed"), ()),
+    # The false branch gets the sharded value and returns it.
+    ("%same, %sharded", ("fixed", "keep"), ("data",)),
+  ],
+)
+def test_a_conditional_on_an_agreed_predicate_returns_what_its_branches_return(
+  operands, branches, axes
+):
+  """Branch n gets operand n + 1; the result differs where a branch's
+  result does, the predicate being the same on every device."""
+  # mutmut: _hlo.Instruction.branches, _agreement._Analysis._conditional
+  text = (
+    BRANCHES
+    + f"""ENTRY %main (p: f32[1]) -> f32[] {{
+  %p = f32[1]{{0}} parameter(0), sharding={{devices=[2,1,4]<=[8] last_tile_dim_replicate}}
+  %sharded = f32[] reshape(%p)
+  %same = f32[] constant(1)
+  %c = pred[] constant(true)
+  ROOT %r = f32[] conditional(%c, {operands}), true_computation=%{branches[0]}, false_computation=%{branches[1]}
+}}"""
+  )
+  found = _agreement.divergences(text, SHAPE, NAMES, output_axes=[frozenset()])
+  assert [(d.kind, d.axes) for d in found] == ([("output", axes)] if axes else [])
+
+
+def test_an_n_way_conditional_follows_each_branch():
+  """``branch_computations={...}`` with an index: branch 1 returns the
+  argument sharded over model; the others a constant."""
+  # mutmut: _hlo.Instruction.branches
+  text = (
+    BRANCHES
+    + """ENTRY %main (p: f32[1]) -> f32[] {
+  %p = f32[1]{0} parameter(0), sharding={devices=[4,2]<=[2,4]T(1,0) last_tile_dim_replicate}
+  %sharded = f32[] reshape(%p)
+  %same = f32[] constant(1)
+  %i = s32[] constant(2)
+  ROOT %r = f32[] conditional(%i, %same, %sharded, %same), branch_computations={%fixed, %keep, %fixed}
+}"""
+  )
+  found = _agreement.divergences(text, SHAPE, NAMES, output_axes=[frozenset()])
+  assert [(d.kind, d.axes) for d in found] == [("output", ("model",))]
 
 
 def test_fusions_are_followed_into_their_computation():
