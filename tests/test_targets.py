@@ -323,7 +323,10 @@ def test_each_chip_streams_its_own_host_shard():
   small, large = peak(8 * 512), peak(8 * 1024)
   assert large.host_bytes >= 1024 * 128 * 4  # this chip's shard, on the host
   assert large.host_bytes < 2 * 1024 * 128 * 4  # ... and not the whole batch
-  assert large.peak_bytes <= 1.02 * small.peak_bytes, (small, large)
+  # Twice the batch adds 256 KiB on each chip's host, and next to nothing on
+  # the device (a copied batch would add all of it).
+  grown = large.peak_bytes - small.peak_bytes
+  assert grown <= 0.05 * (large.host_bytes - small.host_bytes), (small, large)
 
 
 def test_mesh_devices_of_a_gpu_target_map_to_its_gpus():
