@@ -432,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     default="both",
     help="measure one part and keep the other from the existing JSON",
   )
+  parser.add_argument(
+    "--rounds", type=int, default=None, help="timed rounds (default 21; quick 3)"
+  )
+  parser.add_argument(
+    "--repeats", type=int, default=None, help="steps per sample (default 5; quick 2)"
+  )
   args = parser.parse_args(argv)
   quick = args.quick
   out = _paths.output_folder(args.out, quick)
@@ -450,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     results["time"] = time_part(
       "cpu-quick" if quick else "cpu",
       (1, 4) if quick else (1, 2, 4, 8),
-      rounds=3 if quick else 21,
-      repeats=2 if quick else 5,
+      rounds=args.rounds or (3 if quick else 21),
+      repeats=args.repeats or (2 if quick else 5),
     )
   if args.part in ("both", "memory"):
     print("Part 1: memory on a compile-only H100")
