@@ -423,9 +423,9 @@ class _Step:
         # In the loop, the backward pass starts after the loss is computed.
         # Left free, XLA's TPU scheduler put the loss's last step (a gather
         # of each label's float32 logit) beside the logits' cotangent, both
-        # held at the peak (+2,000 MiB for a 1B Llama at k = 2); a hand
-        # written scan happened to order them so. At k = 1 the step stays
-        # the full batch's program.
+        # held at the peak (+2,000 MiB for a 1B Llama at k = 2), where the
+        # hand-written scan's program happened to gather first. At k = 1
+        # the step stays the full batch's program.
         out, seed = jax.lax.optimization_barrier((out, seed))
       (grads,) = backward(seed)
       losses, weights, aux, new_state = jax.tree.map(self._flatten_devices, out)
