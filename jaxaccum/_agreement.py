@@ -489,7 +489,7 @@ def _elementwise(i: _hlo.Instruction, v: list[np.ndarray]) -> np.ndarray | None:
   if len(v) != 2 or v[0].shape != v[1].shape:
     return None
   if i.op == "divide":
-    return np.fix(v[0] / v[1]).astype(np.int64) if (v[1] != 0).all() else None
+    return np.trunc(v[0] / v[1]).astype(np.int64) if (v[1] != 0).all() else None
   if i.op == "compare":
     direction = re.search(r"direction=(\w+)", i.attributes)
     compare = _COMPARE.get(direction.group(1)) if direction else None
