@@ -198,8 +198,9 @@ class Collective(NamedTuple):
     executions: how many times it runs per call (the product of the trip
       counts of the while loops around it; unknown trip counts count 1).
     in_loop: whether it sits inside a while loop's body.
-    groups: its replica groups, each a tuple of partition numbers; None
-      where the HLO does not list them.
+    groups: its replica groups, each a tuple of partition numbers; ``()``
+      for ``replica_groups={}``, one group of every device; None where the
+      HLO does not list them.
   """
 
   op: str
@@ -219,10 +220,13 @@ class Collective(NamedTuple):
     >>> c = Collective("all-reduce", "main", 4, 1, False, ((0, 2), (1, 3)))
     >>> c.spans((2, 2), axes=[0]), c.spans((2, 2), axes=[1])
     (True, False)
+    >>> Collective("all-reduce", "main", 4, 1, False, ()).spans((2, 2), axes=[1])
+    True
     """
     if self.groups is None:
       return True
-    for group in self.groups:
+    groups = self.groups or (tuple(range(int(np.prod(mesh_shape)))),)
+    for group in groups:
       coords = np.array(np.unravel_index(np.asarray(group), tuple(mesh_shape)))
       if any(len(set(coords[a].tolist())) > 1 for a in axes):
         return True
