@@ -40,6 +40,7 @@ def found(text):
     ("f8e4m3fn[8]{0}", 8),
     ("(f32[2]{0}, (bf16[4]{0}, s32[]))", 8 + 8 + 4),
     ("token[]", 0),  # no bytes on the wire
+    ("(token[], f32[2]{0})", 8),
   ],
 )
 def test_the_bytes_of_an_hlo_type(type_text, size):
@@ -56,6 +57,7 @@ def test_a_tuple_type_splits_at_its_top_level_only():
   ]
   assert _hlo._top_level("  f32[2]{0} ") == ["f32[2]{0}"]
   assert _hlo._top_level("()") == []
+  assert _hlo._top_level("(f32[2]{0},s32[])") == ["f32[2]{0}", "s32[]"]
 
 
 @pytest.mark.parametrize(
@@ -136,6 +138,26 @@ def test_loops_multiply_their_trip_counts_from_the_backend_or_the_condition():
 
 
 @pytest.mark.parametrize(
+  ("attributes", "groups"),
+  [
+    ("replica_groups={{0,2},{1,3}}, to_apply=%add", ((0, 2), (1, 3))),
+    ("replica_groups=[2,2]<=[4], to_apply=%add", ((0, 1), (2, 3))),
+    ("replica_groups=[2,2]<=[2,2], to_apply=%add", ((0, 1), (2, 3))),
+    ("replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add", ((0, 2), (1, 3))),
+    (
+      "replica_groups=[2,4]<=[2,2,2]T(0,2,1), to_apply=%add",
+      ((0, 2, 1, 3), (4, 6, 5, 7)),
+    ),
+    ("replica_groups=mesh['a'=2,'b'=2] {'b'}, dimensions={0}", ((0, 1), (2, 3))),
+    ("to_apply=%add", None),
+  ],
+)
+def test_replica_groups_in_every_form_xla_prints(attributes, groups):
+  # mutmut: _hlo.replica_groups, _hlo._iota
+  assert _hlo.replica_groups(attributes) == groups
+
+
+@pytest.mark.parametrize(
   ("groups", "axes", "spans"),
   [
     (((0, 1), (2, 3)), [0], False),  # pairs along the second axis of (2, 2)
@@ -186,6 +208,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %c = pred[] constant(true)
   %two = f32[8]{0} conditional(%c, %a, %a), true_computation=%yes, false_computation=%no
   %i = s32[] constant(1)
+  %s = (f32[8]{0}, f32[64]{0}) all-gather-start(%a), channel_id=4, replica_groups={}, dimensions={0}
   ROOT %n = f32[8]{0} conditional(%i, %a, %a), branch_computations={%no, %yes}
 }
 """
@@ -195,13 +218,15 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 def test_called_computations_are_read_at_every_call_site():
   """A fusion's computation, called twice, counts twice; both branches of a
   conditional count (either may run), in the true/false and the n-way
-  forms; none of them is in a loop."""
+  forms; none of them is in a loop. An asynchronous start counts its
+  output."""
   # mutmut: _hlo.collectives, _hlo._called
   assert found(CALLS) == [
     ("all-reduce", "fused", 32, 1, False),
     ("all-reduce", "fused", 32, 1, False),
     ("collective-permute", "yes", 32, 1, False),
     ("all-gather", "no", 64, 1, False),
+    ("all-gather-start", "main", 256, 1, False),  # its output only
     ("all-gather", "no", 64, 1, False),
     ("collective-permute", "yes", 32, 1, False),
   ]
