@@ -133,6 +133,31 @@ def test_a_table_lookup_clamps_its_index_as_dynamic_slice_does():
   assert differs(below) == ("data", "model")
 
 
+@pytest.mark.parametrize(
+  ("root", "axes"),
+  [
+    # Evaluated through a conversion: the row minus itself, zero everywhere.
+    ("subtract(%converted, %row)", ()),
+    ("subtract(%reshaped, %row)", ()),
+    # -row + row is zero everywhere; +row + row would not be.
+    ("add(%minus, %row)", ()),
+    # A division by zero is not evaluated: the device ids' taint stays.
+    ("divide(%pid, %zero)", ("data", "model")),
+  ],
+)
+def test_unary_ops_and_divisions_of_device_ids(root, axes):
+  # mutmut: _agreement._elementwise
+  body = f"""  %pid = s32[] partition-id()
+  %zero = s32[] constant(0)
+  %four = s32[] constant(4)
+  %row = s32[] divide(%pid, %four)
+  %minus = s32[] negate(%row)
+  %converted = s32[] convert(%row)
+  %reshaped = s32[] reshape(%row)
+  ROOT %r = s32[] {root}"""
+  assert differs(body) == axes
+
+
 def test_arithmetic_on_device_ids_is_evaluated():
   body = """  %pid = u32[] partition-id()
   %four = u32[] constant(4)
