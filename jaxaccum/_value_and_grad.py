@@ -18,7 +18,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _calls, _compat, _engine, _options, _parallel, _privacy, _split
+from jaxaccum import (
+  _calls,
+  _compat,
+  _engine,
+  _options,
+  _parallel,
+  _privacy,
+  _split,
+  _unreduced,
+)
 
 PyTree = Any
 
@@ -325,7 +334,7 @@ class Step:
       engine = self.engine(len(args))
     if self.parallel is not None:
       return self.parallel(engine, layout, args, kwargs)
-    return engine.local(args, kwargs)
+    return _unreduced.local(engine, args, kwargs)
 
   def micro_batches(self, args: tuple[Any, ...]) -> int:
     """``k``: the micro-batches of these arguments (per device with

@@ -1,0 +1,414 @@
+"""Plain ``jit`` on an Explicit mesh: data parallelism on JAX's own sharding
+types, one gradient reduction per step.
+
+Accumulating under plain ``jit`` over a sharded batch leaves the reductions
+to the partitioner, which all-reduces a replicated parameter's gradient
+inside the loop, ``k`` times per step. On a mesh whose batch axes are
+Explicit the types say more, and JAX's ``reduced`` and ``unreduced`` axes
+say what the step needs:
+
+- **The data axes** are the Explicit axes the batch's leading dimension is
+  sharded over, read from the batch leaves' types (:func:`data_axes`).
+- **A leaf replicated over them** (a replicated or tensor-parallel
+  parameter) is made ``reduced`` over them on entry: no data moves, and its
+  cotangent comes back ``unreduced``, each device holding its own rows'
+  share. The float32 accumulator is ``unreduced`` too, so each micro-batch
+  is added where it was computed, and one reshard into the parameter's own
+  sharding after the loop is the step's one reduction.
+- **A leaf sharded over a data axis** (FSDP) keeps its modes
+  (``fsdp_gather``): ``"per_micro_batch"`` leaves it as it is, so that each
+  micro-batch's gradient is reduce-scattered where plain ``jit`` would,
+  with an optimization barrier that keeps its gather inside the loop (HSDP's
+  replica axes are reduced there too: JAX types a contraction's result as
+  unreduced over all the axes its rows are sharded over, or none).
+  ``"cast_once"`` casts and gathers it before the
+  loop and reduce-scatters each micro-batch's gradient into a sharded
+  accumulator; ``"once"`` gathers it before the loop, accumulates
+  ``unreduced`` and reduce-scatters once after it.
+
+``fun`` runs on the user's mesh with its own axis types, as under
+``jax.value_and_grad``: its constraints and ``out_sharding``\\ s work as
+written. An unreduced value is only ever added to: the normalization, the
+skip of a non-finite step and every other decision read the reduced
+gradients after the loop. Steps that need a statistic of each micro-batch's
+whole gradient (``noise_stats``, ``clip_per_example``) and one-micro-batch
+steps keep plain ``jit``'s reductions (:func:`applies`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxaccum import _compat, _engine, _normalize, _split
+from jaxaccum._engine import Engine
+
+PyTree = Any
+
+
+def data_axes(options: Any, args: tuple[Any, ...]) -> tuple[str, ...]:
+  """The Explicit mesh axes the batch's leading dimension is sharded over,
+  in the order the batch leaves name them; ``()`` for a batch replicated
+  over every axis, on Auto axes or on no mesh (then the step is plain
+  ``jit``'s, with the partitioner's reductions)."""
+  axes: list[str] = []
+  for n in options.batch_argnums:
+    for x in jax.tree.leaves(args[n]):
+      spec = _compat.explicit_spec(x)
+      if spec is None or not jnp.ndim(x) or not spec.partitions:
+        continue
+      mesh = jax.typeof(x).sharding.mesh
+      explicit = {
+        a
+        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Explicit
+      }
+      axes += [a for a in _names(spec.partitions[0]) if a in explicit and a not in axes]
+  return tuple(axes)
+
+
+def applies(options: Any, num_micro_batches: int) -> bool:
+  """Whether a plain-``jit`` step on a batch with data axes takes this path:
+  a loop (``k >= 2``) whose micro steps need no whole micro-batch gradient
+  (``noise_stats`` measures each one's norm, ``clip_per_example`` each
+  example's)."""
+  return (
+    num_micro_batches > 1
+    and not options.noise_stats
+    and options.clip_per_example is None
+  )
+
+
+class Leaf(NamedTuple):
+  """How one differentiated leaf enters the loop and is accumulated.
+
+  Attributes:
+    spec: the leaf's own ``PartitionSpec`` (its type's), or None for a leaf
+      with no Explicit sharding, left to the partitioner.
+    reduced: the data axes it is ``reduced`` over in the loop (its gradient
+      comes back ``unreduced`` over them).
+    gather: ``"as_is"``, ``"gather"`` (over its data axes, before the loop)
+      or ``"cast_gather"`` (cast to ``gather_dtype`` first).
+    accumulator: the accumulator's ``PartitionSpec``.
+    barrier: sharded over data axes in the loop: it passes an optimization
+      barrier, so that its gather stays in the loop (:func:`barrier`).
+  """
+
+  spec: P | None
+  reduced: frozenset[str]
+  gather: str
+  accumulator: P | None
+  barrier: bool = False
+
+
+def plan_leaf(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Leaf:
+  """The :class:`Leaf` for ``x`` with the batch on data ``axes`` under
+  ``fsdp_gather=mode``; ``reducible`` says whether each of its uses in
+  ``fun`` takes a ``reduced`` operand (:func:`reducible_leaves`)."""
+  spec = _compat.explicit_spec(x)
+  if spec is None:
+    return Leaf(None, frozenset(), "as_is", None)
+  used = _uses(spec, axes)
+  if used and mode == "per_micro_batch":
+    # HSDP's replica axes stay with the partitioner too: JAX types a
+    # weight's cotangent from a contraction over rows sharded over
+    # (replica, fsdp) as unreduced over all of them or none.
+    return Leaf(spec, spec.reduced, "as_is", P(*spec.partitions), barrier=True)
+  gather = "as_is" if not used else "gather" if mode == "once" else "cast_gather"
+  inside = _gathered(spec, axes)
+  if not reducible:  # the partitioner reduces each micro-batch's gradient
+    return Leaf(spec, frozenset(), gather, P(*inside.partitions))
+  reduced = frozenset(axes)
+  if gather == "cast_gather":  # reduce-scattered into a sharded sum
+    return Leaf(spec, reduced, gather, P(*spec.partitions))
+  return Leaf(spec, reduced | spec.reduced, gather, _typed(inside, unreduced=reduced))
+
+
+# The primitives whose one operand may be ``reduced`` and whose result is
+# too, and those that take a ``reduced`` operand among others (jax 0.10 to
+# 0.12; an elementwise op with a data-sharded operand, a gather or a
+# convolution refuses one).
+_KEEPS_REDUCED = frozenset(
+  {
+    "broadcast_in_dim",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "expand_dims",
+    "reduce_precision",
+    "reshape",
+    "squeeze",
+    "transpose",
+  }
+)
+_TAKES_REDUCED = frozenset({"dot_general"})
+
+
+def reducible_leaves(jaxpr: Any) -> list[bool]:
+  """For each input of ``jaxpr`` (a ``ClosedJaxpr`` of the loss of one
+  micro-batch, its inputs the differentiated leaves), whether every use of
+  it takes a ``reduced`` operand: matrix products, through casts, reshapes
+  and transposes, and inside ``jit``, ``checkpoint``, ``scan`` (as a
+  constant or a scanned input) and ``cond``. A leaf used any other way
+  (added to activations, as a bias; gathered, as an embedding table;
+  convolved) has its gradient reduced each micro-batch by the partitioner.
+
+  >>> import jax, jax.numpy as jnp
+  >>> j = jax.make_jaxpr(lambda w, b: jnp.sum(jnp.ones((2, 3)) @ w + b))
+  >>> reducible_leaves(j(jnp.ones((3, 4)), jnp.ones((1, 4))))
+  [True, False]
+  """
+  inner = jaxpr.jaxpr
+  bad = _refused(inner, dict(zip(inner.invars, range(len(inner.invars)), strict=True)))
+  return [n not in bad for n in range(len(inner.invars))]
+
+
+def _refused(jaxpr: Any, tracked: dict[Any, int]) -> set[int]:
+  """The leaves (values of ``tracked``, which maps ``jaxpr``'s variables to
+  them) that some use in ``jaxpr`` would refuse as ``reduced``."""
+  tracked = dict(tracked)
+  bad: set[int] = set()
+  for eqn in jaxpr.eqns:
+    leaves = {tracked[v] for v in eqn.invars if _is_var(v) and v in tracked}
+    if not leaves:
+      continue
+    name = eqn.primitive.name
+    if name in _KEEPS_REDUCED and len(eqn.invars) == 1:
+      tracked[eqn.outvars[0]] = leaves.pop()
+    elif name not in _TAKES_REDUCED:
+      bad |= _refused_inside(eqn, tracked) if _calls(eqn) else leaves
+  bad |= {tracked[v] for v in jaxpr.outvars if _is_var(v) and v in tracked}
+  return bad
+
+
+def _calls(eqn: Any) -> bool:
+  return eqn.primitive.name in {
+    "pjit",
+    "jit",
+    "closed_call",
+    "remat2",
+    "checkpoint",
+    "scan",
+    "cond",
+  }
+
+
+def _refused_inside(eqn: Any, tracked: dict[Any, int]) -> set[int]:
+  """``_refused`` for the leaves an ``eqn`` that calls jaxprs passes in."""
+  params, args = eqn.params, list(eqn.invars)
+  name = eqn.primitive.name
+  if name == "cond":
+    bodies, args = list(params["branches"]), args[1:]
+  elif name == "scan":
+    bodies = [params["jaxpr"]]
+    first, count = params["num_consts"], params["num_carry"]
+    carried = {
+      tracked[v] for v in args[first : first + count] if _is_var(v) and v in tracked
+    }
+    if carried:
+      return carried  # a carried leaf comes back out: refused
+  else:
+    bodies = [params["jaxpr"]]
+  bad: set[int] = set()
+  for body in bodies:
+    inner = getattr(body, "jaxpr", body)
+    inside = {
+      var: tracked[v]
+      for var, v in zip(inner.invars, args, strict=True)
+      if _is_var(v) and v in tracked
+    }
+    bad |= _refused(inner, inside)
+  return bad
+
+
+def _is_var(v: Any) -> bool:
+  return not hasattr(v, "val")  # a Literal carries its value
+
+
+class UnreducedStep:
+  """The step of the module docstring, for an :class:`Engine` whose batch
+  lies on data ``axes`` of an Explicit mesh."""
+
+  def __init__(self, engine: Engine, axes: tuple[str, ...]):
+    self.engine = engine
+    self.options = engine.options
+    self.axes = axes
+
+  def __call__(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any
+  ) -> _engine.Result:
+    o = self.options
+    diff_args = tuple(args[n] for n in o.argnums)
+    flat = jax.tree.leaves(diff_args)
+    reducible = self._reducible(args, kwargs, split, len(flat))
+    leaves = [
+      plan_leaf(x, self.axes, o.fsdp_gather, r)
+      for x, r in zip(flat, reducible, strict=True)
+    ]
+    call_args = list(args)
+    entered = self._map(self._enter, leaves, diff_args)
+    for n, placed in zip(o.argnums, entered, strict=True):
+      call_args[n] = placed
+    base = self.engine.micro_step(
+      tuple(call_args), kwargs, split, split.num_micro_batches, split.micro_batch_size
+    )
+    held = [leaf.barrier for leaf in leaves]
+
+    def step(diff, micro, index, state):
+      return base(barrier(diff, held, index), micro, index, state)
+
+    sums = self.engine.sums(
+      tuple(call_args), kwargs, split, step=step, accumulator=self._accumulator(leaves)
+    )
+    grads = self._map(self._reduce, leaves, sums.grads)
+    return self.engine.finish(sums._replace(grads=grads), diff_args)
+
+  def _reducible(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, count: int
+  ) -> list[bool]:
+    """:func:`reducible_leaves` of the loss of one micro-batch, traced on
+    its shapes (nothing of it is computed)."""
+    o = self.options
+    # the split's own checks first (a micro-batch that does not divide over
+    # the devices of its rows), as the loop would meet them
+    _split.MicroBatches(tuple(args[n] for n in o.batch_argnums), split)
+    loss = self.engine.micro_loss(args, kwargs, split, split.num_micro_batches)
+    m = split.micro_batch_size
+
+    def probe(x):
+      aval = jax.typeof(x)
+      return jax.ShapeDtypeStruct((m, *x.shape[1:]), x.dtype, sharding=aval.sharding)
+
+    micro = tuple(jax.tree.map(probe, args[n]) for n in o.batch_argnums)
+    state = None if o.state_argnum is None else args[o.state_argnum]
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    diff_args = tuple(args[n] for n in o.argnums)
+    jaxpr = jax.make_jaxpr(lambda *a: loss(*a)[0])(diff_args, micro, index, state)
+    return reducible_leaves(jaxpr)[:count]
+
+  # -- the leaves in the loop, their accumulators, the one reduction --------
+
+  def _enter(self, x: jax.Array, leaf: Leaf) -> jax.Array:
+    """``x`` as the loop takes it: gathered (and cast) where ``leaf`` says,
+    then ``reduced`` over its replica axes (no data moves)."""
+    if leaf.spec is None:
+      return x
+    spec = leaf.spec
+    if leaf.gather != "as_is":
+      if leaf.gather == "cast_gather":
+        x = x.astype(self.options.gather_dtype)
+      spec = _gathered(spec, self.axes)
+      x = _reshard(x, spec)
+    if not leaf.reduced:
+      return x
+    return _reshard(x, _typed(spec, reduced=leaf.reduced))
+
+  def _accumulator(self, leaves: list[Leaf]) -> _engine.Accumulator:
+    """Float32 (or wider) sums typed as each leaf's ``accumulator`` says."""
+    dtype = self.options.accum_dtype
+
+    def fold(g, leaf, acc=None):
+      g = g.astype(_normalize.accumulator_dtype(dtype, g) if acc is None else acc.dtype)
+      if leaf.accumulator is not None:
+        g = _reshard(g, leaf.accumulator)
+      return g if acc is None else acc + g
+
+    def init(diff):
+      return self._map(lambda x, leaf: fold(jnp.zeros_like(x), leaf), leaves, diff)
+
+    return _engine.Accumulator(
+      init=init,
+      first=lambda grads: self._map(fold, leaves, grads),
+      add=lambda acc, grads: self._map(
+        lambda a, g, leaf: fold(g, leaf, a), leaves, acc, grads
+      ),
+    )
+
+  def _reduce(self, acc: jax.Array, leaf: Leaf) -> jax.Array:
+    """The accumulator in the parameter's own sharding: the step's one
+    reduction of an ``unreduced`` sum (an all-reduce, or for a leaf
+    gathered once a reduce-scatter)."""
+    if leaf.spec is None or jax.typeof(acc).sharding.spec == leaf.spec:
+      return acc
+    return _reshard(acc, leaf.spec)
+
+  def _map(self, fun: Callable[..., Any], leaves: list[Leaf], *trees: PyTree) -> PyTree:
+    flat = [jax.tree.flatten(t) for t in trees]
+    out = [
+      fun(*xs, leaf) for *xs, leaf in zip(*(f[0] for f in flat), leaves, strict=True)
+    ]
+    return jax.tree.unflatten(flat[0][1], out)
+
+
+def barrier(diff_args: PyTree, held: list[bool], index: jax.Array) -> PyTree:
+  """The leaves marked in ``held`` pass an optimization barrier with the
+  micro-batch index: otherwise XLA sees a loop-invariant gather of an FSDP
+  weight and hoists it out of the loop, holding every full weight through
+  it."""
+  leaves, treedef = jax.tree.flatten(diff_args)
+  kept = [x for x, h in zip(leaves, held, strict=True) if h]
+  if not kept:
+    return diff_args
+  kept, _ = jax.lax.optimization_barrier((kept, index))
+  it = iter(kept)
+  return jax.tree.unflatten(
+    treedef, [next(it) if h else x for x, h in zip(leaves, held, strict=True)]
+  )
+
+
+def _reshard(x: jax.Array, spec: P) -> jax.Array:
+  """``x`` resharded to ``spec`` on its own mesh (no mesh context needed)."""
+  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=spec))
+
+
+def _typed(
+  spec: P,
+  reduced: frozenset[str] = frozenset(),
+  unreduced: frozenset[str] = frozenset(),
+) -> P:
+  """``spec``'s partitions with ``reduced`` and ``unreduced`` axes."""
+  return P(*spec.partitions, reduced=set(reduced), unreduced=set(unreduced))
+
+
+def _uses(spec: P, axes: tuple[str, ...]) -> frozenset[str]:
+  """The ``axes`` that ``spec`` shards a dimension over."""
+  return frozenset(n for e in spec.partitions for n in _names(e) if n in axes)
+
+
+def _gathered(spec: P, axes: tuple[str, ...]) -> P:
+  """``spec`` without the data ``axes``: the leaf gathered over them."""
+  return P(*(_without(e, set(axes)) for e in spec.partitions))
+
+
+def _without(entry: Any, axes: set[str]) -> Any:
+  names = tuple(n for n in _names(entry) if n not in axes)
+  if not names:
+    return None
+  return names[0] if len(names) == 1 else names
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return entry if isinstance(entry, tuple) else (entry,)
+
+
+def local(
+  engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _engine.Result:
+  """Plain ``jit``'s step: on a batch with data axes (:func:`data_axes`)
+  the step of the module docstring where it :func:`applies`, else the
+  engine's own, whose reductions the partitioner places."""
+  axes = data_axes(engine.options, args)
+  if not axes:
+    return engine.local(args, kwargs)
+  engine.check_args(args)
+  split = engine.plan(args)
+  if not applies(engine.options, split.num_micro_batches):
+    return engine.local(args, kwargs)
+  return UnreducedStep(engine, axes)(args, kwargs, split)
