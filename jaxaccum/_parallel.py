@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat, _engine, _normalize, _sharding, _tree
+from jaxaccum import _compat, _engine, _normalize, _sharding, _tree, _unreduced
 from jaxaccum._engine import Engine
 from jaxaccum._options import Options
 
@@ -194,9 +194,10 @@ class DataParallel:
     more = f" and {len(unknown) - 1} more leaves" if len(unknown) > 1 else ""
     warnings.warn(
       f"jaxaccum: under jit on a mesh with Auto axes the parameters' shardings "
-      f"are not visible, so {name}{more} count as replicated over the data "
+      f"are not visible, so {name}{more} count as not sharded over the data "
       f"axes {self.axes}: a parameter sharded over them (FSDP) is gathered "
-      "whole and its gradient comes back replicated. Pass "
+      "whole on every device (its sharding along other axes is left to the "
+      "partitioner). Pass "
       "param_specs=jax.tree.map(lambda x: x.sharding.spec, params), computed "
       "outside jit (or a tree prefix of PartitionSpecs), or use a mesh with "
       "Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)). "
@@ -218,20 +219,40 @@ class DataParallel:
       self._warn_if_hidden(o, layout, args)
       placements = self.placements(layout)
       if o.view == "global":
-        return _GlobalStep(self, engine, placements)(args, kwargs)
+        return self._global(engine, placements, args, kwargs)
       split = engine.plan(args, devices=self.devices)
       step = _Step(self, engine, placements, split)
       total = split.num_micro_batches * (1 if step.shared else self.devices)
       _engine.check_noise_estimable(o, total)
-      if not self.explicit:
+      if not (self.explicit and step.shared):
         return step(args, kwargs)
       return self._data_axes_auto(step, args, kwargs)
+
+  def _global(
+    self,
+    engine: Engine,
+    placements: tuple[Placement, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+  ) -> _engine.Result:
+    """``view="global"``: on Explicit data axes that the batch's rows are
+    sharded over, plain ``jit``'s step on JAX's types (:mod:`_unreduced`),
+    for which ``mesh=`` only names the data axes; else :class:`_GlobalStep`."""
+    o = engine.options
+    if self.explicit and set(_unreduced.data_axes(o, args)) == set(self.axes):
+      split = engine.plan(args)
+      if _unreduced.applies(o, split.num_micro_batches):
+        return _unreduced.UnreducedStep(engine, self.axes)(args, kwargs, split)
+    return _GlobalStep(self, engine, placements)(args, kwargs)
 
   def _data_axes_auto(
     self, step: _Step, args: tuple[Any, ...], kwargs: dict[str, Any]
   ) -> _engine.Result:
-    """``step`` with the data axes Auto (the partitioner places what the
-    shared leaves need), its results typed on the Explicit mesh again."""
+    """``step`` with the data axes Auto, its results typed on the Explicit
+    mesh again: only for shared (FSDP) leaves in the default view, which
+    enter the ``vmap`` over the data axes unmapped while sharded over them,
+    a type JAX refuses on Explicit axes (the partitioner places what they
+    need on Auto ones). Every other step keeps the user's axis types."""
     auto = self.mesh.abstract_mesh.update_axis_types(
       {a: AxisType.Auto for a in self.axes}
     )
@@ -380,7 +401,7 @@ class _Step:
         return x
       sizes = tuple(self.mesh.shape[a] for a in p.copies)
       copies = jnp.broadcast_to(x, (*sizes, *jnp.shape(x)))
-      return self.parallel.constrain(copies, P(*p.copies, *_inner_spec(p)))
+      return self.parallel.constrain(copies, P(*p.copies, *_inner_spec(p, jnp.ndim(x))))
 
     return self._map(place, diff_args)
 
@@ -406,7 +427,9 @@ class _Step:
     per_device = self._nested_vmap(loss, o.state_argnum is not None)
 
     def step(diff_args, micro, index, state):
-      diff_args = _with_barrier(diff_args, self.placements, index)
+      diff_args = _unreduced.barrier(
+        diff_args, [p.barrier for p in self.placements], index
+      )
       micro = jax.tree.map(self._unflatten_devices, micro)
       if state is not None:
         state = jax.tree.map(self._unflatten_devices, state)
@@ -622,7 +645,12 @@ class _GlobalStep:
     )
 
     def step(diff_args, micro, index, state):
-      return base(_with_barrier(diff_args, self.placements, index), micro, index, state)
+      return base(
+        _unreduced.barrier(diff_args, [p.barrier for p in self.placements], index),
+        micro,
+        index,
+        state,
+      )
 
     sums = self.engine.sums(
       tuple(call_args), kwargs, split, step=step, accumulator=self._accumulator()
@@ -658,10 +686,12 @@ class _GlobalStep:
     return _map_placed(fun, self.placements, *trees)
 
 
-def _inner_spec(p: Placement) -> tuple[Any, ...]:
-  """The spec of one copy of a leaf inside the loop."""
+def _inner_spec(p: Placement, ndim: int) -> tuple[Any, ...]:
+  """The spec of one copy of a leaf inside the loop: for a leaf whose
+  sharding is hidden, left to the partitioner (a tensor-parallel leaf stays
+  split), never forced to replicated."""
   if p.spec is None:
-    return ()
+    return (P.UNCONSTRAINED,) * ndim
   return tuple(p.spec.full_spec() if p.before_loop == "as_is" else p.spec.other_spec())
 
 
@@ -684,24 +714,6 @@ def _map_placed(
     fun(*xs, p) for *xs, p in zip(*(f[0] for f in flat), placements, strict=True)
   ]
   return jax.tree.unflatten(flat[0][1], leaves)
-
-
-def _with_barrier(
-  diff_args: tuple[PyTree, ...], placements: tuple[Placement, ...], index: jax.Array
-) -> tuple[PyTree, ...]:
-  """The leaves placed with a ``barrier`` pass an optimization barrier with
-  the micro-batch index: otherwise XLA sees a loop-invariant gather and
-  hoists it out of the loop, holding every full weight through it."""
-  leaves, treedef = jax.tree.flatten(diff_args)
-  held = [x for x, p in zip(leaves, placements, strict=True) if p.barrier]
-  if not held:
-    return diff_args
-  held, _ = jax.lax.optimization_barrier((held, index))
-  it = iter(held)
-  leaves = [
-    next(it) if p.barrier else x for x, p in zip(leaves, placements, strict=True)
-  ]
-  return jax.tree.unflatten(treedef, leaves)
 
 
 def _vmap_level(
@@ -828,12 +840,22 @@ def _reduce_state(state: PyTree, state_in: PyTree) -> PyTree:
 def _final_key(new: jax.Array, old: jax.Array) -> jax.Array:
   """``old`` if device 0 left its key as it got it, else device 0's key."""
   new_zero = jax.random.wrap_key_data(
-    jax.random.key_data(new)[0], impl=jax.random.key_impl(new)
+    _replicated_rows(jax.random.key_data(new))[0], impl=jax.random.key_impl(new)
   )
   changed = jnp.any(
     jax.random.key_data(new_zero) != jax.random.key_data(_tree.fold_in(old, 0))
   )
   return _tree.select(changed, new_zero, old)
+
+
+def _replicated_rows(x: jax.Array) -> jax.Array:
+  """``x`` with its leading (device) axis replicated, where its type shards
+  it over Explicit axes (JAX slices no row out of a sharded axis)."""
+  spec = _compat.explicit_spec(x)
+  if spec is None or not spec.partitions or spec.partitions[0] is None:
+    return x
+  sharding = jax.typeof(x).sharding
+  return jax.sharding.reshard(x, sharding.update(spec=P(None, *spec.partitions[1:])))
 
 
 def _broadcast_specs(spec_tree: Any, arg: PyTree, name: str) -> list[P | None]:

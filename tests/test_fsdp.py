@@ -274,7 +274,7 @@ def hidden_warnings(mesh_shape, axis_names, width, **options):
 
 def test_hidden_shardings_warn_on_a_mesh_with_more_axes_than_data():
   (message,) = hidden_warnings((4, 2), ("data", "model"), 8)
-  assert "count as replicated over the data axes ('data',)" in message
+  assert "count as not sharded over the data axes ('data',)" in message
   assert "param_specs=" in message and "Explicit" in message
 
 

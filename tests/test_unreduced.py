@@ -107,16 +107,23 @@ MESHES = {
 }
 
 
+@pytest.mark.parametrize("path", ["plain", "mesh_global"])
 @pytest.mark.parametrize("name", list(MESHES))
-def test_replicated_and_tensor_parallel_gradients_are_reduced_once_after_the_loop(name):
+def test_replicated_and_tensor_parallel_gradients_are_reduced_once_after_the_loop(
+  name, path
+):
   """Before, the partitioner all-reduced every micro-batch's gradient over
   "data" inside the loop; and a tensor-parallel gradient must come back
-  with its own shards, as under jax.value_and_grad."""
+  with its own shards, as under jax.value_and_grad. mesh= with
+  view="global" on Explicit axes is the same step (mesh= only names the
+  data axes)."""
   shape, names, specs = MESHES[name]
   mesh = explicit_mesh(shape, names)
   params, batch = problem(mesh, specs)
   loss = model(mesh)
-  out, colls = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, batch)
+  options = {"mesh": mesh, "data_axis": "data", "view": "global"}
+  fun = jaxaccum.value_and_grad(loss, K, **(options if path != "plain" else {}))
+  out, colls = compiled(fun, mesh, params, batch)
   want, _ = compiled(jax.value_and_grad(loss), mesh, params, batch)
   assert_like_full_batch(out, want, params)
   in_loop = over(colls, mesh, ["data"], in_loop=True)
