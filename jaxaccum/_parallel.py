@@ -242,7 +242,14 @@ class DataParallel:
     if self.explicit and set(_unreduced.data_axes(o, args)) == set(self.axes):
       split = engine.plan(args)
       if _unreduced.applies(o, split.num_micro_batches):
-        return _unreduced.UnreducedStep(engine, self.axes)(args, kwargs, split)
+        return _unreduced.run_or_fall_back(
+          engine,
+          self.axes,
+          args,
+          kwargs,
+          split,
+          fallback=_GlobalStep(self, engine, placements),
+        )
     return _GlobalStep(self, engine, placements)(args, kwargs)
 
   def _data_axes_auto(

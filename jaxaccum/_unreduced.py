@@ -37,6 +37,7 @@ steps keep plain ``jit``'s reductions (:func:`applies`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -149,9 +150,10 @@ _KEEPS_REDUCED = frozenset(
 _TAKES_REDUCED = frozenset({"dot_general"})
 
 
-def reducible_leaves(jaxpr: Any) -> list[bool]:
-  """For each input of ``jaxpr`` (a ``ClosedJaxpr`` of the loss of one
-  micro-batch, its inputs the differentiated leaves), whether every use of
+def reducible_leaves(jaxpr: Any, count: int | None = None) -> list[bool]:
+  """For each of the first ``count`` inputs of ``jaxpr`` (a ``ClosedJaxpr``
+  of the loss of one micro-batch; those inputs are the differentiated
+  leaves, the rest its batch and other arguments), whether every use of
   it takes a ``reduced`` operand: matrix products, through casts, reshapes
   and transposes, and inside ``jit``, ``checkpoint``, ``scan`` (as a
   constant or a scanned input) and ``cond``. A leaf used any other way
@@ -163,9 +165,9 @@ def reducible_leaves(jaxpr: Any) -> list[bool]:
   >>> reducible_leaves(j(jnp.ones((3, 4)), jnp.ones((1, 4))))
   [True, False]
   """
-  inner = jaxpr.jaxpr
-  bad = _refused(inner, dict(zip(inner.invars, range(len(inner.invars)), strict=True)))
-  return [n not in bad for n in range(len(inner.invars))]
+  leaves = jaxpr.jaxpr.invars[:count]
+  bad = _refused(jaxpr.jaxpr, {v: n for n, v in enumerate(leaves)})
+  return [n not in bad for n in range(len(leaves))]
 
 
 def _refused(jaxpr: Any, tracked: dict[Any, int]) -> set[int]:
@@ -180,7 +182,12 @@ def _refused(jaxpr: Any, tracked: dict[Any, int]) -> set[int]:
     name = eqn.primitive.name
     if name in _KEEPS_REDUCED and len(eqn.invars) == 1:
       tracked[eqn.outvars[0]] = leaves.pop()
-    elif name not in _TAKES_REDUCED:
+    elif name in _TAKES_REDUCED:
+      # a product of two leaves is reduced itself, and meets the loss's
+      # replicated values later: refused
+      if all(_is_var(v) and v in tracked for v in eqn.invars):
+        bad |= leaves
+    else:
       bad |= _refused_inside(eqn, tracked) if _calls(eqn) else leaves
   bad |= {tracked[v] for v in jaxpr.outvars if _is_var(v) and v in tracked}
   return bad
@@ -289,7 +296,7 @@ class UnreducedStep:
     index = jax.ShapeDtypeStruct((), jnp.int32)
     diff_args = tuple(args[n] for n in o.argnums)
     jaxpr = jax.make_jaxpr(lambda *a: loss(*a)[0])(diff_args, micro, index, state)
-    return reducible_leaves(jaxpr)[:count]
+    return reducible_leaves(jaxpr, count)
 
   # -- the leaves in the loop, their accumulators, the one reduction --------
 
@@ -411,4 +418,35 @@ def local(
   split = engine.plan(args)
   if not applies(engine.options, split.num_micro_batches):
     return engine.local(args, kwargs)
-  return UnreducedStep(engine, axes)(args, kwargs, split)
+  return run_or_fall_back(engine, axes, args, kwargs, split, fallback=engine.local)
+
+
+def run_or_fall_back(
+  engine: Engine,
+  axes: tuple[str, ...],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  split: Any,
+  *,
+  fallback: Callable[[tuple[Any, ...], dict[str, Any]], _engine.Result],
+) -> _engine.Result:
+  """:class:`UnreducedStep`; where JAX refuses a ``reduced`` leaf in a use
+  :func:`reducible_leaves` let through, a warning and ``fallback`` (the
+  partitioner's step, which reduces every micro-batch)."""
+  try:
+    return UnreducedStep(engine, axes)(args, kwargs, split)
+  except Exception as error:
+    text = str(error)
+    if "reduced" not in text or type(error).__name__ not in _REFUSALS:
+      raise
+  warnings.warn(
+    "jaxaccum: JAX refused a parameter typed reduced (replicated over the "
+    f"batch's axes {axes}, its cotangent unreduced) in a use of fun's, so "
+    "this step reduces every micro-batch's gradient, as plain jit does. JAX "
+    f"said: {text.splitlines()[0]}",
+    stacklevel=3,
+  )
+  return fallback(args, kwargs)
+
+
+_REFUSALS = frozenset({"ShardingTypeError", "NotImplementedError", "ValueError"})
