@@ -140,6 +140,8 @@ MODES = {
   "once": {"fsdp_gather": "once"},
   "cast_once": {"fsdp_gather": "cast_once", "gather_dtype": jnp.bfloat16},
   "global view": {"view": "global"},
+  # no mesh=: plain jit, on Explicit axes JAX's reduced/unreduced step
+  "plain jit": None,
 }
 
 
@@ -150,22 +152,21 @@ MODES = {
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_no_train_step_decision_depends_on_one_device(layout, mode, axis_type):
   shape, names, data, specs, fsdp = MESHES[layout]
-  if "fsdp_gather" in MODES[mode] and not fsdp:
+  if "fsdp_gather" in (MODES[mode] or {}) and not fsdp:
     pytest.skip("no FSDP leaf: the gather mode does not apply")
   if axis_type == AxisType.Explicit and "model" in names:
     pytest.skip("tensor parallelism on Explicit axes needs out_sharding in the loss")
   mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
   params, batch = placed(mesh, specs, data)
   tx = optax.adam(1e-3)
+  options = {
+    "mesh": mesh,
+    "data_axis": data,
+    "param_specs": specs,
+    **(MODES[mode] or {}),
+  }
   step = jaxaccum.make_train_step(
-    loss2,
-    tx,
-    2,
-    mesh=mesh,
-    data_axis=data,
-    donate=False,
-    param_specs=specs,
-    **MODES[mode],
+    loss2, tx, 2, donate=False, **(options if MODES[mode] is not None else {})
   )
   assert (
     testing.divergent_decisions(
@@ -208,6 +209,21 @@ def test_a_loss_scaled_train_step_decides_on_reduced_values_only(mesh):
   batch = sharded_batch(mesh)(*steps.host_batch(8, 0))
   assert (
     testing.divergent_decisions(compiled(step, w, tx.init(w), batch, mesh=mesh), mesh)
+    == []
+  )
+
+
+def test_a_loss_scaled_plain_jit_step_on_explicit_axes_decides_on_reduced_values():
+  """Plain jit's unreduced accumulators are only added to: the loss scale's
+  overflow check and the skip read the gradients after their reduction."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  tx = jaxaccum.accumulate(optax.sgd(0.1), 1, loss_scale=jaxaccum.dynamic_loss_scale())
+  step = jaxaccum.make_train_step(loss2, tx, 2, donate=False)
+  params, batch = placed(mesh, {"w1": P(), "w2": P()}, "data")
+  assert (
+    testing.divergent_decisions(
+      compiled(step, params, tx.init(params), batch, mesh=mesh), mesh
+    )
     == []
   )
 
