@@ -1,8 +1,20 @@
 """The data-parallel path (``mesh=``): each device accumulates its own rows.
 
-Accumulating under plain ``jit`` over a sharded batch leaves every decision
-to the partitioner: it all-reduces a replicated parameter's gradient inside
-the loop, ``k`` times per step. Here the step is laid out over the data axes
+Which path runs when:
+
+- **No** ``mesh=``, plain ``jit``: on Explicit axes that the batch's rows
+  are sharded over, :mod:`jaxaccum._unreduced` (parameters ``reduced``,
+  accumulators ``unreduced``, one reduction after the loop); otherwise the
+  engine's own step, whose reductions the partitioner places.
+- ``mesh=`` with ``view="global"``: on Explicit data axes that the batch is
+  sharded over, the same :mod:`jaxaccum._unreduced` step (``mesh=`` only
+  names the data axes); otherwise :class:`_GlobalStep`, the partitioner's.
+- ``mesh=`` (``view="device"``, the default): this module's
+  :class:`_Step`, below.
+
+Accumulating under plain ``jit`` on Auto axes leaves every decision to the
+partitioner: it all-reduces a replicated parameter's gradient inside the
+loop, ``k`` times per step. Here the step is laid out over the data axes
 instead, in global view:
 
 1. **The batch** is laid out as ``(D, k, m / D, ...)``: one block per device,
@@ -10,10 +22,12 @@ instead, in global view:
    moves (``_split``).
 2. **The micro step** runs ``fun`` on one device's rows, ``vmap``-ped over the
    data axes with ``spmd_axis_name``, one ``vmap`` level per data axis:
-   ``fun`` sees one device's micro-batch and the mesh as under plain ``jit``
-   (annotations on the other axes, a tensor-parallel ``"model"``, work as
-   there). Device ``d``'s micro-batch ``i`` gets the key of global
-   micro-batch ``d * k + i``; each device threads its own state.
+   ``fun`` sees one device's micro-batch and the mesh as under plain ``jit``,
+   with the user's axis types (annotations on the other axes, a
+   tensor-parallel ``"model"``, and constraints on the concrete mesh valid
+   for one device's rows work as there). Device ``d``'s micro-batch ``i``
+   gets the key of global micro-batch ``d * k + i``; each device threads
+   its own state.
 3. **The gradient** is taken of the *sum* of the devices' losses. A leaf
    each device has its own copy of (a per-device input of the ``vmap``)
    gets its own gradient per device; a leaf shared by the devices of a data
@@ -21,7 +35,9 @@ instead, in global view:
    and the partitioner places that reduction where plain ``jit`` would:
    inside the model's backward layer loop, a reduce-scatter per layer on a
    GPU or TPU. Each parameter leaf has a :class:`Placement` that says which
-   it is.
+   it is. A leaf whose sharding is hidden (Auto axes under ``jit``, no
+   ``param_specs``) is copied along the data axes and left to the
+   partitioner along its own dimensions, never forced to replicated.
 4. **After the loop**, one reduction: every per-device accumulator summed
    over its devices into the parameter's sharding.
 
@@ -44,13 +60,10 @@ The placements, chosen in one place (:meth:`DataParallel.placements`):
     whole gradient accumulated on each and reduce-scattered once after the
     loop. No collective inside the loop.
 
-With ``view="global"`` (:class:`_GlobalStep`) ``fun`` sees the global
-micro-batch instead, as under plain ``jit``, and the partitioner places
-every collective.
-
-On Explicit meshes the data axes are Auto inside the step (the partitioner
-places what shared leaves need), and the results come back typed on the
-Explicit mesh.
+The step keeps the user's axis types, but for one case: shared (FSDP) leaves
+on Explicit data axes enter the ``vmap`` unmapped while sharded over its
+axis, a type JAX refuses, so that step runs with the data axes Auto and
+types its results on the Explicit mesh again (:meth:`_data_axes_auto`).
 """
 
 from __future__ import annotations

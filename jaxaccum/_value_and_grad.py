@@ -68,6 +68,19 @@ def value_and_grad(
   only one micro-batch's activations are alive at a time. The sums are
   normalized once.
 
+  Under plain ``jit`` on an Explicit mesh (``jax.make_mesh``'s default), a
+  batch whose rows are sharded over some mesh axes is data parallel without
+  ``mesh=``: those are the data axes. A parameter replicated over them
+  (replicated, or tensor parallel over other axes) whose every use in
+  ``fun`` is a matrix product is accumulated ``unreduced`` in float32 and
+  reduced once, after the loop, into its own sharding. A leaf JAX's types
+  cannot carry that way (a bias added to activations, an embedding table,
+  a convolution kernel) is reduced each micro-batch, as plain ``jit`` does;
+  so is every leaf with ``noise_stats`` or ``clip_per_example``. ``fun``
+  runs on your mesh with its own axis types, and its constraints work as
+  under ``jax.value_and_grad``. A batch replicated over every axis, or on
+  Auto axes, leaves every reduction to the partitioner.
+
   Args:
     fun: the loss, ``fun(*args, **kwargs)``. Its value is a scalar, or the pair
       ``(loss_sum, weight)`` with ``normalize="weighted"``; with ``has_aux``
@@ -185,9 +198,11 @@ def value_and_grad(
       ``jit`` (micro-batch ``i`` is the ``i``-th slice of every device's
       rows, so no row moves), a key per micro-batch (``fold_in(key, i)``),
       one threaded state; annotations may name the data axes (MaxText's
-      activation rules work as written). The partitioner then places every
-      collective: replicated parameters are all-reduced once per
-      micro-batch, and ``fsdp_gather="once"`` is not available.
+      activation rules work as written). On Explicit data axes that the
+      batch is sharded over this is plain ``jit``'s step described above
+      (``mesh=`` only names the data axes); elsewhere the partitioner
+      places every collective: replicated parameters are all-reduced once
+      per micro-batch, and ``fsdp_gather="once"`` is not available.
     clip_per_example: differentially private training (DP-SGD): ``fun`` is
       called on ONE example (each batch leaf without its leading axis; a
       ``vmap`` runs it over the micro-batch) and returns that example's
