@@ -18,7 +18,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _calls, _compat, _engine, _options, _parallel, _privacy, _split
+from jaxaccum import (
+  _calls,
+  _compat,
+  _engine,
+  _options,
+  _parallel,
+  _privacy,
+  _split,
+  _static,
+)
 
 PyTree = Any
 
@@ -67,7 +76,13 @@ def value_and_grad(
       ``micro_batch_size``.
     micro_batch_size: ``m``, the rows per micro-batch.
     argnums: the argument(s) to differentiate, as in ``jax.value_and_grad``
-      (negative numbers count from the end).
+      (negative numbers count from the end). One that holds a leaf
+      ``jax.grad`` refuses (a function, a bool, an int or an integer array,
+      as an Equinox module does) is partitioned as
+      ``eqx.filter_value_and_grad`` does: its floating-point arrays are
+      differentiated, every other leaf (Python floats too) is static and its
+      gradient is None. Pytrees of arrays and floats are differentiated as
+      ``jax.grad`` does.
     batch_argnums: the argument(s) to split: pytrees whose leaves share one
       leading batch axis. Other arguments reach every micro-batch unchanged;
       one that looks like it should not (a PRNG key, or an array with the
@@ -266,13 +281,15 @@ class Step:
   """``fun``'s whole accumulated step, on one device or data-parallel.
 
   ``step(*args, **kwargs)`` returns the :class:`~jaxaccum._engine.Result`.
-  Called eagerly it validates the arguments once per configuration and runs
+  A differentiated argument with leaves that ``jax.grad`` refuses (an
+  Equinox module) is partitioned first (:mod:`jaxaccum._static`): its
+  gradient holds None where its leaves are static. Called eagerly it validates the arguments once per configuration and runs
   one compiled program per configuration; under an outer transformation it
   is traced inline.
   """
 
   def __init__(self, fun: Callable[..., Any], options: _options.Options):
-    self.fun = fun
+    self.fun = _static.combining(fun)
     self.options = options
     self.parallel = None if options.mesh is None else _parallel.DataParallel(options)
     self._engines: dict[int, _engine.Engine] = {}
@@ -349,7 +366,16 @@ class Step:
     _split.leading_batch_size({o.names(i): args[i] for i in o.batch_argnums})
     self._validated.add(key)
 
+  def partitioned(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with each differentiated one partitioned into
+    what is differentiated and what is static (:mod:`jaxaccum._static`)."""
+    argnums = self.engine(len(args)).options.argnums
+    return _static.partition_args(args, argnums, kwargs)
+
   def __call__(self, *args: Any, **kwargs: Any) -> _engine.Result:
+    args, kwargs = self.partitioned(args, kwargs)
     if any(map(_compat.is_tracer, jax.tree.leaves((args, kwargs)))):
       return self.traced(self.layout(args), *args, **kwargs)
     self.validate(args)
@@ -358,5 +384,6 @@ class Step:
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
     """``jax.jit(...).lower`` of the program these arguments call."""
+    args, kwargs = self.partitioned(args, kwargs)
     with _parallel.mesh_context(self.options.mesh):
       return self._compiled.lower(self.layout(args), *args, **kwargs)

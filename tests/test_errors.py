@@ -259,15 +259,17 @@ def test_an_nnx_model_points_to_jaxaccum_nnx():
 
 
 @pytest.mark.parametrize("name", ["a_name", "z_name"])  # before and after "w"
-def test_a_string_in_the_parameters_is_named(name):
+def test_a_string_in_the_parameters_is_static_with_no_gradient(name):
+  """A leaf jax.grad refuses makes the argument partitioned, as
+  eqx.filter_value_and_grad does (tests/test_equinox.py): its gradient is
+  None, the other leaves' are the full batch's."""
   params = {"w": W, name: "encoder"}
-  with pytest.raises(
-    TypeError,
-    match=rf"^args\[0\]\['{name}'\] is a str \('encoder'\), not an array: every "
-    r"leaf of a differentiated argument must be an array or a number\. Move it "
-    r"out of the parameters, or pass it as another argument\.",
-  ):
-    jaxaccum.value_and_grad(lambda p, b: loss(p["w"], b), 2)(params, BATCH)
+  fun = lambda p, b: loss(p["w"], b) if p[name] == "encoder" else None  # noqa: E731
+  value, grads = jaxaccum.value_and_grad(fun, 2)(params, BATCH)
+  want_value, want = jax.value_and_grad(loss)(W, BATCH)
+  assert grads[name] is None
+  np.testing.assert_allclose(value, want_value, rtol=1e-6)
+  np.testing.assert_allclose(grads["w"], want, rtol=1e-6)
 
 
 def test_mesh_batch_error_names_the_global_batch_and_the_devices():
@@ -515,7 +517,7 @@ def test_a_string_in_the_aux_is_named():
   with pytest.raises(TypeError) as error:
     jaxaccum.value_and_grad(with_name, 2, has_aux=True)(W, BATCH)
   assert str(error.value) == (
-    "fun returned aux['name'] = 'hi', a str: jaxaccum stacks the aux of every "
+    "fun returned aux['name'], a str ('hi'): jaxaccum stacks the aux of every "
     "micro-batch into arrays, so it holds arrays and numbers only. Return "
     "other values from outside the accumulated function."
   )
@@ -677,7 +679,9 @@ def test_a_value_is_described_by_its_type_unless_it_is_an_array():
 
   from jaxaccum import _checks  # noqa: PLC0415
 
-  assert _checks.describe(types.SimpleNamespace(shape=(2,))) == "a SimpleNamespace"
+  assert (
+    _checks.describe(types.SimpleNamespace(shape=(2,))) == "a types.SimpleNamespace"
+  )
 
   def with_key(w, batch, key):
     return loss(w, batch)
@@ -685,3 +689,34 @@ def test_a_value_is_described_by_its_type_unless_it_is_an_array():
   with pytest.raises(TypeError) as error:
     jaxaccum.value_and_grad(with_key, 2, rng_argnum=2)(W, BATCH, "seed")
   assert str(error.value).startswith("rng_argnum=2 points at args[2], a str, not")
+
+
+def test_make_train_step_names_a_leaf_it_cannot_take_as_value_and_grad_does():
+  """A str in the batch: make_train_step raised JAX's raw "Error interpreting
+  argument ... as an abstract array" before the step's own checks ran."""
+  batch = (BATCH[0], ["row"] * 12)
+  with pytest.raises(TypeError) as direct:
+    jaxaccum.value_and_grad(loss, 2)(W, batch)
+  step = jaxaccum.make_train_step(loss, optax.sgd(0.1), 2)
+  with pytest.raises(TypeError) as stepped:
+    step(W, optax.sgd(0.1).init(W), batch)
+  assert str(stepped.value) == str(direct.value)
+  assert str(direct.value).startswith("Batch leaf args[1][1][0] is a str ('row'),")
+
+
+def test_no_message_cuts_a_type_name_short():
+  """A custom_jvp (jax.nn.relu) was shown as ``(<jax._src.custom_derivatives.custom_jvp )``:
+  a repr cut at 40 characters. Types are named whole, and a repr only where it fits."""
+  full = "a jax._src.custom_derivatives.custom_jvp"
+
+  def with_function(w, batch):
+    return loss(w, batch), {"act": jax.nn.relu}
+
+  with pytest.raises(TypeError) as error:
+    jaxaccum.value_and_grad(with_function, 2, has_aux=True)(W, BATCH)
+  assert str(error.value).startswith(f"fun returned aux['act'], {full}: jaxaccum")
+  with pytest.raises(TypeError) as error:
+    jaxaccum.value_and_grad(loss, 2)(W, (BATCH[0], [jax.nn.relu] * 12))
+  assert str(error.value).startswith(
+    f"Batch leaf args[1][1][0] is {full}, not an array: pass"
+  )
