@@ -276,3 +276,14 @@ def test_grads_of_static_leaves_are_none_at_every_k(k):
   assert jax.tree.structure(grads) == jax.tree.structure(
     eqx.filter(model, eqx.is_inexact_array)
   )
+
+
+def test_mesh_data_parallel_takes_an_eqx_module():
+  model, x, y = mlp_problem()
+  mesh = jax.make_mesh((8,), ("data",))
+  fun = jaxaccum.value_and_grad(
+    mlp_loss, 2, has_aux=True, batch_argnums=(1, 2), mesh=mesh, data_axis="data"
+  )
+  (value, _), grads = fun(model, x, y)
+  (want_value, _), want = eqx.filter_value_and_grad(mlp_loss, has_aux=True)(model, x, y)
+  assert_trees_close((value, grads), (want_value, want), B + WIDTH + 8)
