@@ -185,7 +185,7 @@ def _check_no_nnx_objects(options: Options, args: tuple[Any, ...]) -> None:
         "splits the model, differentiates its nnx.Param variables and writes "
         "its other state back; the whole step is jaxaccum.nnx.make_train_step"
         "(fun, optimizer, k), and the check against the full batch "
-        "jaxaccum.nnx.verify_equivalence(fun, model, batch, k)."
+        "jaxaccum.nnx.verify_equivalence(fun, (model, batch), k)."
       )
 
 

@@ -242,7 +242,7 @@ def _checked_donation(step: _calls.JitWithStaticKwargs) -> Any:
 
     def __call__(self, params, opt_state, /, *args, **kwargs):
       for name, tree in (("params", params), ("opt_state", opt_state)):
-        if _donated(tree):
+        if donated(tree):
           raise ValueError(
             f"make_train_step donates params and opt_state, and the {name} "
             "passed were donated to an earlier call: pass the ones that call "
@@ -292,7 +292,7 @@ def _partitioning(step: Any, plain: _value_and_grad.Step) -> Any:
   return PartitioningStep()
 
 
-def _donated(tree: PyTree) -> bool:
+def donated(tree: PyTree) -> bool:
   """Whether ``tree`` was donated: one leaf tells (a donation takes all)."""
   x = next(iter(jax.tree.leaves(tree)), None)
   return isinstance(x, jax.Array) and not _compat.is_tracer(x) and x.is_deleted()

@@ -238,7 +238,7 @@ NNX_POINTER = (
   "k)(model, batch), which splits the model, differentiates its nnx.Param "
   "variables and writes its other state back; the whole step is "
   "jaxaccum.nnx.make_train_step(fun, optimizer, k), and the check against the "
-  "full batch jaxaccum.nnx.verify_equivalence(fun, model, batch, k)."
+  "full batch jaxaccum.nnx.verify_equivalence(fun, (model, batch), k)."
 )
 
 
