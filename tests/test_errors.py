@@ -720,3 +720,66 @@ def test_no_message_cuts_a_type_name_short():
   assert str(error.value).startswith(
     f"Batch leaf args[1][1][0] is {full}, not an array: pass"
   )
+
+
+CLOSED_OVER = (
+  "The function was called with 1 positional arguments, but argnums=(0,), "
+  "batch_argnums=(1,), rng_argnum=None and state_argnum=None refer to more. "
+  "batch_argnums=(1,) points past them, and jaxaccum splits only the batch it "
+  "is given as an argument. If fun closes over its batch (lambda params: "
+  "loss(params, batch)), take the batch as an argument instead, fun(params, "
+  "batch), and pass it in the call, at batch_argnums=(1,); if it is among the "
+  "1 arguments, point batch_argnums at it."
+)
+
+
+def test_a_loss_that_closes_over_its_batch_is_told_to_take_it_as_an_argument():
+  """It got "... refer to more.", which did not say that the batch must be an
+  argument."""
+  closed = lambda w: loss(w, BATCH)  # noqa: E731
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(closed, 2)(W)
+  assert str(error.value) == CLOSED_OVER
+  step = jaxaccum.make_train_step(closed, optax.sgd(0.1), 2)
+  with pytest.raises(ValueError) as error:
+    step(W, optax.sgd(0.1).init(W))
+  assert str(error.value) == CLOSED_OVER
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError) as error:
+    jaxaccum.nnx.value_and_grad(lambda m: jnp.mean(m(BATCH[0])), 2)(model)
+  assert str(error.value) == CLOSED_OVER
+
+
+@pytest.mark.parametrize("aux", [None, {"acc": jnp.ones(())}])
+def test_a_swapped_new_state_and_aux_is_called_swapped(aux):
+  """(value, (new_state, aux)) where (value, (aux, new_state)) belongs got a
+  bare structure mismatch."""
+
+  def swapped(w, batch, state):
+    return loss(w, batch), ({"n": state["n"] + 1}, aux)
+
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(swapped, 2, has_aux=True, state_argnum=2)(
+      W, BATCH, {"n": jnp.zeros(())}
+    )
+  message = str(error.value)
+  assert message.startswith(
+    "state_argnum needs fun to return (value, (aux, new_state)), and fun "
+    "returned (value, (new_state, aux)) it seems: the first of the pair has "
+    "the state's structure, shapes and dtypes, the second does not"
+  )
+  assert message.endswith("Swap the pair: return value, (aux, new_state).")
+
+
+def test_a_new_state_of_another_structure_says_what_fun_returns():
+  def grows(w, batch, state):
+    return loss(w, batch), (None, {**state, "extra": state["n"]})
+
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(grows, 2, has_aux=True, state_argnum=2)(
+      W, BATCH, {"n": jnp.zeros(())}
+    )
+  assert str(error.value).endswith(
+    "Under state_argnum fun returns (value, (aux, new_state)), new_state like "
+    "the state it got."
+  )
