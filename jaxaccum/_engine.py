@@ -484,7 +484,8 @@ def _unpack_aux(out: Any, options: Options) -> tuple[Any, Any]:
 
 def _like(tree: PyTree, state: PyTree) -> bool:
   """Whether ``tree`` has the structure, shapes and dtypes of ``state``."""
-  if jax.tree.structure(tree) != jax.tree.structure(state):
+  tree_struct: Any = jax.tree.structure(tree)
+  if tree_struct != jax.tree.structure(state):
     return False
   return all(
     jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
