@@ -287,3 +287,26 @@ def test_mesh_data_parallel_takes_an_eqx_module():
   (value, _), grads = fun(model, x, y)
   (want_value, _), want = eqx.filter_value_and_grad(mlp_loss, has_aux=True)(model, x, y)
   assert_trees_close((value, grads), (want_value, want), B + WIDTH + 8)
+
+
+def test_eager_calls_with_a_module_compile_once():
+  """The static leaves key the compiled step (a custom_jvp hashes): the
+  second and third eager calls reuse it, in value_and_grad and
+  make_train_step alike."""
+  model, x, y = mlp_problem()
+  traces = []
+
+  def loss(m, batch):
+    traces.append(1)
+    return mlp_loss(m, *batch)[0]
+
+  fun = jaxaccum.value_and_grad(loss, 4)
+  for _ in range(3):
+    fun(model, (x, y))
+  assert len(traces) == 1
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(loss, tx, 4, donate=False)
+  opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+  for _ in range(3):
+    model, opt_state, _ = step(model, opt_state, (x, y))
+  assert len(traces) == 2
