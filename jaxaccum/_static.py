@@ -45,13 +45,13 @@ def is_inexact_array(x: Any) -> bool:
   >>> import jax.numpy as jnp
   >>> is_inexact_array(jnp.ones(2, jnp.bfloat16)), is_inexact_array(jnp.arange(2))
   (True, False)
-  >>> is_inexact_array(1.0)
-  False
+  >>> is_inexact_array(1.0), is_inexact_array(jax.ShapeDtypeStruct((2,), jnp.float32))
+  (False, True)
   """
-  # jnp's dtype lattice: bfloat16 and float8 are no numpy floats.
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-    x.dtype, jnp.inexact
-  )
+  # jnp's dtype lattice: bfloat16 and float8 are no numpy floats. A
+  # ShapeDtypeStruct stands for an array where a step is only lowered.
+  arrays = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+  return isinstance(x, arrays) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _jax_takes(x: Any) -> bool:
