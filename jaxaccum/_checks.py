@@ -1,10 +1,10 @@
 """The checks: what the engine verifies about its inputs and its results.
 
 - Trace-time checks of the call's arguments (:func:`check_args`): no nnx
-  object where a pytree of arrays belongs, only arrays and numbers among the
-  differentiated leaves (others are static, :mod:`jaxaccum._static`), a PRNG
-  key where ``rng_argnum`` points. Each names
-  the argument as the user numbered it.
+  object where a pytree of arrays belongs, a PRNG key where ``rng_argnum``
+  points, no key where the batch belongs. Each names the argument as the
+  user numbered it. (A differentiated leaf that is not an array is static,
+  not an error: :mod:`jaxaccum._static`.)
 - Trace-time checks of what ``fun`` returns (:func:`check_aux`).
 - A warning at trace time for an argument that reaches every micro-batch
   whole but looks like it should not: a PRNG key without ``rng_argnum``, or
