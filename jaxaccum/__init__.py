@@ -21,7 +21,8 @@ The public surface:
 - :func:`plan_micro_batches`, :func:`memory_report`: compile-time memory,
   also for an accelerator you do not have (:func:`compile_target`).
 - :func:`scale_lr_linear`, :func:`scale_adam_sqrt`, :func:`warmup`:
-  hyperparameters for a larger effective batch.
+  hyperparameters for a larger effective batch; :func:`micro_batch_momentum`:
+  BatchNorm's per-step momentum kept over micro-batches.
 - :class:`GradientNoise`, :func:`noise_scale_update`,
   :func:`critical_batch_size`: is the larger effective batch worth it?
 - :func:`dynamic_loss_scale`: float16 loss scaling, adjusted per window.
@@ -64,6 +65,7 @@ from jaxaccum._privacy import dp_epsilon as dp_epsilon
 from jaxaccum._privacy import dp_noise as dp_noise
 from jaxaccum._scaling import AdamHyperparams as AdamHyperparams
 from jaxaccum._scaling import kappa as kappa
+from jaxaccum._scaling import micro_batch_momentum as micro_batch_momentum
 from jaxaccum._scaling import scale_adam_sqrt as scale_adam_sqrt
 from jaxaccum._scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._scaling import warmup as warmup
@@ -104,6 +106,7 @@ __all__ = [
   "make_train_step",
   "memory_report",
   "merge_micro_batches",
+  "micro_batch_momentum",
   "nnx",
   "noise_scale_init",
   "noise_scale_update",

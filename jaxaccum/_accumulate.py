@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _autopilot, _compat, _noise, _normalize, _privacy, _tree
+from jaxaccum import _autopilot, _compat, _noise, _normalize, _privacy, _static, _tree
 from jaxaccum._loss_scale import DynamicLossScale
 
 PyTree = Any
@@ -297,6 +297,10 @@ def accumulate(
   count). This is the exact token mean of the window, however the tokens
   fall into micro-batches.
 
+  ``init`` and ``update`` take an Equinox module as ``params``: its
+  floating-point arrays, the leaves its gradients have (None elsewhere, as
+  from ``eqx.filter_grad`` or :func:`value_and_grad`).
+
   Args:
     inner: the optimizer to run once per window, e.g. ``optax.adam(1e-3)``.
     every_k: micro-batches per window: an int; a callable from the
@@ -439,7 +443,25 @@ def accumulate(
     window_size, autopilot = _next_window(every_k, new_state, done, apply, noise.last)
     return updates, new_state._replace(window_size=window_size, autopilot=autopilot)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _partitioning(init_fn, update_fn)
+
+
+def _partitioning(
+  init_fn: Callable[..., Any], update_fn: Callable[..., Any]
+) -> optax.GradientTransformationExtraArgs:
+  """The transformation, taking parameters with leaves that ``jax.grad``
+  refuses (an Equinox module) as their floating-point arrays, with None
+  elsewhere: the tree that partitioned gradients have (:mod:`jaxaccum._static`)."""
+
+  def init(params):
+    return init_fn(_static.partition(params)[0])
+
+  def update(grads, state, params=None, **kwargs):
+    if params is not None:
+      params = _static.partition(params)[0]
+    return update_fn(grads, state, params, **kwargs)
+
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _next_state(

@@ -1,9 +1,10 @@
 """The checks: what the engine verifies about its inputs and its results.
 
 - Trace-time checks of the call's arguments (:func:`check_args`): no nnx
-  object where a pytree of arrays belongs, only arrays and numbers among the
-  differentiated leaves, a PRNG key where ``rng_argnum`` points. Each names
-  the argument as the user numbered it.
+  object where a pytree of arrays belongs, a PRNG key where ``rng_argnum``
+  points, no key where the batch belongs. Each names the argument as the
+  user numbered it. (A differentiated leaf that is not an array is static,
+  not an error: :mod:`jaxaccum._static`.)
 - Trace-time checks of what ``fun`` returns (:func:`check_aux`).
 - A warning at trace time for an argument that reaches every micro-batch
   whole but looks like it should not: a PRNG key without ``rng_argnum``, or
@@ -61,8 +62,6 @@ class SharedArgumentWarning(UserWarning):
 def check_args(options: Options, args: tuple[Any, ...]) -> None:
   """Trace-time checks of a call's positional arguments."""
   _check_no_nnx_objects(options, args)
-  for n in options.argnums:
-    _check_differentiable(args[n], options.names(n))
   if options.rng_argnum is not None:
     _check_key(options, args[options.rng_argnum])
   for n in options.batch_argnums:
@@ -186,21 +185,8 @@ def _check_no_nnx_objects(options: Options, args: tuple[Any, ...]) -> None:
         "splits the model, differentiates its nnx.Param variables and writes "
         "its other state back; the whole step is jaxaccum.nnx.make_train_step"
         "(fun, optimizer, k), and the check against the full batch "
-        "jaxaccum.nnx.verify_equivalence(fun, model, batch, k)."
+        "jaxaccum.nnx.verify_equivalence(fun, (model, batch), k)."
       )
-
-
-def _check_differentiable(tree: PyTree, name: str) -> None:
-  """Every leaf to differentiate is an array or a number, named if not."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
-      continue
-    raise TypeError(
-      f"{name}{jax.tree_util.keystr(path)} is a {type(leaf).__name__} "
-      f"({leaf!r:.40}), not an array: every leaf of a differentiated argument "
-      "must be an array or a number. Move it out of the parameters, or pass "
-      "it as another argument."
-    )
 
 
 def _check_key(options: Options, key: Any) -> None:
@@ -222,6 +208,11 @@ def describe(x: Any) -> str:
 
   >>> describe(jnp.ones(2)), describe("a"), describe((1, 2))
   ('a float32 array of shape=(2,)', 'a str', 'a tuple of length 2')
+
+  Other types are named in full, with their module:
+
+  >>> describe(jax.nn.relu)
+  'a jax._src.custom_derivatives.custom_jvp'
   """
   if isinstance(x, (tuple, list)):
     return f"a {type(x).__name__} of length {len(x)}"
@@ -229,8 +220,31 @@ def describe(x: Any) -> str:
     # A key array's dtype (key<fry>) is no numpy dtype.
     dtype = x.dtype if _tree.is_key(x) else jnp.dtype(x.dtype)
     return f"{_article(dtype.name)} {dtype.name} array of shape={tuple(x.shape)}"
-  name = type(x).__name__
+  name = type_name(x)
   return f"{_article(name)} {name}"
+
+
+def shown(x: Any) -> str:
+  """:func:`describe`, with the value's repr where it is short enough to
+  read whole (a repr is never cut).
+
+  >>> shown("abc"), shown(jax.nn.relu)
+  ("a str ('abc')", 'a jax._src.custom_derivatives.custom_jvp')
+  """
+  text = repr(x)
+  return describe(x) + (f" ({text})" if len(text) <= 40 else "")
+
+
+def type_name(x: Any) -> str:
+  """The name of ``x``'s type, whole: with its module unless a builtin.
+
+  >>> type_name(1.0), type_name(np.float32(1))
+  ('float', 'numpy.float32')
+  """
+  cls = type(x)
+  if cls.__module__ == "builtins":
+    return cls.__qualname__
+  return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _article(word: str) -> str:
@@ -249,8 +263,8 @@ def check_aux(aux: PyTree) -> None:
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
       continue
     raise TypeError(
-      f"fun returned aux{jax.tree_util.keystr(path)} = {leaf!r:.40}, a "
-      f"{type(leaf).__name__}: jaxaccum stacks the aux of every micro-batch "
+      f"fun returned aux{jax.tree_util.keystr(path)}, {shown(leaf)}: "
+      "jaxaccum stacks the aux of every micro-batch "
       "into arrays, so it holds arrays and numbers only. Return other values "
       "from outside the accumulated function."
     )

@@ -218,7 +218,7 @@ class Engine:
       value, (weight, aux, new_state) = loss_fn(
         *assemble(diff_args, micro, index, state)
       )
-      return value, (weight, aux, self._kept_state(new_state, state))
+      return value, (weight, aux, self._kept_state(new_state, state, aux))
 
     return loss
 
@@ -256,7 +256,7 @@ class Engine:
         (value, (weight, aux, new_state)), grads = clipped(
           *assemble(diff_args, micro, index, state)
         )
-        return (value, (weight, aux, self._kept_state(new_state, state))), grads
+        return (value, (weight, aux, self._kept_state(new_state, state, aux))), grads
 
     def step(diff_args, micro, index, state):
       (loss, (weight, aux, new_state)), grads = value_and_grad(
@@ -291,11 +291,12 @@ class Engine:
 
     return assemble
 
-  def _kept_state(self, new_state: PyTree, state: PyTree) -> PyTree:
-    """``fun``'s new state, checked against the one it was given."""
+  def _kept_state(self, new_state: PyTree, state: PyTree, aux: PyTree) -> PyTree:
+    """``fun``'s new state, checked against the one it was given (``aux``,
+    the other half of the pair, tells a swapped pair)."""
     if self.options.state_argnum is None:
       return new_state
-    return _match_state(new_state, state)
+    return _match_state(new_state, state, aux)
 
   def rematerialized(self, step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` under ``jax.checkpoint`` as ``remat`` asks."""
@@ -481,6 +482,17 @@ def _unpack_aux(out: Any, options: Options) -> tuple[Any, Any]:
   raise ValueError(f"has_aux=True needs fun to return a pair (value, aux), got {got}.")
 
 
+def _like(tree: PyTree, state: PyTree) -> bool:
+  """Whether ``tree`` has the structure, shapes and dtypes of ``state``."""
+  tree_struct: Any = jax.tree.structure(tree)
+  if tree_struct != jax.tree.structure(state):
+    return False
+  return all(
+    jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(state), strict=True)
+  )
+
+
 def _unpack_state(aux: Any) -> tuple[Any, Any]:
   if isinstance(aux, (tuple, list)) and len(aux) == 2:
     return aux[0], aux[1]
@@ -493,15 +505,25 @@ def _unpack_state(aux: Any) -> tuple[Any, Any]:
   )
 
 
-def _match_state(new_state: PyTree, state: PyTree) -> PyTree:
+def _match_state(new_state: PyTree, state: PyTree, aux: PyTree = None) -> PyTree:
   """Checks that ``fun`` returned a state like the one it got: the same
-  structure, shapes and dtypes (a Python number takes the state's dtype)."""
+  structure, shapes and dtypes (a Python number takes the state's dtype).
+  A pair whose first half (``aux``) is state-like is called swapped."""
   new_struct: Any = jax.tree.structure(new_state)
   old_struct: Any = jax.tree.structure(state)
   if new_struct != old_struct:
+    if _like(aux, state):
+      raise ValueError(
+        "state_argnum needs fun to return (value, (aux, new_state)), and fun "
+        "returned (value, (new_state, aux)) it seems: the first of the pair "
+        "has the state's structure, shapes and dtypes, the second does not "
+        f"({_checks.describe(new_state)}, structure {new_struct}). Swap the "
+        "pair: return value, (aux, new_state)."
+      )
     raise ValueError(
       "fun returned a new_state whose structure differs from the state it "
-      f"was given: {new_struct} vs {old_struct}."
+      f"was given: {new_struct} vs {old_struct}. Under state_argnum fun "
+      "returns (value, (aux, new_state)), new_state like the state it got."
     )
   for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
     if jnp.shape(new) != jnp.shape(old):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _compat, _normalize, _options
+from jaxaccum import _compat, _normalize, _options, _static
 from jaxaccum._value_and_grad import value_and_grad
 
 PyTree = Any
@@ -164,8 +164,10 @@ def verify_equivalence(
       )
   fun_kwargs = dict(fun_kwargs or {})
   o = o.resolve(len(args))
+  # Leaves that jax.grad refuses (an Equinox module's) are static on both sides.
+  args, fun_kwargs = _static.partition_args(args, o.argnums, fun_kwargs)
   accumulated = value_and_grad(fun, num_micro_batches, **options)
-  full = _full_batch(fun, o)
+  full = _full_batch(_static.combining(fun), o)
   if o.clip_per_example is not None:
     # DP-SGD's full batch: every example's clipped gradient in one vmap.
     whole = {n: v for n, v in options.items() if n != "micro_batch_size"}

@@ -145,12 +145,23 @@ class Options:
     used = resolved.array_argnums + resolved.shared_argnums
     if max(used) >= num_args or min(used) < 0:
       user = self.shifted(-self.names.offset)
-      raise ValueError(
-        f"The function was called with {num_args - self.names.offset} "
-        f"positional arguments, but argnums={user.argnums}, "
-        f"batch_argnums={user.batch_argnums}, rng_argnum={user.rng_argnum} "
-        f"and state_argnum={user.state_argnum} refer to more."
+      given = num_args - self.names.offset
+      message = (
+        f"The function was called with {given} positional arguments, but "
+        f"argnums={user.argnums}, batch_argnums={user.batch_argnums}, "
+        f"rng_argnum={user.rng_argnum} and state_argnum={user.state_argnum} "
+        "refer to more."
       )
+      if not 0 <= min(resolved.batch_argnums) <= max(resolved.batch_argnums) < num_args:
+        message += (
+          f" batch_argnums={user.batch_argnums} points past them, and jaxaccum "
+          "splits only the batch it is given as an argument. If fun closes "
+          "over its batch (lambda params: loss(params, batch)), take the batch "
+          "as an argument instead, fun(params, batch), and pass it in the call, "
+          f"at batch_argnums={user.batch_argnums}; if it is among the {given} "
+          "arguments, point batch_argnums at it."
+        )
+      raise ValueError(message)
     _check_positions(resolved)
     return resolved
 

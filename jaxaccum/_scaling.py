@@ -15,6 +15,10 @@ run trains differently. Which rule applies depends on the optimizer:
   lr → √κ·lr, 1-β1 → κ(1-β1), 1-β2 → κ(1-β2) and ε → ε/√κ. Scaling only the
   learning rate, linearly or by √κ, does not match the small-batch run.
 
+Running averages (BatchNorm's statistics) threaded through the
+micro-batches move once per micro-batch: :func:`micro_batch_momentum` gives
+the momentum per micro-batch that keeps the full batch's per step.
+
 Both rules assume the same number of epochs, so a run at batch size κ·B takes
 κ times fewer optimizer steps; shorten step-based schedules to match. Both are
 approximations that hold for moderate κ. Once the batch approaches the
@@ -109,6 +113,62 @@ def scale_lr_linear(
   0.4
   """
   return float(learning_rate) * kappa(base_batch_size, batch_size)
+
+
+def micro_batch_momentum(momentum: float, num_micro_batches: int) -> float:
+  """The running-average momentum per micro-batch that keeps the full
+  batch's per step: ``momentum ** (1 / num_micro_batches)``.
+
+  A running average (BatchNorm's statistics) threaded through ``k``
+  micro-batches (``state_argnum``, ``jaxaccum.nnx``) moves once per
+  micro-batch: with momentum ``μ`` and micro-batch statistics ``s_0 ..
+  s_{k-1}``, one step gives ``μ^k r + (1 - μ) Σ_i μ^(k-1-i) s_i`` where the
+  full batch gives ``μ r + (1 - μ) s``. The old average decays by ``μ^k`` per
+  step, not ``μ``: ``μ = 0.9`` at ``k = 4`` behaves like ``0.66``, and each
+  step moves ``(1 - μ^k) / (1 - μ)`` (3.4) times as far.
+
+  Built with ``μ' = μ^(1/k)`` instead, the layer decays the old average by
+  exactly ``μ`` per step and moves it by ``1 - μ`` toward a mean of the
+  micro-batches' statistics, weighted ``(1 - μ') μ'^(k-1-i) / (1 - μ)``
+  (these sum to 1; later micro-batches weigh slightly more). Where the
+  micro-batches' statistics are the full batch's, that is the full batch's
+  running average, step for step. Otherwise it differs as the statistics of
+  ``m`` rows differ from those of ``B``: a micro-batch's variance leaves out
+  the spread between the micro-batches' means, as BatchNorm's forward pass
+  on ``m`` rows does.
+
+  Args:
+    momentum: the momentum ``μ`` the full-batch step was tuned with, in
+      ``[0, 1)`` (Flax's and Equinox's ``momentum``; PyTorch's ``momentum``
+      is ``1 - μ``).
+    num_micro_batches: ``k``, the micro-batches the state passes through in
+      one step (under ``mesh=``, ``k`` per device: each device threads its
+      own copy, and the copies are averaged after the loop).
+
+  Returns:
+    ``μ^(1/k)``, a Python float, to build the layer with
+    (``nn.BatchNorm(momentum=...)``, ``nnx.BatchNorm(..., momentum=...)``,
+    ``eqx.nn.BatchNorm(..., momentum=...)``).
+
+  Raises:
+    ValueError: for a momentum outside ``[0, 1)`` or a ``k`` that is not a
+      positive int.
+
+  >>> import jaxaccum
+  >>> mu = jaxaccum.micro_batch_momentum(0.9, 4)
+  >>> round(mu, 4), round(mu**4, 12)  # per micro-batch; per step, as the full batch
+  (0.974, 0.9)
+  """
+  if not _is_positive_int(num_micro_batches):
+    raise ValueError(
+      f"num_micro_batches must be a positive int, got {num_micro_batches!r}."
+    )
+  if not 0.0 <= momentum < 1.0:
+    raise ValueError(
+      f"momentum must be in [0, 1), got {momentum}: the weight a running "
+      "average keeps of its old value (Flax's and Equinox's convention)."
+    )
+  return float(momentum) ** (1.0 / int(num_micro_batches))
 
 
 def _check_beta(name: str, beta: float) -> None:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _compat, _options
+from jaxaccum import _checks, _compat, _options
 
 PyTree = Any
 
@@ -94,7 +94,7 @@ def leading_batch_size(batch: dict[str, PyTree]) -> int:
       shape = getattr(leaf, "shape", None)
       if shape is None:
         raise TypeError(
-          f"Batch leaf {where} is a {type(leaf).__name__} ({leaf!r:.40}), not an "
+          f"Batch leaf {where} is {_checks.shown(leaf)}, not an "
           "array: pass Python values as arguments outside batch_argnums, which "
           "reach every micro-batch unchanged."
         )

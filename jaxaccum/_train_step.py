@@ -18,7 +18,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _calls, _compat, _options, _privacy, _tree, _value_and_grad
+from jaxaccum import (
+  _calls,
+  _compat,
+  _options,
+  _privacy,
+  _static,
+  _tree,
+  _value_and_grad,
+)
 from jaxaccum._engine import Result
 from jaxaccum._loss_scale import DynamicLossScale
 from jaxaccum._opt_state import find_loss_scale
@@ -44,7 +52,10 @@ def make_train_step(
   Args:
     loss_fn: ``loss_fn(params, batch, ...)``, as for
       :func:`jaxaccum.value_and_grad` with ``argnums=0``; the batch is
-      ``batch_argnums`` (default 1) of ``loss_fn``'s arguments.
+      ``batch_argnums`` (default 1) of ``loss_fn``'s arguments. ``params``
+      may be an Equinox module: its floating-point arrays are updated (and
+      donated), its other leaves come back as they were, and ``opt_state``
+      is ``tx.init(eqx.filter(params, eqx.is_inexact_array))``.
     tx: the optimizer, run once per step.
     num_micro_batches: ``k``; or give ``micro_batch_size``.
     skip_nonfinite: skip a step that has nothing to learn from: its value or
@@ -151,7 +162,7 @@ def make_train_step(
     return params, opt_state, ((value, result.noise) if options.noise_stats else value)
 
   jitted = _calls.JitWithStaticKwargs(step, donate_argnums=(0, 1) if donate else ())
-  return _checked_donation(jitted) if donate else jitted
+  return _partitioning(_checked_donation(jitted) if donate else jitted, plain)
 
 
 def _scaled(
@@ -231,7 +242,7 @@ def _checked_donation(step: _calls.JitWithStaticKwargs) -> Any:
 
     def __call__(self, params, opt_state, /, *args, **kwargs):
       for name, tree in (("params", params), ("opt_state", opt_state)):
-        if _donated(tree):
+        if donated(tree):
           raise ValueError(
             f"make_train_step donates params and opt_state, and the {name} "
             "passed were donated to an earlier call: pass the ones that call "
@@ -248,7 +259,40 @@ def _checked_donation(step: _calls.JitWithStaticKwargs) -> Any:
   return DonatingStep()
 
 
-def _donated(tree: PyTree) -> bool:
+def _partitioning(step: Any, plain: _value_and_grad.Step) -> Any:
+  """``step``, taking parameters with leaves that ``jax.grad`` refuses (an
+  Equinox module): their floating-point arrays go through the jitted,
+  donated step and the optimizer, the other leaves stay out of it, static,
+  and come back as they were (:mod:`jaxaccum._static`). The call's
+  arguments are checked first, with ``value_and_grad``'s messages."""
+
+  def split(params, args, kwargs):
+    plain.validate((params, *args))
+    diff, rest = _static.partition(params)
+    if rest is not None:
+      kwargs = {**kwargs, _static.KEYWORD: {0: rest}}
+    return diff, rest, kwargs
+
+  class PartitioningStep:
+    __wrapped__ = step.__wrapped__
+
+    def __call__(self, params, opt_state, /, *args, **kwargs):
+      diff, rest, kwargs = split(params, args, kwargs)
+      diff, opt_state, value = step(diff, opt_state, *args, **kwargs)
+      return _static.combine(diff, rest), opt_state, value
+
+    def lower(self, params, opt_state, /, *args, **kwargs):
+      diff, _, kwargs = split(params, args, kwargs)
+      return step.lower(diff, opt_state, *args, **kwargs)
+
+    def trace(self, params, opt_state, /, *args, **kwargs):
+      diff, _, kwargs = split(params, args, kwargs)
+      return step.trace(diff, opt_state, *args, **kwargs)
+
+  return PartitioningStep()
+
+
+def donated(tree: PyTree) -> bool:
   """Whether ``tree`` was donated: one leaf tells (a donation takes all)."""
   x = next(iter(jax.tree.leaves(tree)), None)
   return isinstance(x, jax.Array) and not _compat.is_tracer(x) and x.is_deleted()

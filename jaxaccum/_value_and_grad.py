@@ -26,6 +26,7 @@ from jaxaccum import (
   _parallel,
   _privacy,
   _split,
+  _static,
   _unreduced,
 )
 
@@ -89,7 +90,13 @@ def value_and_grad(
       ``micro_batch_size``.
     micro_batch_size: ``m``, the rows per micro-batch.
     argnums: the argument(s) to differentiate, as in ``jax.value_and_grad``
-      (negative numbers count from the end).
+      (negative numbers count from the end). One that holds a leaf
+      ``jax.grad`` refuses (a function, a bool, an int or an integer array,
+      as an Equinox module does) is partitioned as
+      ``eqx.filter_value_and_grad`` does: its floating-point arrays are
+      differentiated, every other leaf (Python floats too) is static and its
+      gradient is None. Pytrees of arrays and floats are differentiated as
+      ``jax.grad`` does.
     batch_argnums: the argument(s) to split: pytrees whose leaves share one
       leading batch axis. Other arguments reach every micro-batch unchanged;
       one that looks like it should not (a PRNG key, or an array with the
@@ -124,7 +131,12 @@ def value_and_grad(
       must use ``has_aux=True`` and return ``(value, (aux, new_state))``;
       micro-batch ``i + 1`` sees the state micro-batch ``i`` produced, and the
       aux comes back as ``(aux, final_state)``. Each state leaf keeps its
-      dtype (a Python number takes it); another dtype is an error.
+      dtype (a Python number takes it); another dtype is an error. A running
+      average in the state (BatchNorm's statistics) so moves ``k`` times per
+      step: momentum ``μ`` decays it by ``μ^k`` per step, where the full
+      batch decays it by ``μ`` (0.9 at ``k = 4`` acts as 0.66). Build the
+      layer with ``jaxaccum.micro_batch_momentum(μ, k)`` (``μ^(1/k)``) to
+      keep the full batch's per-step momentum.
     shared_argnums: arguments meant to reach every micro-batch whole, such as
       a key that every micro-batch should share, or a table that happens to
       have the batch's leading size: jaxaccum does not warn about them.
@@ -290,13 +302,15 @@ class Step:
   """``fun``'s whole accumulated step, on one device or data-parallel.
 
   ``step(*args, **kwargs)`` returns the :class:`~jaxaccum._engine.Result`.
-  Called eagerly it validates the arguments once per configuration and runs
+  A differentiated argument with leaves that ``jax.grad`` refuses (an
+  Equinox module) is partitioned first (:mod:`jaxaccum._static`): its
+  gradient holds None where its leaves are static. Called eagerly it validates the arguments once per configuration and runs
   one compiled program per configuration; under an outer transformation it
   is traced inline.
   """
 
   def __init__(self, fun: Callable[..., Any], options: _options.Options):
-    self.fun = fun
+    self.fun = _static.combining(fun)
     self.options = options
     self.parallel = None if options.mesh is None else _parallel.DataParallel(options)
     self._engines: dict[int, _engine.Engine] = {}
@@ -373,7 +387,16 @@ class Step:
     _split.leading_batch_size({o.names(i): args[i] for i in o.batch_argnums})
     self._validated.add(key)
 
+  def partitioned(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with each differentiated one partitioned into
+    what is differentiated and what is static (:mod:`jaxaccum._static`)."""
+    argnums = self.engine(len(args)).options.argnums
+    return _static.partition_args(args, argnums, kwargs)
+
   def __call__(self, *args: Any, **kwargs: Any) -> _engine.Result:
+    args, kwargs = self.partitioned(args, kwargs)
     if any(map(_compat.is_tracer, jax.tree.leaves((args, kwargs)))):
       return self.traced(self.layout(args), *args, **kwargs)
     self.validate(args)
@@ -382,5 +405,6 @@ class Step:
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
     """``jax.jit(...).lower`` of the program these arguments call."""
+    args, kwargs = self.partitioned(args, kwargs)
     with _parallel.mesh_context(self.options.mesh):
       return self._compiled.lower(self.layout(args), *args, **kwargs)

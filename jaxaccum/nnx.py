@@ -364,7 +364,11 @@ def make_train_step(
 
   Every ``nnx.Rngs`` stream that ``loss_fn`` draws from (``nnx.Dropout``)
   advances once per micro-batch, so by ``k`` per step: micro-batch ``i``
-  draws what the ``i``-th of ``k`` eager calls would.
+  draws what the ``i``-th of ``k`` eager calls would. So do running averages
+  (``nnx.BatchNorm``'s ``mean`` and ``var``): with momentum ``μ`` they decay
+  by ``μ^k`` per step, not the full batch's ``μ`` (0.9 at ``k = 4`` acts as
+  0.66). ``nnx.BatchNorm(..., momentum=jaxaccum.micro_batch_momentum(μ, k))``
+  keeps the full batch's per-step momentum.
 
   DP-SGD: with ``clip_per_example=C`` and :func:`jaxaccum.dp_noise` first in
   the optimizer's chain, the step passes the noise what the clipped sum was
@@ -382,8 +386,11 @@ def make_train_step(
       XLA updates them in place. The step writes the new arrays back into
       ``model`` and ``optimizer``, but an array you took out of them before
       the call (``w = model.kernel[...]``) is deleted by it: reading it
-      raises JAX's ``RuntimeError: Array has been deleted``. Copy such arrays
-      first, or pass ``donate=False``.
+      raises JAX's ``RuntimeError: Array has been deleted``. So does an
+      ``nnx.clone(model)`` taken before the call: a clone shares the model's
+      arrays (passed to the step, it raises a ``ValueError`` saying so).
+      Copy such arrays first (``jax.tree.map(jnp.copy, nnx.clone(model))``),
+      or pass ``donate=False``.
     **value_and_grad_kwargs: the options of :func:`jaxaccum.nnx.value_and_grad`
       (``micro_batch_size``, ``batch_argnums``, ``has_aux``, ``aux``,
       ``normalize``, ``mesh``, ``data_axis``, ``wrt``, ...).
@@ -456,6 +463,14 @@ def make_train_step(
   def step(model, /, *args, **call_kwargs):
     parts: tuple[Any, ...] = flax_nnx.split((model, optimizer), flax_nnx.RngState, ...)
     graphdef, rngs, rest = parts
+    if donate and _train_step.donated(rest):
+      raise ValueError(
+        "jaxaccum.nnx.make_train_step donates the model's and the optimizer's "
+        "arrays and writes the new ones back, and this model's arrays were "
+        "donated to an earlier call: an nnx.clone(model) taken before that "
+        "call shares them. Give a copy its own arrays, jax.tree.map(jnp.copy, "
+        "nnx.clone(model)), or build the step with donate=False."
+      )
     new_rngs, new_rest, value = jitted(graphdef, rngs, rest, *args, **call_kwargs)
     flax_nnx.update((model, optimizer), new_rngs, new_rest)
     return value
@@ -466,8 +481,8 @@ def make_train_step(
 def verify_equivalence(
   fun: Callable[..., Any],
   model: Any,
-  batch: Any,
-  num_micro_batches: int,
+  batch: Any = None,
+  num_micro_batches: int | None = None,
   *,
   wrt: Any = flax_nnx.Param,
   fun_kwargs: dict[str, Any] | None = None,
@@ -475,26 +490,36 @@ def verify_equivalence(
   **options: Any,
 ) -> _equivalence.Deviation:
   """Checks that accumulation over micro-batches equals the full batch, for
-  an nnx model: :func:`jaxaccum.verify_equivalence` on ``fun(model, batch)``.
+  an nnx model: :func:`jaxaccum.verify_equivalence` on ``fun(model, ...)``.
+
+  Called as :func:`jaxaccum.verify_equivalence` is, ``verify_equivalence(fun,
+  (model, batch, ...), k, **options)``: the arguments as a tuple with the
+  model first, and ``batch_argnums`` (default 1) naming the batch among
+  them. The older ``verify_equivalence(fun, model, batch, k)`` still works;
+  it is ``verify_equivalence(fun, (model, batch), k)``.
 
   The model is left as it was. A ``fun`` that changes the model's other
   variables (BatchNorm statistics in training mode, an ``nnx.Rngs`` stream
   drawn by dropout) has no full-batch counterpart: each micro-batch
-  computes its own statistics and draws its own numbers. It is refused;
-  verify the deterministic path, ``model.eval()``, which runs the same
-  gradient code.
+  computes its own statistics and draws its own numbers. It is refused, as
+  are ``state_argnum`` and ``rng_argnum`` (the model's own variables are
+  its state and its keys); verify the deterministic path, ``model.eval()``,
+  which runs the same gradient code.
 
   Args:
-    fun: ``fun(model, batch, **fun_kwargs)``, the loss, as for
+    fun: ``fun(model, batch, ..., **fun_kwargs)``, the loss, as for
       :func:`jaxaccum.nnx.value_and_grad`.
-    model: the nnx model.
-    batch: the whole batch, a pytree of arrays with one leading batch axis.
-    num_micro_batches: ``k``.
+    model: the tuple of ``fun``'s positional arguments, the nnx model first
+      (the other arguments are pytrees of arrays); or, in the older form,
+      the model alone.
+    batch: ``k`` (``num_micro_batches``); in the older form, the whole batch.
+    num_micro_batches: in the older form, ``k``; otherwise left out.
     wrt: the nnx filter of the variables to differentiate.
     fun_kwargs: keyword arguments of ``fun`` for both calls.
     rtol: the tolerance, as in :func:`jaxaccum.verify_equivalence`.
     **options: further options of :func:`jaxaccum.value_and_grad`
-      (``has_aux``, ``normalize``, ``mesh``, ``data_axis``, ...).
+      (``batch_argnums``, ``has_aux``, ``normalize``, ``mesh``,
+      ``data_axis``, ...).
 
   Returns:
     The largest deviations, as a :class:`jaxaccum.Deviation`.
@@ -502,58 +527,95 @@ def verify_equivalence(
   Raises:
     AssertionError: naming the leaf with the largest deviation, if any leaf
       differs by more than the tolerance.
+    TypeError: for ``argnums``, ``state_argnum`` or ``rng_argnum``.
     ValueError: if ``fun`` changes variables other than ``wrt``'s.
 
   >>> import jax.numpy as jnp, jaxaccum
   >>> from flax import nnx
   >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   >>> loss = lambda model, x: jnp.mean(jnp.sin(model(x)))
-  >>> dev = jaxaccum.nnx.verify_equivalence(loss, model, jnp.ones((8, 3)), 4)
+  >>> dev = jaxaccum.nnx.verify_equivalence(loss, (model, jnp.ones((8, 3))), 4)
   >>> dev.grads < 1e-6
   True
   """
-  for name in ("argnums", "batch_argnums", "state_argnum", "rng_argnum"):
+  args, num_micro_batches = _equivalence_call(model, batch, num_micro_batches)
+  for name in ("argnums", "state_argnum", "rng_argnum"):
     if name in options:
       raise TypeError(
         f"jaxaccum.nnx.verify_equivalence takes no {name}: it differentiates "
-        "the model's wrt variables and splits the batch."
+        "the wrt variables of the model (the first argument), and the model's "
+        "other variables are its state and its keys, which have no "
+        "full-batch counterpart when they change. Call model.eval() and "
+        "verify the deterministic path."
       )
-  parts: tuple[Any, ...] = flax_nnx.split(model, wrt, ...)
+  parts: tuple[Any, ...] = flax_nnx.split(args[0], wrt, ...)
   graphdef, params, rest = parts
+  last = len(args)  # the model's other variables go after fun's arguments
 
-  def pure(params, batch, rest, **kwargs):
+  def pure(params, *others_and_rest, **kwargs):
+    *others, rest = others_and_rest
     copy = flax_nnx.merge(graphdef, params, rest, copy=True)
-    out = fun(copy, batch, **kwargs)
-    after = flax_nnx.split(copy, wrt, ...)[-1]
-    is_variable = lambda x: isinstance(x, flax_nnx.Variable)  # noqa: E731
-    changed = [
-      jax.tree_util.keystr(path)
-      for (path, new), old in zip(
-        jax.tree_util.tree_leaves_with_path(after, is_leaf=is_variable),
-        jax.tree.leaves(rest, is_leaf=is_variable),
-        strict=True,
-      )
-      if any(
-        a is not b
-        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
-      )
-    ]
-    if changed:
-      raise ValueError(
-        f"jaxaccum.nnx.verify_equivalence: fun changed the model's variables "
-        f"{', '.join(changed)}, which the full batch would change once and "
-        "k micro-batches change k times (BatchNorm statistics in training "
-        "mode, dropout's RNG stream): they have no full-batch counterpart. "
-        "Verify the deterministic path: call model.eval() first."
-      )
+    out = fun(copy, *others, **kwargs)
+    _refuse_changed(flax_nnx.split(copy, wrt, ...)[-1], rest)
     return out
 
+  for name in ("batch_argnums", "shared_argnums"):
+    if name in options:  # counted from the end of fun's arguments, not ours
+      user = _options._as_tuple(options[name], name)
+      options[name] = tuple(n + last if n < 0 else n for n in user)
+  shared = (*options.pop("shared_argnums", ()), last)
   return _equivalence.verify_equivalence(
     pure,
-    (params, batch, rest),
+    (params, *args[1:], rest),
     num_micro_batches,
     fun_kwargs=fun_kwargs,
     rtol=rtol,
-    shared_argnums=2,
+    shared_argnums=shared,
     **options,
   )
+
+
+def _equivalence_call(
+  model: Any, batch: Any, num_micro_batches: Any
+) -> tuple[tuple[Any, ...], Any]:
+  """``(args, k)`` from either form of :func:`verify_equivalence`'s call:
+  ``(fun, args, k)`` or the older ``(fun, model, batch, k)``."""
+  if isinstance(model, tuple) and num_micro_batches is None:
+    if not model:
+      raise TypeError(
+        "jaxaccum.nnx.verify_equivalence(fun, args, k) needs args = (model, "
+        "batch, ...), got an empty tuple."
+      )
+    return model, batch
+  if batch is None:
+    raise TypeError(
+      "jaxaccum.nnx.verify_equivalence takes fun's arguments as a tuple, as "
+      "jaxaccum.verify_equivalence does: verify_equivalence(fun, (model, "
+      "batch), k); got the model alone."
+    )
+  return (model, batch), num_micro_batches
+
+
+def _refuse_changed(after: Any, before: Any) -> None:
+  """Raises if ``fun`` changed any of the model's non-``wrt`` variables."""
+  is_variable = lambda x: isinstance(x, flax_nnx.Variable)  # noqa: E731
+  changed = [
+    jax.tree_util.keystr(path)
+    for (path, new), old in zip(
+      jax.tree_util.tree_leaves_with_path(after, is_leaf=is_variable),
+      jax.tree.leaves(before, is_leaf=is_variable),
+      strict=True,
+    )
+    if any(
+      a is not b
+      for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
+    )
+  ]
+  if changed:
+    raise ValueError(
+      f"jaxaccum.nnx.verify_equivalence: fun changed the model's variables "
+      f"{', '.join(changed)}, which the full batch would change once and "
+      "k micro-batches change k times (BatchNorm statistics in training "
+      "mode, dropout's RNG stream): they have no full-batch counterpart. "
+      "Verify the deterministic path: call model.eval() first."
+    )

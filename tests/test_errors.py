@@ -238,7 +238,7 @@ NNX_POINTER = (
   "k)(model, batch), which splits the model, differentiates its nnx.Param "
   "variables and writes its other state back; the whole step is "
   "jaxaccum.nnx.make_train_step(fun, optimizer, k), and the check against the "
-  "full batch jaxaccum.nnx.verify_equivalence(fun, model, batch, k)."
+  "full batch jaxaccum.nnx.verify_equivalence(fun, (model, batch), k)."
 )
 
 
@@ -259,15 +259,17 @@ def test_an_nnx_model_points_to_jaxaccum_nnx():
 
 
 @pytest.mark.parametrize("name", ["a_name", "z_name"])  # before and after "w"
-def test_a_string_in_the_parameters_is_named(name):
+def test_a_string_in_the_parameters_is_static_with_no_gradient(name):
+  """A leaf jax.grad refuses makes the argument partitioned, as
+  eqx.filter_value_and_grad does (tests/test_equinox.py): its gradient is
+  None, the other leaves' are the full batch's."""
   params = {"w": W, name: "encoder"}
-  with pytest.raises(
-    TypeError,
-    match=rf"^args\[0\]\['{name}'\] is a str \('encoder'\), not an array: every "
-    r"leaf of a differentiated argument must be an array or a number\. Move it "
-    r"out of the parameters, or pass it as another argument\.",
-  ):
-    jaxaccum.value_and_grad(lambda p, b: loss(p["w"], b), 2)(params, BATCH)
+  fun = lambda p, b: loss(p["w"], b) if p[name] == "encoder" else None  # noqa: E731
+  value, grads = jaxaccum.value_and_grad(fun, 2)(params, BATCH)
+  want_value, want = jax.value_and_grad(loss)(W, BATCH)
+  assert grads[name] is None
+  np.testing.assert_allclose(value, want_value, rtol=1e-6)
+  np.testing.assert_allclose(grads["w"], want, rtol=1e-6)
 
 
 def test_mesh_batch_error_names_the_global_batch_and_the_devices():
@@ -515,7 +517,7 @@ def test_a_string_in_the_aux_is_named():
   with pytest.raises(TypeError) as error:
     jaxaccum.value_and_grad(with_name, 2, has_aux=True)(W, BATCH)
   assert str(error.value) == (
-    "fun returned aux['name'] = 'hi', a str: jaxaccum stacks the aux of every "
+    "fun returned aux['name'], a str ('hi'): jaxaccum stacks the aux of every "
     "micro-batch into arrays, so it holds arrays and numbers only. Return "
     "other values from outside the accumulated function."
   )
@@ -677,7 +679,9 @@ def test_a_value_is_described_by_its_type_unless_it_is_an_array():
 
   from jaxaccum import _checks  # noqa: PLC0415
 
-  assert _checks.describe(types.SimpleNamespace(shape=(2,))) == "a SimpleNamespace"
+  assert (
+    _checks.describe(types.SimpleNamespace(shape=(2,))) == "a types.SimpleNamespace"
+  )
 
   def with_key(w, batch, key):
     return loss(w, batch)
@@ -685,3 +689,97 @@ def test_a_value_is_described_by_its_type_unless_it_is_an_array():
   with pytest.raises(TypeError) as error:
     jaxaccum.value_and_grad(with_key, 2, rng_argnum=2)(W, BATCH, "seed")
   assert str(error.value).startswith("rng_argnum=2 points at args[2], a str, not")
+
+
+def test_make_train_step_names_a_leaf_it_cannot_take_as_value_and_grad_does():
+  """A str in the batch: make_train_step raised JAX's raw "Error interpreting
+  argument ... as an abstract array" before the step's own checks ran."""
+  batch = (BATCH[0], ["row"] * 12)
+  with pytest.raises(TypeError) as direct:
+    jaxaccum.value_and_grad(loss, 2)(W, batch)
+  step = jaxaccum.make_train_step(loss, optax.sgd(0.1), 2)
+  with pytest.raises(TypeError) as stepped:
+    step(W, optax.sgd(0.1).init(W), batch)
+  assert str(stepped.value) == str(direct.value)
+  assert str(direct.value).startswith("Batch leaf args[1][1][0] is a str ('row'),")
+
+
+def test_no_message_cuts_a_type_name_short():
+  """A custom_jvp (jax.nn.relu) was shown as ``(<jax._src.custom_derivatives.custom_jvp )``:
+  a repr cut at 40 characters. Types are named whole, and a repr only where it fits."""
+  full = "a jax._src.custom_derivatives.custom_jvp"
+
+  def with_function(w, batch):
+    return loss(w, batch), {"act": jax.nn.relu}
+
+  with pytest.raises(TypeError) as error:
+    jaxaccum.value_and_grad(with_function, 2, has_aux=True)(W, BATCH)
+  assert str(error.value).startswith(f"fun returned aux['act'], {full}: jaxaccum")
+  with pytest.raises(TypeError) as error:
+    jaxaccum.value_and_grad(loss, 2)(W, (BATCH[0], [jax.nn.relu] * 12))
+  assert str(error.value).startswith(
+    f"Batch leaf args[1][1][0] is {full}, not an array: pass"
+  )
+
+
+CLOSED_OVER = (
+  "The function was called with 1 positional arguments, but argnums=(0,), "
+  "batch_argnums=(1,), rng_argnum=None and state_argnum=None refer to more. "
+  "batch_argnums=(1,) points past them, and jaxaccum splits only the batch it "
+  "is given as an argument. If fun closes over its batch (lambda params: "
+  "loss(params, batch)), take the batch as an argument instead, fun(params, "
+  "batch), and pass it in the call, at batch_argnums=(1,); if it is among the "
+  "1 arguments, point batch_argnums at it."
+)
+
+
+def test_a_loss_that_closes_over_its_batch_is_told_to_take_it_as_an_argument():
+  """It got "... refer to more.", which did not say that the batch must be an
+  argument."""
+  closed = lambda w: loss(w, BATCH)  # noqa: E731
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(closed, 2)(W)
+  assert str(error.value) == CLOSED_OVER
+  step = jaxaccum.make_train_step(closed, optax.sgd(0.1), 2)
+  with pytest.raises(ValueError) as error:
+    step(W, optax.sgd(0.1).init(W))
+  assert str(error.value) == CLOSED_OVER
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError) as error:
+    jaxaccum.nnx.value_and_grad(lambda m: jnp.mean(m(BATCH[0])), 2)(model)
+  assert str(error.value) == CLOSED_OVER
+
+
+@pytest.mark.parametrize("aux", [None, {"acc": jnp.ones(())}])
+def test_a_swapped_new_state_and_aux_is_called_swapped(aux):
+  """(value, (new_state, aux)) where (value, (aux, new_state)) belongs got a
+  bare structure mismatch."""
+
+  def swapped(w, batch, state):
+    return loss(w, batch), ({"n": state["n"] + 1}, aux)
+
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(swapped, 2, has_aux=True, state_argnum=2)(
+      W, BATCH, {"n": jnp.zeros(())}
+    )
+  message = str(error.value)
+  assert message.startswith(
+    "state_argnum needs fun to return (value, (aux, new_state)), and fun "
+    "returned (value, (new_state, aux)) it seems: the first of the pair has "
+    "the state's structure, shapes and dtypes, the second does not"
+  )
+  assert message.endswith("Swap the pair: return value, (aux, new_state).")
+
+
+def test_a_new_state_of_another_structure_says_what_fun_returns():
+  def grows(w, batch, state):
+    return loss(w, batch), (None, {**state, "extra": state["n"]})
+
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(grows, 2, has_aux=True, state_argnum=2)(
+      W, BATCH, {"n": jnp.zeros(())}
+    )
+  assert str(error.value).endswith(
+    "Under state_argnum fun returns (value, (aux, new_state)), new_state like "
+    "the state it got."
+  )

@@ -581,3 +581,90 @@ def test_a_model_and_optimizer_steps_like_an_optimizer():
   ref_optimizer.update(reference, nnx.grad(loss)(reference, batch))
   assert_same(model, reference)
   assert int(both.step[...]) == 1
+
+
+# Both calls of jaxaccum.nnx.verify_equivalence: jaxaccum.verify_equivalence's
+# (fun, args, k), and the older (fun, model, batch, k).
+CONVENTIONS = {
+  "plain": lambda fun, model, batch, k, **kw: jaxaccum.nnx.verify_equivalence(
+    fun, (model, batch), k, **kw
+  ),
+  "older": jaxaccum.nnx.verify_equivalence,
+}
+
+
+def test_verify_equivalence_takes_jaxaccum_verify_equivalences_call():
+  model = Net(nnx.Rngs(0, dropout=1))
+  model.eval()
+  x, y = batch_data()
+  older = jaxaccum.nnx.verify_equivalence(loss, model, (x, y), K)
+  plain = jaxaccum.nnx.verify_equivalence(loss, (model, (x, y)), K)
+  assert plain == older and plain.grads < 1e-5
+
+  def split_loss(model, x, y):
+    return loss(model, (x, y))
+
+  split = jaxaccum.nnx.verify_equivalence(
+    split_loss, (model, x, y), K, batch_argnums=(1, 2)
+  )
+  assert split.grads < 1e-5
+  ends = jaxaccum.nnx.verify_equivalence(
+    split_loss, (model, x, y), K, batch_argnums=(1, -1)
+  )
+  assert ends == split
+
+
+@pytest.mark.parametrize("convention", sorted(CONVENTIONS))
+@pytest.mark.parametrize("name", ["state_argnum", "rng_argnum", "argnums"])
+def test_verify_equivalence_refuses_state_and_rng_argnum_in_both_calls(
+  convention, name
+):
+  """The docstring's promise: the model's variables are its state and its
+  keys; state_argnum and rng_argnum are refused with a pointer to eval()."""
+  model = Net(nnx.Rngs(0, dropout=1))
+  model.eval()
+  with pytest.raises(TypeError) as error:
+    CONVENTIONS[convention](loss, model, batch_data(), K, **{name: 1})
+  assert str(error.value).startswith(
+    f"jaxaccum.nnx.verify_equivalence takes no {name}: it differentiates the "
+    "wrt variables of the model (the first argument)"
+  )
+  assert str(error.value).endswith(
+    "Call model.eval() and verify the deterministic path."
+  )
+
+
+@pytest.mark.parametrize("convention", sorted(CONVENTIONS))
+def test_verify_equivalence_refuses_changed_state_in_both_calls(convention):
+  model = Net(nnx.Rngs(0, dropout=1))  # training mode: BatchNorm and dropout move
+  with pytest.raises(
+    ValueError, match=r"^jaxaccum.nnx.verify_equivalence: fun changed"
+  ):
+    CONVENTIONS[convention](loss, model, batch_data(), K)
+
+
+def test_verify_equivalence_without_the_batch_names_the_call():
+  model = Net(nnx.Rngs(0, dropout=1))
+  with pytest.raises(
+    TypeError, match=r"verify_equivalence\(fun, \(model, batch\), k\)"
+  ):
+    jaxaccum.nnx.verify_equivalence(loss, model, num_micro_batches=K)
+
+
+def test_a_clone_taken_before_a_donating_step_is_named_when_passed_to_it():
+  """nnx.clone shares the model's arrays, which the step donates: passed to
+  the step, the clone raised JAX's "INVALID_ARGUMENT: ... Buffer has been
+  deleted or donated". A copy with its own arrays keeps working."""
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  clone, copy = nnx.clone(model), jax.tree.map(jnp.copy, nnx.clone(model))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  step = jaxaccum.nnx.make_train_step(lambda m, x: jnp.mean(m(x) ** 2), optimizer, 2)
+  x = jnp.ones((4, 2))
+  step(model, x)
+  with pytest.raises(ValueError) as error:
+    step(clone, x)
+  assert str(error.value).startswith(
+    "jaxaccum.nnx.make_train_step donates the model's and the optimizer's arrays"
+  )
+  assert "jax.tree.map(jnp.copy, nnx.clone(model))" in str(error.value)
+  assert copy(x).shape == (4, 1)  # its own arrays: untouched by the donation
