@@ -12,9 +12,11 @@ The layout is MaxText's circular pipeline, written as one function of
   their leading axis is sharded over the stage axis; with ``repeats = r > 1``
   they are ``(r, L / r, ...)``, one row of layers per repeat, and the second
   axis is sharded: in both, a stage's layers are one block of the sharding.
-- **The loop.** One ``lax.scan`` of ``r·m + S - 1`` iterations (``m`` the
-  pipeline micro-batches; with ``m < S`` and ``r > 1``, repeats start every
-  ``S`` iterations). Each iteration every stage runs its ``n`` layers on one
+- **The loop.** One ``lax.scan`` of ``(r - 1)·max(m, S) + m + S - 1``
+  iterations (``m`` the pipeline micro-batches): ``r·m + S - 1`` when ``m >=
+  S`` or ``r = 1``; with ``m < S`` and ``r > 1`` a micro-batch is back at
+  stage 0 only ``S`` iterations after it left, so the repeats start every
+  ``S`` iterations, ``r·S + m - 1`` in all. Each iteration every stage runs its ``n`` layers on one
   micro-batch, then the activations move one stage on (a
   ``collective-permute``; the last stage's goes back to the first for the
   next repeat). Stage 0 reads its inputs from, and parks the returning
@@ -80,7 +82,8 @@ class Schedule:
 
   @property
   def iterations(self) -> int:
-    """The loop's trip count: ``r·m + S - 1`` when ``m >= S``."""
+    """The loop's trip count, ``(r - 1)·period + m + S - 1``: ``r·m + S -
+    1`` when ``m >= S`` or ``r = 1``, else ``r·S + m - 1``."""
     return (self.repeats - 1) * self.period + self.micro_batches + self.stages - 1
 
   @property
@@ -132,10 +135,16 @@ def pipeline(
   - ``repeats=r > 1``: leaves ``(r, L // r, ...)``, row ``i`` holding layers
     ``i·L/r ..`` in order (``w.reshape(r, -1, *w.shape[1:])``), sharded
     ``P(None, stage_axis, ...)``. Each micro-batch then passes the stages
-    ``r`` times, and the idle fraction of the loop (the bubble) shrinks from
-    ``(S - 1)/(m + S - 1)`` to ``(S - 1)/(r·m + S - 1)``.
+    ``r`` times, and with ``m >= S`` the idle fraction of the loop (the
+    bubble) shrinks from ``(S - 1)/(m + S - 1)`` to ``(S - 1)/(r·m + S -
+    1)``.
 
-  The loop has ``r·m + S - 1`` iterations. Activations move between stages by
+  The loop has ``(r - 1)·max(m, S) + m + S - 1`` iterations, for every
+  ``S``, ``m`` and ``r``: ``r·m + S - 1`` when ``m >= S`` (or ``r = 1``).
+  With ``m < S`` and ``r > 1`` a micro-batch is back at stage 0 only ``S``
+  iterations after it left, so each repeat takes ``S`` iterations, not
+  ``m``: ``r·S + m - 1`` in all (``S = 4``, ``m = 2``, ``r = 2``: 9, not 7).
+  Activations move between stages by
   ``collective-permute`` only, one micro-batch at a time; no stage holds
   another stage's weights. The mesh is the one set by ``jax.set_mesh`` (or
   jaxaccum's ``mesh=``), or the one the leaves' shardings name; without a

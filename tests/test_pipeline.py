@@ -10,6 +10,7 @@ mesh), and without a mesh on one device.
 
 import functools
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -599,6 +600,64 @@ def test_the_loop_runs_r_m_plus_s_minus_1_iterations(r, m, trips):
   permutes = [c for c in testing.collectives(compiled.as_text()) if "permute" in c.op]
   # One forward and one backward loop, each moving an activation per trip.
   assert [c.executions for c in permutes] == [trips, trips]
+
+
+# (S, m, r) and the loop's length, counted by hand from the schedule: repeat
+# rho of micro-batch j enters stage 0 at rho * max(m, S) + j (with m < S it is
+# back only S iterations after it left) and leaves the last stage S - 1 later.
+TRIPS = [
+  (2, 2, 1, 3),  # m = S: r*m + S - 1
+  (2, 4, 3, 13),
+  (4, 4, 2, 11),
+  (4, 8, 1, 11),
+  (4, 2, 1, 5),  # m < S, one repeat: still r*m + S - 1
+  (4, 2, 2, 9),  # m < S, r > 1: r*S + m - 1, not r*m + S - 1 = 7
+  (4, 1, 3, 12),  # not 6
+  (4, 3, 2, 10),  # not 9
+  (2, 1, 4, 8),  # not 5
+]
+
+
+def pipeline_scan_length(jaxpr):
+  """The length of the outermost ``scan`` in a jaxpr: the pipeline's loop
+  (the layers' scan of each stage sits inside it)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      return eqn.params["length"]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found = pipeline_scan_length(sub)
+      if found is not None:
+        return found
+  return None
+
+
+@pytest.mark.parametrize(("S", "m", "r", "trips"), TRIPS)
+def test_the_traced_loop_has_r_minus_1_max_m_s_plus_m_plus_s_minus_1_iterations(
+  S, m, r, trips
+):
+  """The docstring's count, ``(r - 1)·max(m, S) + m + S - 1``, against the
+  length of the scan the pipeline traces (one device; the same schedule)."""
+  stacked, x = make_problem(layers=S * r, batch=4 * m)
+  pipe = jaxaccum.pipeline(layer, num_stages=S, num_micro_batches=m, repeats=r)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", PipelineBubbleWarning)
+    jaxpr = jax.make_jaxpr(pipe)(by_repeat(stacked, r), x)
+  assert pipeline_scan_length(jaxpr.jaxpr) == trips == (r - 1) * max(m, S) + m + S - 1
+  assert Schedule(S, r, m, 1).iterations == trips
+
+
+@pytest.mark.parametrize(("S", "m", "r", "trips"), [TRIPS[1], TRIPS[5], TRIPS[6]])
+def test_the_compiled_loop_on_stage_devices_runs_as_many_trips(S, m, r, trips):
+  """On a mesh of ``S`` stage devices the compiled while loop runs the
+  docstring's count: each trip moves one activation (a collective-permute)."""
+  stacked, x = make_problem(layers=S * r, batch=4 * m)
+  pipe = jaxaccum.pipeline(layer, num_stages=S, num_micro_batches=m, repeats=r)
+  mesh = stage_mesh(S)
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("ignore", PipelineBubbleWarning)
+    compiled = jax.jit(pipe).lower(on_stages(mesh, stacked, r), x).compile()
+  permutes = [c for c in testing.collectives(compiled.as_text()) if "permute" in c.op]
+  assert [(c.in_loop, c.executions) for c in permutes] == [(True, trips)]
 
 
 @pytest.mark.parametrize("step_of", [plain_jit_step, mesh_path_step])
