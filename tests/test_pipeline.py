@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import testing
-from jaxaccum._pipeline import PipelineBubbleWarning, Schedule
+from jaxaccum._pipeline import PipelineBubbleWarning, ReplicatedLayersWarning, Schedule
 
 # The unit roundoff u of float32: half the spacing of its numbers at 1.
 U = float(jnp.finfo(jnp.float32).eps) / 2
@@ -803,6 +803,60 @@ def test_a_stage_axis_of_another_size_than_num_stages():
     ),
   ):
     trace(pipe, stacked, x)
+
+
+@pytest.mark.parametrize(
+  ("repeats", "spec", "want"),
+  [
+    (1, P(), "P('stage')"),
+    (2, P(), "P(None, 'stage')"),
+    (2, P("stage"), "P(None, 'stage')"),
+  ],
+  ids=["replicated", "replicated-repeats", "stage-on-the-repeats"],
+)
+def test_layers_not_on_the_stage_axis_of_explicit_axes_are_named(repeats, spec, want):
+  """On Explicit axes the layers' type shows where they lie: replicated (or
+  split over the repeats instead of the layers), they got a raw shard_map
+  error ("in_specs ... does not match the specs of the input")."""
+  stacked, x = make_problem()
+  mesh = stage_mesh(2)
+  pipe = jaxaccum.pipeline(layer, num_stages=2, num_micro_batches=4, repeats=repeats)
+  layers = "axis 0, of 8 layers" if repeats == 1 else "axis 1, of 4 layers per repeat"
+  with jax.set_mesh(mesh):
+    w = jax.device_put(by_repeat(stacked, repeats), NamedSharding(mesh, spec))
+    typed = jax.typeof(w["a"]).sharding.spec
+    with raises_whole(
+      f"stacked['a'] lies {typed} on the mesh's Explicit axes, and each of the "
+      f"2 stages holds its own layers: the layer axis ({layers}) must be "
+      f"split over the stage axis 'stage'. Place the stacked layers {want}: "
+      f"jax.device_put(stacked, NamedSharding(mesh, {want})) before the step, "
+      f"jax.sharding.reshard(stacked, {want}) inside it, or param_specs={want} "
+      "under jaxaccum's mesh=."
+    ):
+      jax.jit(pipe).trace(w, x)
+
+
+def test_replicated_layers_on_auto_axes_warn_where_their_sharding_shows():
+  """On Auto axes replicated layers run (each stage slices its own out), but
+  every device holds the whole stack: a warning naming the fix, where the
+  sharding is visible (concrete arrays). Placed P("stage"), none."""
+  stacked, x = make_problem()
+  mesh = stage_mesh(4, AxisType.Auto)
+  pipe = jaxaccum.pipeline(layer, num_stages=4, num_micro_batches=4)
+  with jax.set_mesh(mesh):
+    w = jax.device_put(stacked, NamedSharding(mesh, P()))
+    with pytest.warns(ReplicatedLayersWarning) as caught:
+      y = pipe(w, x)
+    assert [str(c.message) for c in caught] == [
+      "stacked['a'] lies P() on the mesh, so every device holds all 8 layers, "
+      "and each of the 4 stages uses 2 of them: place the stacked layers "
+      "P('stage') (jax.device_put(stacked, NamedSharding(mesh, P('stage')))) "
+      "so that each device holds its own stage's layers only."
+    ]
+    assert_close(y, unpipelined(stacked, x), terms())
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", ReplicatedLayersWarning)
+      pipe(on_stages(mesh, stacked, 1), x)
 
 
 def test_the_mesh_is_read_from_the_leaves_shardings():
