@@ -138,8 +138,10 @@ def pipeline(
 
   - ``repeats=1``: leaves ``(L, ...)``, sharded ``P(stage_axis, ...)``;
   - ``repeats=r > 1``: leaves ``(r, L // r, ...)``, row ``i`` holding layers
-    ``i·L/r ..`` in order (``w.reshape(r, -1, *w.shape[1:])``), sharded
-    ``P(None, stage_axis, ...)``. Each micro-batch then passes the stages
+    ``i·L/r ..`` in order (``w.reshape(r, -1, *w.shape[1:])``, before
+    placing them: a leaf already sharded ``P(stage_axis)`` on Explicit axes
+    does not reshape so), sharded ``P(None, stage_axis, ...)``. Each
+    micro-batch then passes the stages
     ``r`` times, and with ``m >= S`` the idle fraction of the loop (the
     bubble) shrinks from ``(S - 1)/(m + S - 1)`` to ``(S - 1)/(r·m + S -
     1)``.
