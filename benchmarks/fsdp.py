@@ -138,7 +138,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _hlo, _memory, testing
+from jaxaccum import testing
 
 PyTree = Any
 
@@ -514,61 +514,29 @@ def build_step(approach: str, setup: Setup, k: int) -> Any:
 # ---------------------------------------------------------------- reading HLO
 
 
-def micro_batch_loop(hlo_text: str, k: int) -> tuple[set[str], list[int | None]]:
-  """The computations inside the micro-batch loop of compiled HLO text, and
+def micro_batch_loop(
+  step: testing.CompiledStep, k: int
+) -> tuple[set[str], list[int | None]]:
+  """The computations inside the micro-batch loop of a compiled step, and
   the trip counts of the loops outside every other loop.
 
   The micro-batch loop is a loop outside every other loop that runs ``k``
   times (``k >= 2``): the layer scans and XLA's own loops (on the TPU,
   windowed einsums, which loop over the devices) sit inside it.
 
-  The HLO is read by ``jaxaccum._hlo``, the parser of
-  ``jaxaccum.testing.collectives``, and a loop's trip count as it reads it:
-  XLA's ``known_trip_count`` (GPU), or the ``counter < N`` of its condition
-  (TPU). The computations an instruction calls are those its ``calls=``,
-  ``to_apply=``, ``body=``, ``condition=``, ``true_computation=`` and
-  ``false_computation=`` name (``_hlo._CALLED``; an n-way conditional's
-  ``branch_computations``, which ``_hlo._called`` adds, are not followed,
-  as this reader never followed them).
+  The loops are ``jaxaccum.testing``'s (``CompiledStep.loops``), a loop's
+  trip count as it reads it: XLA's ``known_trip_count`` (GPU), or the
+  ``counter < N`` of its condition (TPU). The computations inside a loop
+  are its body and condition and all they call, an n-way conditional's
+  ``branch_computations`` included (the reader this file had before left
+  those out).
   """
-  module = _hlo.parse(hlo_text)
-  lines = _hlo._computation_lines(hlo_text)
-
-  def called(i: _hlo.Instruction) -> list[str]:
-    return _hlo._CALLED.findall(i.attributes)
-
-  def reachable(name: str, seen: set[str]) -> set[str]:
-    if name not in seen:
-      seen.add(name)
-      for i in module.computations.get(name, ()):
-        for callee in called(i):
-          reachable(callee, seen)
-    return seen
-
-  def trip_count(loop: _hlo.Instruction) -> int | None:
-    known = _hlo._TRIP_COUNT.search(loop.attributes)
-    if known:
-      return int(known.group(1))
-    return _hlo._condition_bound(lines.get(loop.attribute("condition") or "", []))
-
+  outer = [loop for loop in step.loops if not loop.outer]
   inside: set[str] = set()
-  trips: list[int | None] = []
-  stack, seen = [module.entry], set()
-  while stack:  # the computations outside every loop
-    name = stack.pop()
-    if name in seen:
-      continue
-    seen.add(name)
-    for i in module.computations.get(name, ()):
-      if i.op != "while":
-        stack.extend(called(i))
-        continue
-      trips.append(trip_count(i))
-      if k >= 2 and trips[-1] == k:
-        for part in ("body", "condition"):
-          if i.attribute(part):
-            inside |= reachable(i.attribute(part), set())
-  return inside, trips
+  for loop in outer:
+    if k >= 2 and loop.trip_count == k:
+      inside |= loop.computations
+  return inside, [loop.trip_count for loop in outer]
 
 
 #: Collective instructions in the forms XLA prints them, one per line: the
@@ -630,15 +598,16 @@ def collective_stats(hlo_text: str, k: int) -> dict[str, Any]:
   (``testing_misreads``), the totals would be wrong: they are None, and
   ``misread_collectives`` says which, and how many.
   """
-  colls = testing.collectives(hlo_text)
+  step = testing.read_compiled(hlo_text)
+  colls = step.collectives
   missed = misread_collectives(hlo_text)
-  micro, trips = micro_batch_loop(hlo_text, k)
+  micro, trips = micro_batch_loop(step, k)
   by_op: dict[str, int] = {}
   for c in colls:
     by_op[c.op] = by_op.get(c.op, 0) + c.bytes * c.executions
   in_micro = [c for c in colls if c.computation in micro]
   counted = {
-    "collective_bytes": testing.bytes_communicated(hlo_text),
+    "collective_bytes": step.bytes_communicated,
     "in_loop_collectives": len(in_micro),
     "in_loop_collective_bytes": sum(c.bytes * c.executions for c in in_micro),
     "in_any_loop_collectives": sum(c.in_loop for c in colls),
@@ -690,10 +659,7 @@ def live_at_peak(dump: pathlib.Path, limit: int = 12) -> list[dict[str, Any]]:
         shapes.setdefault(match.group(1), match.group(2))
   ops: dict[str, str] = {}
   for path in dump.glob("*gpu_after_optimizations.txt"):
-    for line in path.read_text().splitlines():
-      i = _hlo.parse_instruction(line)
-      if i is not None and i.op_name:
-        ops[i.name] = i.op_name
+    ops.update(testing.read_compiled(path.read_text()).op_names())
   live.sort(key=lambda item: -item[1])
   return [
     {
@@ -776,7 +742,9 @@ def measure(
         compiled = lowered.compile(
           compiler_options={"xla_dump_to": tmp, "xla_gpu_dump_llvmir": False}
         )
-        row["peak_bytes_hlo"] = _memory._memory_of(compiled, target).peak_bytes
+        row["peak_bytes_hlo"] = testing.read_compiled(
+          compiled, target=target
+        ).peak_bytes
         row["largest_live_buffers_at_peak"] = live_at_peak(pathlib.Path(tmp))
       text = compiled.as_text()
       if hlo_dir is not None:

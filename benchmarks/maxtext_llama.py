@@ -61,7 +61,7 @@ Per program and device, from the compiled program:
 - ``in_loop_collectives``: the collective instructions inside the
   micro-batch loop (the loop outside every other loop that runs ``k`` times
   and holds the layer scans), read from the optimized HLO with
-  ``jaxaccum.testing.collectives``.
+  ``jaxaccum.testing.compile_step`` (its ``loops`` and ``inside``).
 
 MaxText's persistent compilation cache is off (``jax_cache_dir=""``), so
 that every program is compiled and dumped.
@@ -90,7 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxaccum
-from jaxaccum import _hlo, _memory, testing
+from jaxaccum import testing
 
 MESHES = {
   "data (8)": {"ici_data_parallelism": 8, "ici_fsdp_parallelism": 1},
@@ -301,36 +301,17 @@ def programs(full: Setup, size: Size, parallelism: dict[str, int], k: int) -> di
   }
 
 
-def micro_batch_loop(hlo_text: str, k: int) -> set[str] | None:
-  """The computations inside the micro-batch loop: the one loop outside
-  every other loop that runs ``k`` times and holds loops of its own (the
-  layer scans). None if there is not exactly one."""
-  module = _hlo.parse(hlo_text)
-
-  def reachable(name: str, seen: set[str]) -> set[str]:
-    if name not in seen and name in module.computations:
-      seen.add(name)
-      for i in module.computations[name]:
-        for called in (*_hlo._called(i), i.attribute("body"), i.attribute("condition")):
-          if called:
-            reachable(called, seen)
-    return seen
-
-  loops, stack, seen = [], [module.entry], set()
-  while stack:  # the computations outside every loop
-    name = stack.pop()
-    if name in seen or name not in module.computations:
-      continue
-    seen.add(name)
-    for i in module.computations[name]:
-      if i.op != "while":
-        stack.extend(_hlo._called(i))
-        continue
-      trips = _hlo._TRIP_COUNT.search(i.attributes)
-      inside = reachable(i.attribute("body") or "", set())
-      nested = any(j.op == "while" for c in inside for j in module.computations[c])
-      if trips and int(trips.group(1)) == k and nested:
-        loops.append(inside | reachable(i.attribute("condition") or "", set()))
+def micro_batch_loop(step: testing.CompiledStep, k: int) -> testing.Loop | None:
+  """The micro-batch loop: the one loop outside every other loop that runs
+  ``k`` times and holds loops of its own (the layer scans). None if there
+  is not exactly one."""
+  loops = [
+    loop
+    for loop in step.loops
+    if not loop.outer
+    and loop.trip_count == k
+    and any(inner.outer[:1] == (loop.name,) for inner in step.loops)
+  ]
   return loops[0] if len(loops) == 1 else None
 
 
@@ -344,25 +325,21 @@ def live_at_peak(hlo_text: str) -> int | None:
   return int(match.group(1).replace(" ", "")) if match else None
 
 
-def measure_memory(compiled: Any, target: Any, k: int | None) -> dict[str, Any]:
+def measure_memory(step: testing.CompiledStep, k: int | None) -> dict[str, Any]:
   """Peak bytes per device, the bytes live at the peak and, with ``k``,
   the collectives in the micro-batch loop."""
-  stats = _memory._memory_of(compiled, target)
-  text = compiled.as_text()
+  stats = step.memory
+  assert stats is not None, "the backend reports no memory analysis"
   row: dict[str, Any] = {
     "peak_bytes": stats.peak_bytes,
     "argument_bytes": stats.argument_bytes,
     "output_bytes": stats.output_bytes,
     "temp_bytes": stats.temp_bytes,
-    "live_at_peak_bytes": live_at_peak(text),
+    "live_at_peak_bytes": live_at_peak(step.text),
   }
   if k is not None:
-    loop = micro_batch_loop(text, k)
-    row["in_loop_collectives"] = (
-      None
-      if loop is None
-      else sum(c.computation in loop for c in testing.collectives(text))
-    )
+    loop = micro_batch_loop(step, k)
+    row["in_loop_collectives"] = None if loop is None else len(step.inside(loop))
   return row
 
 
@@ -395,12 +372,10 @@ def measure(size: Size, name: str, target: Any) -> tuple[dict[str, Any], dict]:
         if approach == "full_batch" and "full_batch" in row:
           continue
         shutil.rmtree(DUMP, ignore_errors=True)
-        compiled = _memory.compile_for(fun, args, {}, target)
-        memory = measure_memory(
-          compiled, target, None if approach == "full_batch" else k
-        )
+        step = testing.compile_step(fun, *args, target=target)
+        memory = measure_memory(step, None if approach == "full_batch" else k)
         if target is None:
-          value, grads = compiled(*args)
+          value, grads = step.compiled(*args)
           if approach == "full_batch":
             want = grads
             row["full_batch_loss"] = float(value)

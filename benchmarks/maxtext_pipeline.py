@@ -36,9 +36,9 @@ the remat policy on it, the embedding and head on the batch sharded over
 
 Per configuration and per device, with ``pipeline.py``'s readers:
 ``peak_bytes`` from XLA's compiled memory analysis (``argument + output +
-temp - alias``, ``jaxaccum._memory._memory_of``) and ``collective_bytes``,
-every collective's result bytes times the trip counts of the loops around it
-(``jaxaccum.testing.collectives``). A configuration MaxText refuses or fails
+temp - alias``) and ``collective_bytes``, every collective's result bytes
+times the trip counts of the loops around it, both read by
+``jaxaccum.testing.compile_step``. A configuration MaxText refuses or fails
 to compile is a row with ``error``. With ``--steps maxtext,jaxaccum`` (the
 default) a row also holds ``jaxaccum_same_jax``: ``pipeline.py``'s own step
 of the configuration compiled here, with MaxText's jax (``pipeline.json``'s
@@ -68,7 +68,7 @@ from typing import Any
 import jax
 
 import jaxaccum
-from jaxaccum import _memory, testing
+from jaxaccum import testing
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "maxtext_pipeline.json"
@@ -125,7 +125,8 @@ def config(stages: int, data: int, m: int, r: int) -> Any:
 
 def compile_step(cfg: Any, target: Any) -> Any:
   """MaxText's train step of ``cfg``, compiled for ``target``, as
-  ``train_compile.py`` builds it (its mesh over the target's devices)."""
+  ``train_compile.py`` builds it (its mesh over the target's devices), and
+  read (``jaxaccum.testing.CompiledStep``)."""
   from flax.linen import partitioning  # noqa: PLC0415
   from maxtext.trainers.pre_train import train, train_compile  # noqa: PLC0415
   from maxtext.utils import maxtext_utils, sharding  # noqa: PLC0415
@@ -148,7 +149,7 @@ def compile_step(cfg: Any, target: Any) -> Any:
     step, in_shardings=in_shard, out_shardings=out_shard, donate_argnums=donate
   )
   with jax.set_mesh(mesh), partitioning.axis_rules(cfg.logical_axis_rules):
-    return _memory.compile_for(jitted, args, {}, target)
+    return testing.compile_step(jitted, *args, target=target)
 
 
 def measure(target: Any, stages: int, data: int, m: int, r: int) -> dict[str, Any]:
@@ -158,20 +159,19 @@ def measure(target: Any, stages: int, data: int, m: int, r: int) -> dict[str, An
   start = time.perf_counter()
   try:
     compiled = compile_step(config(stages, data, m, r), target)
-    stats = _memory._memory_of(compiled, target)
-    text = compiled.as_text()
   except Exception as e:  # recorded; the sweep goes on
     lines = str(e).strip().splitlines()
     row["error"] = f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
     row["compile_s"] = round(time.perf_counter() - start, 1)
     return row
-  found = testing.collectives(text)
+  found, stats = compiled.collectives, compiled.memory
+  assert stats is not None, "the target reports no memory analysis"
   loop = [c for c in found if c.in_loop and "permute" in c.op]
   row.update(
     peak_bytes=stats.peak_bytes,
     argument_bytes=stats.argument_bytes,
     temp_bytes=stats.temp_bytes,
-    collective_bytes=sum(c.bytes * c.executions for c in found),
+    collective_bytes=compiled.bytes_communicated,
     permute_bytes=sum(c.bytes * c.executions for c in loop),
     in_loop_ops=sorted({c.op for c in found if c.in_loop}),
     compile_s=round(time.perf_counter() - start, 1),

@@ -22,7 +22,7 @@ circular repeats) and per device:
 - ``peak_bytes``: XLA's compiled memory analysis for the target
   (``argument + output + temp - alias``, as ``jaxaccum.compiled_memory``);
 - ``collective_bytes``: every collective's result bytes times the trip
-  counts of the loops around it (``jaxaccum.testing``), and the part that
+  counts of the loops around it (``jaxaccum.testing.compile_step``), and the part that
   moves over the stage axis inside the pipeline loop;
 - ``bubble``: the fraction of the loop's iterations a stage idles,
   ``(S - 1) / (r·m + S - 1)``.
@@ -68,7 +68,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _memory, testing
+from jaxaccum import testing
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -202,21 +202,20 @@ def measure(target: Any, cfg: Any, config: Config) -> dict[str, Any]:
       jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), "int32"), P("data")
     )
     with jax.set_mesh(mesh):
-      compiled = _memory.compile_for(step, (params, state, tokens), {}, target)
-    stats = _memory._memory_of(compiled, target)
-    text = compiled.as_text()
+      compiled = testing.compile_step(step, params, state, tokens, target=target)
   except Exception as e:  # recorded; the sweep goes on
     lines = str(e).strip().splitlines()
     row["error"] = f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
     row["compile_s"] = round(time.perf_counter() - start, 1)
     return row
-  found = testing.collectives(text)
+  found, stats = compiled.collectives, compiled.memory
+  assert stats is not None, "the target reports no memory analysis"
   loop = [c for c in found if c.in_loop and "permute" in c.op]
   row.update(
     peak_bytes=stats.peak_bytes,
     argument_bytes=stats.argument_bytes,
     temp_bytes=stats.temp_bytes,
-    collective_bytes=sum(c.bytes * c.executions for c in found),
+    collective_bytes=compiled.bytes_communicated,
     permute_bytes=sum(c.bytes * c.executions for c in loop),
     permute_executions=sorted({c.executions for c in loop}),
     in_loop_ops=sorted({c.op for c in found if c.in_loop}),

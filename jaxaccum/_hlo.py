@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +51,7 @@ _GROUP_MESH = re.compile(
   r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
   r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
 )
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,]*\},?)*)\}")
 _TRIP_COUNT = re.compile(r'known_trip_count[^0-9]*"?n"?\s*:\s*"?(\d+)')
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\]")
 
@@ -189,7 +190,7 @@ def parse(hlo_text: str) -> Module:
 
 
 class Collective(NamedTuple):
-  """One collective instruction and how often it runs per call.
+  r"""One collective instruction and how often it runs per call.
 
   Attributes:
     op: the HLO opcode, e.g. ``all-reduce``.
@@ -199,8 +200,11 @@ class Collective(NamedTuple):
       counts of the while loops around it; unknown trip counts count 1).
     in_loop: whether it sits inside a while loop's body.
     groups: its replica groups, each a tuple of partition numbers; ``()``
-      for ``replica_groups={}``, one group of every device; None where the
-      HLO does not list them.
+      for ``replica_groups={}``, one group of every device; a permute's
+      source-target pairs, each pair a group; None where the HLO does not
+      list them.
+    loops: the names of the while loops around it, outermost first (their
+      :class:`Loop`\ s give the trip counts); ``()`` outside every loop.
   """
 
   op: str
@@ -209,6 +213,7 @@ class Collective(NamedTuple):
   executions: int
   in_loop: bool
   groups: tuple[tuple[int, ...], ...] | None = None
+  loops: tuple[str, ...] = ()
 
   def spans(self, mesh_shape: Sequence[int], axes: Sequence[int]) -> bool:
     """Whether a replica group holds devices that differ along mesh ``axes``.
@@ -231,6 +236,45 @@ class Collective(NamedTuple):
       if any(len(set(coords[a].tolist())) > 1 for a in axes):
         return True
     return False
+
+  def axes(self, mesh: Any) -> tuple[str, ...]:
+    """The names of the axes of ``mesh`` (a ``Mesh`` or ``AbstractMesh``,
+    the one the step was compiled for) that it communicates over, in the
+    mesh's order: :meth:`spans` for each axis.
+
+    >>> import jax
+    >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+    >>> Collective("all-reduce", "main", 4, 1, False, ((0, 2), (1, 3))).axes(mesh)
+    ('data',)
+    """
+    names = tuple(mesh.axis_names)
+    shape = tuple(mesh.shape[a] for a in names)
+    return tuple(a for i, a in enumerate(names) if self.spans(shape, [i]))
+
+
+class Loop(NamedTuple):
+  """One while loop of a compiled program, where it runs.
+
+  Attributes:
+    name: the ``while`` instruction's name (``Collective.loops`` lists it).
+    computation: the computation that holds it.
+    trip_count: its trips each time it runs: XLA's ``known_trip_count``
+      (CPU, GPU), else the ``N`` of its condition's ``counter < N`` (TPU);
+      None where neither shows.
+    executions: how many times it runs per call (the product of the trip
+      counts of the loops around it; unknown ones count 1).
+    outer: the names of the loops around it, outermost first; ``()`` for a
+      loop outside every other.
+    computations: the computations inside it: its body and condition and
+      everything they call, nested loops included.
+  """
+
+  name: str
+  computation: str
+  trip_count: int | None
+  executions: int
+  outer: tuple[str, ...]
+  computations: frozenset[str]
 
 
 def _top_level(type_text: str) -> list[str]:
@@ -369,13 +413,49 @@ def collectives(hlo_text: str) -> list[Collective]:
   >>> [(c.op, c.bytes, c.executions, c.in_loop) for c in collectives(text)]  # doctest: +NORMALIZE_WHITESPACE
   [('all-reduce', 32, 4, True), ('all-gather', 64, 1, False), ('all-gather-start', 256, 1, False)]
   """
+  return read(hlo_text)[0]
+
+
+def loops(hlo_text: str) -> list[Loop]:
+  """Every while loop in compiled HLO text, where it runs, outer loops first.
+
+  >>> text = '''
+  ... %inner (p: s32[]) -> s32[] {
+  ...   ROOT %p = s32[] parameter(0)
+  ... }
+  ... %outer (p: s32[]) -> s32[] {
+  ...   %p = s32[] parameter(0)
+  ...   ROOT %w2 = s32[] while(%p), condition=%c, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+  ... }
+  ... ENTRY %main (a: s32[]) -> s32[] {
+  ...   %a = s32[] parameter(0)
+  ...   ROOT %w = s32[] while(%a), condition=%c, body=%outer, backend_config={"known_trip_count":{"n":"4"}}
+  ... }'''
+  >>> [(w.name, w.trip_count, w.executions, w.outer) for w in loops(text)]
+  [('w', 4, 1, ()), ('w2', 3, 4, ('w',))]
+  >>> sorted(loops(text)[0].computations)
+  ['inner', 'outer']
+  """
+  return read(hlo_text)[1]
+
+
+def read(hlo_text: str) -> tuple[list[Collective], list[Loop]]:
+  """The collectives and the while loops of compiled HLO text, in one walk
+  from the entry through every call site (a computation called twice is
+  read twice; one that calls itself, once)."""
   module = parse(hlo_text)
   lines = _computation_lines(hlo_text)
   found: list[Collective] = []
+  walked: list[tuple[Instruction, str, int | None, int, tuple[int, ...]]] = []
+  inside: list[set[str]] = []
 
-  def visit(name: str, executions: int, in_loop: bool, seen: tuple[str, ...]) -> None:
+  def visit(
+    name: str, executions: int, around: tuple[int, ...], seen: tuple[str, ...]
+  ) -> None:
     if name in seen or name not in module.computations:
       return
+    for index in around:
+      inside[index].add(name)
     for i in module.computations[name]:
       if i.op in COLLECTIVES:
         found.append(
@@ -384,26 +464,66 @@ def collectives(hlo_text: str) -> list[Collective]:
             name,
             _result_bytes(i.op, i.type),
             executions,
-            in_loop,
-            replica_groups(i.attributes),
+            bool(around),
+            _groups(i),
+            tuple(walked[j][0].name for j in around),
           )
         )
       if i.op == "while":
-        trips = _TRIP_COUNT.search(i.attributes)
-        body, cond = i.attribute("body"), i.attribute("condition")
-        if trips:
-          n = int(trips.group(1))
-        else:  # e.g. TPU: read `counter < N` off the condition
-          n = _condition_bound(lines.get(cond, []) if cond else []) or 1
-        for called in (body, cond):
+        trips = _trip_count(i, lines)
+        walked.append((i, name, trips, executions, around))
+        inside.append(set())
+        within = (*around, len(walked) - 1)  # before the body adds its own
+        for called in (i.attribute("body"), i.attribute("condition")):
           if called:
-            visit(called, executions * n, True, (*seen, name))
+            visit(
+              called,
+              executions * (1 if trips is None else trips),
+              within,
+              (*seen, name),
+            )
         continue
       for called in _called(i):
-        visit(called, executions, in_loop, (*seen, name))
+        visit(called, executions, around, (*seen, name))
 
-  visit(module.entry, 1, False, ())
-  return found
+  visit(module.entry, 1, (), ())
+  found_loops = [
+    Loop(
+      i.name,
+      name,
+      trips,
+      executions,
+      tuple(walked[j][0].name for j in around),
+      frozenset(inside[n]),
+    )
+    for n, (i, name, trips, executions, around) in enumerate(walked)
+  ]
+  return found, found_loops
+
+
+def _groups(i: Instruction) -> tuple[tuple[int, ...], ...] | None:
+  """A collective's groups of devices: its replica groups, or a permute's
+  source-target pairs (each pair a group: the devices it connects).
+
+  >>> _groups(parse_instruction("%p = f32[8]{0} collective-permute(%x), source_target_pairs={{0,1},{1,2}}"))
+  ((0, 1), (1, 2))
+  """
+  if i.op.startswith("collective-permute"):
+    match = _PAIRS.search(i.attributes)
+    if match:
+      return tuple(tuple(_ints(p)) for p in re.findall(r"\{([\d,]*)\}", match.group(1)))
+  return replica_groups(i.attributes)
+
+
+def _trip_count(loop: Instruction, lines: dict[str, list[str]]) -> int | None:
+  """A while loop's trips: XLA's ``known_trip_count`` (GPU, CPU), else the
+  bound of its condition's ``counter < N`` (TPU); None where neither shows."""
+  trips = _TRIP_COUNT.search(loop.attributes)
+  if trips:
+    return int(trips.group(1))
+  condition = loop.attribute("condition")
+  # A bound of 0 reads as unknown, as it always has here.
+  return _condition_bound(lines.get(condition, []) if condition else []) or None
 
 
 def _called(i: Instruction) -> list[str]:

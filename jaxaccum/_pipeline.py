@@ -12,9 +12,11 @@ The layout is MaxText's circular pipeline, written as one function of
   their leading axis is sharded over the stage axis; with ``repeats = r > 1``
   they are ``(r, L / r, ...)``, one row of layers per repeat, and the second
   axis is sharded: in both, a stage's layers are one block of the sharding.
-- **The loop.** One ``lax.scan`` of ``r·m + S - 1`` iterations (``m`` the
-  pipeline micro-batches; with ``m < S`` and ``r > 1``, repeats start every
-  ``S`` iterations). Each iteration every stage runs its ``n`` layers on one
+- **The loop.** One ``lax.scan`` of ``(r - 1)·max(m, S) + m + S - 1``
+  iterations (``m`` the pipeline micro-batches): ``r·m + S - 1`` when ``m >=
+  S`` or ``r = 1``; with ``m < S`` and ``r > 1`` a micro-batch is back at
+  stage 0 only ``S`` iterations after it left, so the repeats start every
+  ``S`` iterations, ``r·S + m - 1`` in all. Each iteration every stage runs its ``n`` layers on one
   micro-batch, then the activations move one stage on (a
   ``collective-permute``; the last stage's goes back to the first for the
   next repeat). Stage 0 reads its inputs from, and parks the returning
@@ -56,6 +58,11 @@ class PipelineBubbleWarning(UserWarning):
   """Fewer pipeline micro-batches than stages: most of the loop is bubble."""
 
 
+class ReplicatedLayersWarning(UserWarning):
+  """Stacked layers that are not split over the stage axis: every device
+  holds every stage's layers."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """The static numbers of one pipeline, and the loop they make.
@@ -80,7 +87,8 @@ class Schedule:
 
   @property
   def iterations(self) -> int:
-    """The loop's trip count: ``r·m + S - 1`` when ``m >= S``."""
+    """The loop's trip count, ``(r - 1)·period + m + S - 1``: ``r·m + S -
+    1`` when ``m >= S`` or ``r = 1``, else ``r·S + m - 1``."""
     return (self.repeats - 1) * self.period + self.micro_batches + self.stages - 1
 
   @property
@@ -130,12 +138,20 @@ def pipeline(
 
   - ``repeats=1``: leaves ``(L, ...)``, sharded ``P(stage_axis, ...)``;
   - ``repeats=r > 1``: leaves ``(r, L // r, ...)``, row ``i`` holding layers
-    ``i·L/r ..`` in order (``w.reshape(r, -1, *w.shape[1:])``), sharded
-    ``P(None, stage_axis, ...)``. Each micro-batch then passes the stages
-    ``r`` times, and the idle fraction of the loop (the bubble) shrinks from
-    ``(S - 1)/(m + S - 1)`` to ``(S - 1)/(r·m + S - 1)``.
+    ``i·L/r ..`` in order (``w.reshape(r, -1, *w.shape[1:])``, before
+    placing them: a leaf already sharded ``P(stage_axis)`` on Explicit axes
+    does not reshape so), sharded ``P(None, stage_axis, ...)``. Each
+    micro-batch then passes the stages
+    ``r`` times, and with ``m >= S`` the idle fraction of the loop (the
+    bubble) shrinks from ``(S - 1)/(m + S - 1)`` to ``(S - 1)/(r·m + S -
+    1)``.
 
-  The loop has ``r·m + S - 1`` iterations. Activations move between stages by
+  The loop has ``(r - 1)·max(m, S) + m + S - 1`` iterations, for every
+  ``S``, ``m`` and ``r``: ``r·m + S - 1`` when ``m >= S`` (or ``r = 1``).
+  With ``m < S`` and ``r > 1`` a micro-batch is back at stage 0 only ``S``
+  iterations after it left, so each repeat takes ``S`` iterations, not
+  ``m``: ``r·S + m - 1`` in all (``S = 4``, ``m = 2``, ``r = 2``: 9, not 7).
+  Activations move between stages by
   ``collective-permute`` only, one micro-batch at a time; no stage holds
   another stage's weights. The mesh is the one set by ``jax.set_mesh`` (or
   jaxaccum's ``mesh=``), or the one the leaves' shardings name; without a
@@ -193,7 +209,19 @@ def pipeline(
       split into the stages, a batch that does not split into
       ``num_micro_batches``, a mesh without ``stage_axis`` (or with another
       number of stages), a ``layer_fn`` that changes the activation's shape
-      or dtype, and stacked leaves of different lengths.
+      or dtype, stacked leaves of different lengths, and, on Explicit
+      axes, stacked leaves whose layer axis is not split over
+      ``stage_axis`` (replicated ones: place them ``P(stage_axis)``, or
+      ``P(None, stage_axis)`` with repeats).
+
+  Warns:
+    PipelineBubbleWarning: ``num_micro_batches < num_stages``.
+    ReplicatedLayersWarning: on Auto axes, stacked leaves whose sharding
+      shows (concrete arrays) and does not split the layers over the
+      stages: the loop runs, but every device holds every layer. Under
+      ``jit`` on Auto axes their sharding is hidden from the pipeline, and
+      nothing is said: place them before the step, and read the compiled
+      step's argument bytes (``jaxaccum.testing.compile_step``).
 
   >>> import jax, jax.numpy as jnp, jaxaccum
   >>> def layer(w, x):
@@ -359,6 +387,62 @@ def _find_mesh(stacked: PyTree, stage_axis: str, stages: int) -> Any:
   return mesh
 
 
+def _check_placement(
+  stacked: PyTree, mesh: Any, axis: str, stages: int, repeats: int
+) -> None:
+  """Each stage's layers lie on its own devices: the stacked leaves' layer
+  axis is split over the stage axis, where their sharding shows. On
+  Explicit axes anything else is an error (``shard_map`` refuses it, with a
+  message about specs); elsewhere replicated layers run (each stage slices
+  its own out), but every device holds them all: a warning. Under ``jit``
+  on Auto axes the sharding is hidden, and nothing is said."""
+  dim = 0 if repeats == 1 else 1
+  want = f"P({axis!r})" if repeats == 1 else f"P(None, {axis!r})"
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  explicit = types[axis] == jax.sharding.AxisType.Explicit
+  for path, leaf in jax.tree_util.tree_leaves_with_path(stacked):
+    spec = _compat.explicit_spec(leaf) if explicit else None
+    if spec is None and not _compat.is_tracer(leaf):
+      spec = _compat.visible_spec(leaf)
+    if spec is None or _on_stages(spec, jnp.ndim(leaf), dim, axis):
+      continue
+    name = f"stacked{jax.tree_util.keystr(path)}"
+    layers = math.prod(jnp.shape(leaf)[: dim + 1])
+    if explicit:
+      where = (
+        f"axis 0, of {layers} layers"
+        if repeats == 1
+        else f"axis 1, of {layers // repeats} layers per repeat"
+      )
+      raise ValueError(
+        f"{name} lies {spec} on the mesh's Explicit axes, and each of the "
+        f"{stages} stages holds its own layers: the layer axis ({where}) must "
+        f"be split over the stage axis {axis!r}. Place the stacked layers "
+        f"{want}: jax.device_put(stacked, NamedSharding(mesh, {want})) before "
+        f"the step, jax.sharding.reshard(stacked, {want}) inside it, or "
+        f"param_specs={want} under jaxaccum's mesh=."
+      )
+    warnings.warn(
+      f"{name} lies {spec} on the mesh, so every device holds all {layers} "
+      f"layers, and each of the {stages} stages uses {layers // stages} of "
+      f"them: place the stacked layers {want} (jax.device_put(stacked, "
+      f"NamedSharding(mesh, {want}))) so that each device holds its own "
+      "stage's layers only.",
+      ReplicatedLayersWarning,
+      stacklevel=5,  # _check_placement, on_mesh, __call__, pipelined, the caller
+    )
+    return
+
+
+def _on_stages(spec: Any, ndim: int, dim: int, axis: str) -> bool:
+  """Whether ``spec`` splits dimension ``dim``, and no other, over ``axis``."""
+  entries = [*spec, *(None,) * (ndim - len(spec))]
+  names = [e if isinstance(e, tuple) else (e,) for e in entries]
+  return axis in names[dim] and not any(
+    axis in n for d, n in enumerate(names) if d != dim
+  )
+
+
 def _leaf_mesh(leaf: Any) -> Any:
   """The mesh a leaf's sharding names, where it is visible: a concrete
   array's, or a traced one's type on Explicit axes."""
@@ -489,6 +573,7 @@ class _Pipe:
     """The stages as a ``shard_map`` over the mesh's stage axis, and over
     the data axes: each device pipelines its own rows."""
     axis, r = self.axis, self.repeats
+    _check_placement(stacked, mesh, axis, self.stages, r)
     # Inside jaxaccum's mesh= path the loss runs in a vmap over the data axes
     # (spmd_axis_name), whose shard_map batching rule adds them to the specs
     # of the mapped arguments: they must be manual axes here too.

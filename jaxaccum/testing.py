@@ -1,4 +1,10 @@
-"""Reading collectives out of compiled HLO text: what a step communicates.
+"""Reading a compiled step: what it communicates, in which loops, and its peak.
+
+:func:`compile_step` (or :func:`read_compiled` of a step you compiled)
+gives a :class:`CompiledStep`: every collective with its bytes, replica
+groups (:meth:`Collective.axes`: the mesh axes it spans) and the while loops
+around it, every loop with its trip count, and XLA's memory analysis with
+the peak. The functions below read HLO text alone.
 
 For checking a data-parallel step the way jaxaccum's own tests do ("no
 reduction over the data axes inside the loop") and measuring the bytes it
@@ -31,10 +37,13 @@ import jax
 
 from jaxaccum import _agreement, _compat, _hlo
 from jaxaccum._agreement import Divergence
+from jaxaccum._compiled import CompiledStep, compile_step, read_compiled
 from jaxaccum._hlo import (
   Collective,
+  Loop,
   bytes_communicated,
   collectives,
+  loops,
   replica_groups,
 )
 
@@ -45,12 +54,17 @@ asynchronous start ops that stand for them."""
 __all__ = [
   "COLLECTIVES",
   "Collective",
+  "CompiledStep",
   "Divergence",
+  "Loop",
   "bytes_communicated",
   "collectives",
+  "compile_step",
   "compiled_text",
   "cpu_devices",
   "divergent_decisions",
+  "loops",
+  "read_compiled",
   "replica_groups",
 ]
 

@@ -137,6 +137,30 @@ def test_loops_multiply_their_trip_counts_from_the_backend_or_the_condition():
   assert groups == [((0, 1), (2, 3)), ((0, 1, 2, 3),), ()]
 
 
+def test_loops_are_listed_where_they_run_with_their_trip_counts():
+  """Every while loop once per place it runs: the outer one (4 trips, from
+  the backend config) in the entry, the inner one (3, from its condition)
+  entered 4 times; each holds the computations it calls, and each
+  collective names the loops around it, outermost first."""
+  # mutmut: _hlo.read, _hlo._trip_count
+  assert [
+    (w.name, w.computation, w.trip_count, w.executions, w.outer)
+    for w in _hlo.loops(NESTED)
+  ] == [("w", "main", 4, 1, ()), ("w", "outer_body", 3, 4, ("w",))]
+  outer, inner = _hlo.loops(NESTED)
+  assert outer.computations == {
+    "outer_body",
+    "outer_cond",
+    "inner_body",
+    "inner_cond",
+    "add",
+  }
+  assert inner.computations == {"inner_body", "inner_cond", "add"}
+  assert [c.loops for c in _hlo.collectives(NESTED)] == [("w", "w"), ("w",), ()]
+  unknown = NESTED.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+  assert [w.trip_count for w in _hlo.loops(unknown)] == [None, 3]
+
+
 @pytest.mark.parametrize(
   ("attributes", "groups"),
   [

@@ -10,6 +10,7 @@ mesh), and without a mesh on one device.
 
 import functools
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -23,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import testing
-from jaxaccum._pipeline import PipelineBubbleWarning, Schedule
+from jaxaccum._pipeline import PipelineBubbleWarning, ReplicatedLayersWarning, Schedule
 
 # The unit roundoff u of float32: half the spacing of its numbers at 1.
 U = float(jnp.finfo(jnp.float32).eps) / 2
@@ -601,6 +602,64 @@ def test_the_loop_runs_r_m_plus_s_minus_1_iterations(r, m, trips):
   assert [c.executions for c in permutes] == [trips, trips]
 
 
+# (S, m, r) and the loop's length, counted by hand from the schedule: repeat
+# rho of micro-batch j enters stage 0 at rho * max(m, S) + j (with m < S it is
+# back only S iterations after it left) and leaves the last stage S - 1 later.
+TRIPS = [
+  (2, 2, 1, 3),  # m = S: r*m + S - 1
+  (2, 4, 3, 13),
+  (4, 4, 2, 11),
+  (4, 8, 1, 11),
+  (4, 2, 1, 5),  # m < S, one repeat: still r*m + S - 1
+  (4, 2, 2, 9),  # m < S, r > 1: r*S + m - 1, not r*m + S - 1 = 7
+  (4, 1, 3, 12),  # not 6
+  (4, 3, 2, 10),  # not 9
+  (2, 1, 4, 8),  # not 5
+]
+
+
+def pipeline_scan_length(jaxpr):
+  """The length of the outermost ``scan`` in a jaxpr: the pipeline's loop
+  (the layers' scan of each stage sits inside it)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      return eqn.params["length"]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found = pipeline_scan_length(sub)
+      if found is not None:
+        return found
+  return None
+
+
+@pytest.mark.parametrize(("S", "m", "r", "trips"), TRIPS)
+def test_the_traced_loop_has_r_minus_1_max_m_s_plus_m_plus_s_minus_1_iterations(
+  S, m, r, trips
+):
+  """The docstring's count, ``(r - 1)·max(m, S) + m + S - 1``, against the
+  length of the scan the pipeline traces (one device; the same schedule)."""
+  stacked, x = make_problem(layers=S * r, batch=4 * m)
+  pipe = jaxaccum.pipeline(layer, num_stages=S, num_micro_batches=m, repeats=r)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", PipelineBubbleWarning)
+    jaxpr = jax.make_jaxpr(pipe)(by_repeat(stacked, r), x)
+  assert pipeline_scan_length(jaxpr.jaxpr) == trips == (r - 1) * max(m, S) + m + S - 1
+  assert Schedule(S, r, m, 1).iterations == trips
+
+
+@pytest.mark.parametrize(("S", "m", "r", "trips"), [TRIPS[1], TRIPS[5], TRIPS[6]])
+def test_the_compiled_loop_on_stage_devices_runs_as_many_trips(S, m, r, trips):
+  """On a mesh of ``S`` stage devices the compiled while loop runs the
+  docstring's count: each trip moves one activation (a collective-permute)."""
+  stacked, x = make_problem(layers=S * r, batch=4 * m)
+  pipe = jaxaccum.pipeline(layer, num_stages=S, num_micro_batches=m, repeats=r)
+  mesh = stage_mesh(S)
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("ignore", PipelineBubbleWarning)
+    compiled = jax.jit(pipe).lower(on_stages(mesh, stacked, r), x).compile()
+  permutes = [c for c in testing.collectives(compiled.as_text()) if "permute" in c.op]
+  assert [(c.in_loop, c.executions) for c in permutes] == [(True, trips)]
+
+
 @pytest.mark.parametrize("step_of", [plain_jit_step, mesh_path_step])
 def test_no_stage_holds_another_stages_weights(step_of):
   """Each device's arguments are its stage's layers and its rows; nothing
@@ -744,6 +803,92 @@ def test_a_stage_axis_of_another_size_than_num_stages():
     ),
   ):
     trace(pipe, stacked, x)
+
+
+@pytest.mark.parametrize(
+  ("repeats", "spec", "want"),
+  [
+    (1, P(), "P('stage')"),
+    (2, P(), "P(None, 'stage')"),
+    (2, P("stage"), "P(None, 'stage')"),
+  ],
+  ids=["replicated", "replicated-repeats", "stage-on-the-repeats"],
+)
+def test_layers_not_on_the_stage_axis_of_explicit_axes_are_named(repeats, spec, want):
+  """On Explicit axes the layers' type shows where they lie: replicated (or
+  split over the repeats instead of the layers), they got a raw shard_map
+  error ("in_specs ... does not match the specs of the input")."""
+  stacked, x = make_problem()
+  mesh = stage_mesh(2)
+  pipe = jaxaccum.pipeline(layer, num_stages=2, num_micro_batches=4, repeats=repeats)
+  layers = "axis 0, of 8 layers" if repeats == 1 else "axis 1, of 4 layers per repeat"
+  with jax.set_mesh(mesh):
+    w = jax.device_put(by_repeat(stacked, repeats), NamedSharding(mesh, spec))
+    typed = jax.typeof(w["a"]).sharding.spec
+    with raises_whole(
+      f"stacked['a'] lies {typed} on the mesh's Explicit axes, and each of the "
+      f"2 stages holds its own layers: the layer axis ({layers}) must be "
+      f"split over the stage axis 'stage'. Place the stacked layers {want}: "
+      f"jax.device_put(stacked, NamedSharding(mesh, {want})) before the step, "
+      f"jax.sharding.reshard(stacked, {want}) inside it, or param_specs={want} "
+      "under jaxaccum's mesh=."
+    ):
+      jax.jit(pipe).trace(w, x)
+
+
+def test_replicated_layers_on_auto_axes_warn_where_their_sharding_shows():
+  """On Auto axes replicated layers run (each stage slices its own out), but
+  every device holds the whole stack: a warning naming the fix, where the
+  sharding is visible (concrete arrays). Placed P("stage"), none."""
+  stacked, x = make_problem()
+  mesh = stage_mesh(4, AxisType.Auto)
+  pipe = jaxaccum.pipeline(layer, num_stages=4, num_micro_batches=4)
+  with jax.set_mesh(mesh):
+    w = jax.device_put(stacked, NamedSharding(mesh, P()))
+    with pytest.warns(ReplicatedLayersWarning) as caught:
+      y = pipe(w, x)
+    assert [str(c.message) for c in caught] == [
+      "stacked['a'] lies P() on the mesh, so every device holds all 8 layers, "
+      "and each of the 4 stages uses 2 of them: place the stacked layers "
+      "P('stage') (jax.device_put(stacked, NamedSharding(mesh, P('stage')))) "
+      "so that each device holds its own stage's layers only."
+    ]
+    assert_close(y, unpipelined(stacked, x), terms())
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", ReplicatedLayersWarning)
+      pipe(on_stages(mesh, stacked, 1), x)
+
+
+@pytest.mark.parametrize(
+  "axis_type",
+  [
+    AxisType.Auto,
+    pytest.param(
+      AxisType.Explicit,
+      marks=pytest.mark.xfail(
+        strict=True,
+        reason="mesh= places the parameters by param_specs (_parallel) before "
+        "the loss, and so the pipeline, runs: JAX's 'Sharding spec ... does not "
+        "evenly divide' comes first; the check belongs there",
+      ),
+    ),
+  ],
+)
+def test_layers_placed_on_the_stages_that_do_not_divide_them_are_named(axis_type):
+  """6 layers, 4 stages, placed P("stage") by jaxaccum's own mesh= path: an
+  error from jaxaccum naming the counts, not JAX's sharding error. (Placed
+  by the user, an uneven P("stage") array cannot exist: device_put raises
+  before jaxaccum runs.)"""
+  stacked, x = make_problem(layers=6)
+  mesh = data_stage_mesh(axis_type)
+  pipe = jaxaccum.pipeline(layer, num_stages=4, num_micro_batches=2)
+  step = jaxaccum.value_and_grad(
+    mean_loss_of(pipe), 2, mesh=mesh, data_axis="data", param_specs=P("stage")
+  )
+  with jax.set_mesh(mesh), pytest.raises(ValueError) as caught:
+    jax.jit(step).trace(stacked, jax.device_put(x, NamedSharding(mesh, P("data"))))
+  message = str(caught.value)
+  assert "L=6" in message and "num_stages=4" in message, message
 
 
 def test_the_mesh_is_read_from_the_leaves_shardings():

@@ -159,3 +159,53 @@ def test_every_public_name_is_in_all_so_that_the_reference_documents_it():
       and getattr(obj, "__module__", "jaxaccum").startswith("jaxaccum")
     }
     assert public == set(module.__all__), module.__name__
+
+
+def _private_imports(source: str) -> list[str]:
+  """The private jaxaccum modules a file imports or reaches by attribute."""
+  import ast  # noqa: PLC0415
+
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      if node.module.startswith("jaxaccum._"):
+        found.append(node.module)
+      elif node.module.startswith("jaxaccum"):
+        found += [
+          f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+        ]
+    elif isinstance(node, ast.Import):
+      found += [a.name for a in node.names if a.name.startswith("jaxaccum._")]
+    elif (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and node.value.id == "jaxaccum"
+      and node.attr.startswith("_")
+      and not node.attr.startswith("__")
+    ):
+      found.append(f"jaxaccum.{node.attr}")
+  return found
+
+
+def test_benchmarks_and_examples_use_the_public_api_only():
+  """What a benchmark needs to read a compiled step is what a user checking
+  their own step needs (jaxaccum.testing.compile_step): no file under
+  benchmarks/ or examples/ imports a private jaxaccum module."""
+  root = pathlib.Path(__file__).parents[1]
+  files = sorted([*root.glob("benchmarks/*.py"), *root.glob("examples/*.py")])
+  assert files
+  found = {
+    str(f.relative_to(root)): names
+    for f in files
+    if (names := _private_imports(f.read_text()))
+  }
+  assert found == {}
+  assert _private_imports(
+    "from jaxaccum import _hlo, testing\nimport jaxaccum._memory"
+  ) == [
+    "jaxaccum._hlo",
+    "jaxaccum._memory",
+  ]
+  assert _private_imports("import jaxaccum\njaxaccum._memory.compile_for") == [
+    "jaxaccum._memory"
+  ]
