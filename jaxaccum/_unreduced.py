@@ -342,6 +342,9 @@ class UnreducedStep:
     gathered once a reduce-scatter)."""
     if leaf.spec is None or jax.typeof(acc).sharding.spec == leaf.spec:
       return acc
+    spec = jax.typeof(acc).sharding.spec
+    if spec.unreduced and spec.partitions == leaf.spec.partitions:
+      return all_reduce(acc)
     return _reshard(acc, leaf.spec)
 
   def _map(self, fun: Callable[..., Any], leaves: list[Leaf], *trees: PyTree) -> PyTree:
@@ -350,6 +353,21 @@ class UnreducedStep:
       fun(*xs, leaf) for *xs, leaf in zip(*(f[0] for f in flat), leaves, strict=True)
     ]
     return jax.tree.unflatten(flat[0][1], out)
+
+
+def all_reduce(x: jax.Array) -> jax.Array:
+  """``x``, ``unreduced`` over some axes, summed over them: one all-reduce
+  over all of them together (a reshard, on jax 0.12, reduces over one axis
+  after the other, each time the whole array)."""
+  sharding = jax.typeof(x).sharding
+  spec = sharding.spec
+  axes = tuple(a for a in sharding.mesh.axis_names if a in spec.unreduced)
+  return jax.shard_map(
+    lambda local: jax.lax.psum(local, axes),
+    mesh=sharding.mesh,
+    in_specs=spec,
+    out_specs=P(*spec.partitions),
+  )(x)
 
 
 def barrier(diff_args: PyTree, held: list[bool], index: jax.Array) -> PyTree:
