@@ -156,12 +156,30 @@ class DataParallel:
         jax.tree_util.tree_leaves_with_path(arg), leaf_specs, strict=True
       ):
         what = f"The parameter {o.names(n)}{jax.tree_util.keystr(path)}"
+        if spec is not None:
+          self._check_divides(what, jnp.shape(x), spec)
         specs.append(
           None
           if spec is None
           else _sharding.split_spec(spec, jnp.ndim(x), self.axes, what)
         )
     return tuple(specs)
+
+  def _check_divides(self, what: str, shape: tuple[int, ...], spec: P) -> None:
+    """Each dimension of a parameter divides among the devices its spec
+    shards it over (JAX's own error, before the loss runs, names neither
+    the parameter nor ``param_specs``)."""
+    for dim, (size, entry) in enumerate(zip(shape, spec.partitions, strict=False)):
+      devices = 1
+      for name in _names(entry):
+        devices *= self.mesh.shape[name]
+      if size % devices:
+        raise ValueError(
+          f"{what} has shape {shape}, and its spec {spec} shards dimension "
+          f"{dim} (size {size}) over {devices} devices ({entry!r}), which do "
+          f"not divide it: choose a size that {devices} divides, or another "
+          "spec (param_specs=)."
+        )
 
   def placements(self, layout: Layout) -> tuple[Placement, ...]:
     """Each leaf's :class:`Placement`: the one place the strategy is chosen

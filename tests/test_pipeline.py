@@ -859,24 +859,11 @@ def test_replicated_layers_on_auto_axes_warn_where_their_sharding_shows():
       pipe(on_stages(mesh, stacked, 1), x)
 
 
-@pytest.mark.parametrize(
-  "axis_type",
-  [
-    AxisType.Auto,
-    pytest.param(
-      AxisType.Explicit,
-      marks=pytest.mark.xfail(
-        strict=True,
-        reason="mesh= places the parameters by param_specs (_parallel) before "
-        "the loss, and so the pipeline, runs: JAX's 'Sharding spec ... does not "
-        "evenly divide' comes first; the check belongs there",
-      ),
-    ),
-  ],
-)
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_layers_placed_on_the_stages_that_do_not_divide_them_are_named(axis_type):
   """6 layers, 4 stages, placed P("stage") by jaxaccum's own mesh= path: an
-  error from jaxaccum naming the counts, not JAX's sharding error. (Placed
+  error from jaxaccum naming the sizes, not JAX's sharding error (on
+  Explicit axes JAX's came first). (Placed
   by the user, an uneven P("stage") array cannot exist: device_put raises
   before jaxaccum runs.)"""
   stacked, x = make_problem(layers=6)
@@ -887,8 +874,14 @@ def test_layers_placed_on_the_stages_that_do_not_divide_them_are_named(axis_type
   )
   with jax.set_mesh(mesh), pytest.raises(ValueError) as caught:
     jax.jit(step).trace(stacked, jax.device_put(x, NamedSharding(mesh, P("data"))))
-  message = str(caught.value)
-  assert "L=6" in message and "num_stages=4" in message, message
+  # mesh= places the layers before the loss (and the pipeline) runs: its
+  # own check of param_specs comes first, on both axis types
+  assert str(caught.value) == (
+    "The parameter args[0]['a'] has shape (6, 4, 4), and its spec "
+    "P('stage',) shards dimension 0 (size 6) over 4 devices ('stage'), which "
+    "do not divide it: choose a size that 4 divides, or another spec "
+    "(param_specs=)."
+  )
 
 
 def test_the_mesh_is_read_from_the_leaves_shardings():
