@@ -450,6 +450,11 @@ def make_train_step(
       "jaxaccum.make_train_step does: run it on the arrays of "
       "nnx.split(model, nnx.Param, ...), or train in bfloat16 or float32."
     )
+  if value_and_grad_kwargs.get("clip_record"):
+    raise ValueError(
+      "jaxaccum.nnx.make_train_step hands its optimizer the clip record "
+      "itself; clip_record=True is for jaxaccum.value_and_grad and grad."
+    )
   kwargs = {"wrt": optimizer.wrt, **value_and_grad_kwargs}
   wrt = kwargs.pop("wrt")
   options = _options.create(loss_fn, num_micro_batches, **kwargs)

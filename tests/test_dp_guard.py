@@ -302,6 +302,33 @@ def test_accumulate_takes_the_record_of_a_clipped_sum_and_its_count():
   assert bool(jnp.all(updates != 0))
 
 
+def test_the_record_holds_the_real_examples_and_what_the_sum_was_divided_by():
+  mask = (jnp.arange(B) < 11).astype(jnp.float32)
+  for normalize, divided_by in (("sum", 1.0), ("mean", 11.0)):
+    grad = jaxaccum.grad(
+      example_loss, 4, normalize=normalize, clip_per_example=C, clip_record=True
+    )
+    record = grad(jnp.zeros(F), data(), example_mask=mask)
+    assert (float(record.examples), float(record.divided_by)) == (11.0, divided_by)
+    assert (record.clip_norm, record.normalize) == (C, normalize)
+
+
+@pytest.mark.parametrize("make", ["plain", "nnx"])
+def test_clip_record_is_for_value_and_grad_not_for_train_steps(make):
+  tx = optax.chain(noise(), optax.sgd(0.1))
+  with pytest.raises(ValueError, match="clip_record=True is for"):
+    if make == "plain":
+      jaxaccum.make_train_step(
+        example_loss, tx, 2, clip_per_example=C, clip_record=True
+      )
+    else:
+      model = nnx.Linear(F, 1, rngs=nnx.Rngs(0))
+      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      jaxaccum.nnx.make_train_step(
+        example_loss, optimizer, 2, clip_per_example=C, clip_record=True
+      )
+
+
 def test_accumulate_under_jit_checks_at_trace_time():
   grad = jaxaccum.grad(example_loss, 1, clip_per_example=C, clip_record=True)
   w = jnp.zeros(F)
