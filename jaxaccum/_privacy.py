@@ -173,7 +173,8 @@ def check_public_args(
   differentiated, split (``batch_argnums``), the key (``rng_argnum``) or
   declared public (``public_argnums``): jaxaccum cannot see where an array
   came from, and one computed from other examples (a batch mean) would carry
-  them into every example's clipped gradient."""
+  them into every example's clipped gradient. Python values (static) are
+  not seen: a number computed from the batch is just as private."""
   o = options
   if o.clip_per_example is None:
     return
@@ -191,7 +192,9 @@ def check_public_args(
         f"{public_fix(o, n)}"
       )
   for name, value in kwargs.items():
-    if name != MASK_KEYWORD and any(map(_is_array, jax.tree.leaves(value))):
+    if name == MASK_KEYWORD or name.startswith("_jaxaccum_"):  # jaxaccum's own
+      continue
+    if any(map(_is_array, jax.tree.leaves(value))):
       raise ValueError(
         f"With clip_per_example, the keyword argument {name}= holds arrays "
         "that reach every example's loss; jaxaccum cannot see where they came "

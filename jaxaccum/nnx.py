@@ -93,6 +93,7 @@ def value_and_grad(
   value_checks: bool = False,
   clip_per_example: float | None = None,
   public_argnums: int | Sequence[int] = (),
+  clip_record: bool = False,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -139,6 +140,11 @@ def value_and_grad(
       arrays or nnx objects (a teacher model) and that every example's loss
       may read, declared to depend on no example, as in
       :func:`jaxaccum.value_and_grad`; any other is a ``ValueError``.
+    clip_record: with ``clip_per_example``, return the gradient as a
+      :class:`jaxaccum.ClipRecord`, as in :func:`jaxaccum.value_and_grad`:
+      for a loop of your own, ``optimizer.update(model, record.grads,
+      clip_record=record)`` with :func:`jaxaccum.dp_noise` first in the
+      optimizer (or :func:`jaxaccum.nnx.make_train_step`, which does it).
 
   Returns:
     A function ``(*args, **kwargs) -> (value, grads)`` (or
@@ -170,7 +176,7 @@ def value_and_grad(
   @functools.wraps(fun)
   def accumulated(*args, **kwargs):
     result, user = run(*args, **kwargs)
-    return result.arranged(user)
+    return _value_and_grad.recorded(result, user).arranged(user)
 
   return accumulated
 

@@ -129,6 +129,31 @@ def test_dp_noise_after_adam_in_nnx_make_train_step_is_an_error():
     step(model, data())
 
 
+def test_an_nnx_loop_of_ones_own_hands_dp_noise_the_record():
+  model = nnx.Linear(F, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.chain(noise(), optax.sgd(0.1)), wrt=nnx.Param)
+
+  def loss(model, example):
+    x, y = example
+    return (model(x)[0] - y) ** 2
+
+  grad = jaxaccum.nnx.grad(loss, 2, clip_per_example=C, clip_record=True)
+
+  @nnx.jit
+  def step(model, optimizer, batch, scale):
+    record = grad(model, batch)
+    grads = record.grads
+    if scale is not None:  # a transformation of one's own, before dp_noise
+      grads = jax.tree.map(lambda g: g * scale, grads)
+    optimizer.update(model, grads, clip_record=record)
+
+  before = model.kernel[...].copy()
+  step(model, optimizer, data(), None)
+  assert not np.allclose(model.kernel[...], before)
+  with pytest.raises(ValueError, match=FIRST):  # the gradient changed on the way
+    step(model, optimizer, data(), 2.0)
+
+
 def test_dp_noise_after_adam_inside_accumulate_is_an_error():
   w = jnp.zeros(F)
   tx = jaxaccum.accumulate(
