@@ -68,6 +68,11 @@ MISPLACED = {
   "under a partial mask": lambda: optax.chain(
     optax.masked(noise(), {"a": True, "b": False}), optax.sgd(0.1)
   ),
+  # The other leaves would reach their optimizer with no noise at all.
+  "under multi_transform": lambda: optax.multi_transform(
+    {"noisy": optax.chain(noise(), optax.sgd(0.1)), "plain": optax.sgd(0.1)},
+    {"a": "noisy", "b": "plain"},
+  ),
   "inside MultiSteps": lambda: optax.MultiSteps(
     optax.chain(noise(), optax.sgd(0.1)), 2
   ),
