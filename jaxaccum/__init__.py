@@ -59,6 +59,7 @@ from jaxaccum._opt_state import has_updated as has_updated
 from jaxaccum._opt_state import inner_step as inner_step
 from jaxaccum._opt_state import window_size as window_size
 from jaxaccum._pipeline import pipeline as pipeline
+from jaxaccum._privacy import ClipRecord as ClipRecord
 from jaxaccum._privacy import DPNoiseState as DPNoiseState
 from jaxaccum._privacy import PoissonSampler as PoissonSampler
 from jaxaccum._privacy import dp_epsilon as dp_epsilon
@@ -81,6 +82,7 @@ __version__ = "0.3.0"  # the one place: pyproject.toml reads it
 __all__ = [
   "AccumulateState",
   "AdamHyperparams",
+  "ClipRecord",
   "CompileTarget",
   "DPNoiseState",
   "Deviation",

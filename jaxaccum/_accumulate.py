@@ -195,9 +195,8 @@ def _init_state(
   )
 
 
-def _check_update_args(grads: PyTree, state: Any, weight: Any) -> jax.Array:
-  """Trace-time checks of one ``update`` call; returns the weight as a
-  float32 scalar."""
+def _check_state(state: Any) -> None:
+  """The state of an ``update`` call is an :class:`AccumulateState`."""
   if not isinstance(state, AccumulateState):
     raise TypeError(
       f"accumulate()'s update got a {type(state).__name__} as its state, not an "
@@ -205,6 +204,11 @@ def _check_update_args(grads: PyTree, state: Any, weight: Any) -> jax.Array:
       "(e.g. orbax's StandardRestore(tx.init(params))), so that it comes back "
       "with its type."
     )
+
+
+def _check_update_args(grads: PyTree, state: Any, weight: Any) -> jax.Array:
+  """Trace-time checks of one ``update`` call; returns the weight as a
+  float32 scalar."""
   weight = jnp.asarray(1.0 if weight is None else weight, jnp.float32)
   if weight.shape != ():
     raise ValueError(f"weight must be a scalar, got shape={weight.shape}.")
@@ -327,11 +331,18 @@ def accumulate(
       window, never within one.
 
   DP-SGD: with :func:`jaxaccum.dp_noise` first in ``inner``, feed each
-  micro-batch's clipped *sum* (``clip_per_example`` with
-  ``normalize="sum"``) and ``weight=`` its number of real examples; the
-  noise is added once per window, inside the branch that runs ``inner``, to
-  the window's clipped sum. With ``normalize="poisson"`` a window without
-  examples still applies its noise.
+  micro-batch's clipped *sum* as the :class:`jaxaccum.ClipRecord` that
+  ``grad(fun, k, clip_per_example=C, normalize="sum", clip_record=True)``
+  returns, in place of the gradient; ``weight`` defaults to its number of
+  real examples. Anything else is a ``ValueError`` at trace time: a plain
+  gradient (unclipped, or its record lost), a record clipped at another norm
+  than the noise's ``clip_norm``, or of another ``normalize`` than
+  ``"sum"`` (a mean would shrink the signal against the noise). The noise
+  is added once per window, inside the branch that runs ``inner``, to the
+  window's clipped sum; ``inner`` gets a record of it, so ``dp_noise``
+  anywhere but first in ``inner`` is refused too. With
+  ``normalize="poisson"`` a window without examples still applies its
+  noise.
 
   Dtypes: ``inner`` gets the window's mean in the dtype of the gradients
   passed (float32 with ``loss_scale``) and its updates come back as it makes
@@ -373,17 +384,14 @@ def accumulate(
     return _init_state(inner, params, accum_dtype, loss_scale, every_k)
 
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
-    counted = weight is not None
-    weight = _check_update_args(grads, state, weight)
+    _check_state(state)
     noise_config = _privacy.find_noise(state.inner_state)
-    if noise_config is not None and not counted:
-      raise ValueError(
-        "accumulate() with jaxaccum.dp_noise in its inner optimizer needs "
-        "weight=, each call's number of real examples: pass the micro-batch's "
-        'clipped sum (value_and_grad(..., clip_per_example=C, normalize="sum")) '
-        "and weight=jnp.sum(example_mask), so that the window's noise is added "
-        "to its clipped sum and divided as dp_noise says."
-      )
+    grads, record = _privacy.accumulated_record(
+      grads, extra_args.pop("clip_record", None), noise_config
+    )
+    if weight is None and record is not None:
+      weight = record.examples
+    weight = _check_update_args(grads, state, weight)
     scale = state.loss_scale
     summand = grads if scale is None else scale.unscale(grads)
     window = _add_micro_batch(
@@ -400,8 +408,6 @@ def accumulate(
       apply = done
     else:
       apply = done & (window.acc_weight > 0)
-    if noise_config is not None:  # dp_noise adds to the sum: Σ g = mean * Σ w
-      extra_args = {**extra_args, "divided_by": window.acc_weight}
     if scale is not None:
       apply = apply & window.window_finite
 
@@ -409,12 +415,14 @@ def accumulate(
       mean = _normalize.safe_divide(acc_grads, acc_weight)
       # In the gradients' dtype, or float32 once unscaled from a loss scale
       # (a float16 mean would underflow where the scale had saved it).
-      updates, new_inner_state = inner.update(
-        jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand),
-        inner_state,
-        params,
-        **extra_args,
-      )
+      mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand)
+      extra = extra_args
+      if noise_config is not None:  # the window's clipped sum: mean * Σ w
+        window_record = _privacy.ClipRecord(
+          mean, acc_weight, acc_weight, noise_config.clip_norm, "mean"
+        )
+        extra = {**extra_args, "clip_record": window_record}
+      updates, new_inner_state = inner.update(mean, inner_state, params, **extra)
       # The state keeps its dtypes, whatever the gradients' dtype promoted it to.
       new_inner_state = _tree.cast_like(new_inner_state, inner_state)
       if isinstance(every_k, _autopilot.AutoK) and every_k.power:

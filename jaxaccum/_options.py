@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxaccum import _aux, _normalize
 
@@ -70,7 +71,7 @@ class Options:
     end until :meth:`resolve`;
   - ``tree_grads``: ``argnums`` was a single integer, so the grads come back
     as one tree rather than a tuple (as in ``jax.value_and_grad``);
-  - ``shared_argnums``: a tuple;
+  - ``shared_argnums``, ``public_argnums``: tuples;
   - ``normalization``: the mode as a value (:mod:`jaxaccum._normalize`);
   - ``data_axes``: ``data_axis`` as a tuple (None without a mesh);
   - ``names``: how errors name argument positions;
@@ -100,6 +101,8 @@ class Options:
   noise_stats: bool = False
   value_checks: bool = False
   clip_per_example: float | None = None
+  public_argnums: tuple[int, ...] = ()
+  clip_record: bool = False
   tree_grads: bool = True
   names: ArgNames = ArgNames()
   example_mask: int | None = None
@@ -141,8 +144,9 @@ class Options:
       rng_argnum=None if self.rng_argnum is None else one(self.rng_argnum),
       state_argnum=None if self.state_argnum is None else one(self.state_argnum),
       shared_argnums=tuple(map(one, self.shared_argnums)),
+      public_argnums=tuple(map(one, self.public_argnums)),
     )
-    used = resolved.array_argnums + resolved.shared_argnums
+    used = resolved.array_argnums + resolved.shared_argnums + resolved.public_argnums
     if max(used) >= num_args or min(used) < 0:
       user = self.shifted(-self.names.offset)
       given = num_args - self.names.offset
@@ -175,6 +179,7 @@ class Options:
       rng_argnum=bump(self.rng_argnum),
       state_argnum=bump(self.state_argnum),
       shared_argnums=tuple(n + offset for n in self.shared_argnums),
+      public_argnums=tuple(n + offset for n in self.public_argnums),
       names=ArgNames(self.names.offset + offset, changes.pop("hidden", ())),
       **changes,
     )
@@ -216,8 +221,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   _aux.check_spec(aux)
   if not has_aux and not (isinstance(aux, str) and aux == "auto"):
     raise ValueError(f"aux={aux!r} combines fun's aux; it needs has_aux=True.")
-  shared = kwargs.get("shared_argnums", ())
-  shared = _as_tuple(shared, "shared_argnums") if shared != () else ()
+  shared, public = (_optional(kwargs, n) for n in ("shared_argnums", "public_argnums"))
   if state_argnum is not None and not has_aux:
     raise ValueError(
       "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
@@ -237,6 +241,8 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   clip = check_clip_norm("clip_per_example", get("clip_per_example"))
   if clip is not None:
     _check_clip_compatible(state_argnum, bool(get("noise_stats")))
+  clip_record = bool(get("clip_record"))
+  _check_clip_record(clip_record, clip, argnums)
   if get("param_specs") is not None and mesh is None:
     raise ValueError("param_specs is for the data-parallel path; pass mesh= too.")
   if kwargs.get("view", "device") != "device" and mesh is None:
@@ -263,10 +269,13 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     noise_stats=bool(get("noise_stats")),
     value_checks=bool(get("value_checks")),
     clip_per_example=clip,
+    public_argnums=public,
+    clip_record=clip_record,
     tree_grads=isinstance(argnums, numbers.Integral),
   )
   # Positions that are all counted from the front can be checked now.
-  if all(n >= 0 for n in options.array_argnums + options.shared_argnums):
+  listed = options.array_argnums + options.shared_argnums + options.public_argnums
+  if all(n >= 0 for n in listed):
     _check_positions(options)
   return options
 
@@ -294,7 +303,9 @@ def check_split_sizes(num_micro_batches: Any, micro_batch_size: Any) -> None:
 
 
 def check_clip_norm(name: str, value: Any) -> float | None:
-  """A clipping norm: None, or a positive finite real number (as a float).
+  """A clipping norm: None, or a positive finite real number (as a float)
+  that float32, in which the step clips, holds as a normal number: a
+  denormal one or one that rounds to 0 or overflows to inf is refused.
 
   >>> check_clip_norm("clip_per_example", 0.0)
   Traceback (most recent call last):
@@ -311,6 +322,16 @@ def check_clip_norm(name: str, value: Any) -> float | None:
     raise ValueError(
       f"{name} must be a positive number, the L2 norm C that each example's "
       f"gradient is clipped to, got {name}={value!r}. Pass e.g. {name}=1.0."
+    )
+  as_float32 = np.float32(value)
+  tiny, largest = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+  if not tiny <= as_float32 <= largest:
+    raise ValueError(
+      f"{name}={value!r} is not a normal float32 number (it becomes "
+      f"{float(as_float32)!r} in float32, in which each example's gradient is "
+      f"clipped): the clip would be 0, denormal or infinite. Choose a norm "
+      f"between {float(tiny):.3g} and {float(largest):.3g}, in practice near "
+      "the examples' gradient norms (e.g. their median), such as 1.0."
     )
   return float(value)
 
@@ -332,6 +353,22 @@ def _check_clip_compatible(state_argnum: int | None, noise_stats: bool) -> None:
     )
 
 
+def _check_clip_record(clip_record: bool, clip: float | None, argnums: Any) -> None:
+  """``clip_record=True`` records a clipped sum, of one differentiated tree."""
+  if not clip_record:
+    return
+  if clip is None:
+    raise ValueError(
+      "clip_record=True returns the gradient as a jaxaccum.ClipRecord of a "
+      "clipped sum, and needs clip_per_example=C."
+    )
+  if not isinstance(argnums, numbers.Integral):
+    raise ValueError(
+      f"clip_record=True records one differentiated tree; got {argnums=}. "
+      "Differentiate one argument (a tuple of trees inside it works)."
+    )
+
+
 def _check_positions(options: Options) -> None:
   """The argument numbers do not overlap (all counted from the front)."""
   diff, batch = options.argnums, options.batch_argnums
@@ -346,6 +383,14 @@ def _check_positions(options: Options) -> None:
       raise ValueError(f"{name}={n} is also in argnums or batch_argnums.")
   if rng_argnum is not None and rng_argnum == state_argnum:
     raise ValueError(f"{rng_argnum=} and {state_argnum=} are the same argument.")
+  for n in options.public_argnums:
+    if n in options.array_argnums:
+      raise ValueError(
+        f"public_argnums names argument {n}, which is also in argnums, "
+        "batch_argnums, rng_argnum or state_argnum: public_argnums are the "
+        "other arguments that every example's loss reads, declared to depend "
+        "on no example."
+      )
   for n in options.shared_argnums:
     if n in options.array_argnums:
       raise ValueError(
@@ -369,6 +414,12 @@ def _as_tuple(argnums: Any, name: str) -> tuple[int, ...]:
   if len(set(nums)) != len(nums):
     raise ValueError(f"{name}={argnums} repeats an argument.")
   return nums
+
+
+def _optional(kwargs: dict[str, Any], name: str) -> tuple[int, ...]:
+  """An optional list of positions: ``()`` unless given."""
+  nums = kwargs.get(name, ())
+  return _as_tuple(nums, name) if nums != () else ()
 
 
 def _one_position(name: str, n: Any) -> int | None:

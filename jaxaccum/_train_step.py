@@ -85,10 +85,11 @@ def make_train_step(
     **value_and_grad_kwargs: the options of :func:`jaxaccum.value_and_grad`
       (``micro_batch_size``, ``batch_argnums``, ``has_aux``, ``normalize``,
       ``rng_argnum``, ``state_argnum``, ``remat``, ``mesh``,
-      ``clip_per_example``, ...). With ``clip_per_example`` the step takes
-      ``example_mask=``; put :func:`jaxaccum.dp_noise` first in ``tx`` and
-      the step passes it ``divided_by`` and checks that its ``clip_norm`` is
-      ``clip_per_example``.
+      ``clip_per_example``, ``public_argnums``, ...). With
+      ``clip_per_example`` the step takes ``example_mask=``; put
+      :func:`jaxaccum.dp_noise` first in ``tx``: the step passes it the
+      :class:`jaxaccum.ClipRecord` of the gradient, and the noise refuses any
+      other place in the chain and any other ``clip_norm``.
 
   Returns:
     The jitted step. It is ``jax.jit``-like (``.lower(...)`` works on it),
@@ -110,6 +111,11 @@ def make_train_step(
   """
   if value_and_grad_kwargs.get("argnums", 0) != 0:
     raise ValueError("make_train_step differentiates the parameters, argnums=0.")
+  if value_and_grad_kwargs.get("clip_record"):
+    raise ValueError(
+      "make_train_step hands its optimizer the clip record itself; "
+      "clip_record=True is for value_and_grad and grad feeding accumulate()."
+    )
   options = _options.create(loss_fn, num_micro_batches, **value_and_grad_kwargs)
   plain = _value_and_grad.Step(loss_fn, options)
   scaled = _value_and_grad.Step(_scaled(loss_fn, options), options)
@@ -125,8 +131,7 @@ def make_train_step(
     noise = _privacy.find_noise(opt_state)
     extra: dict[str, Any] = {}
     if noise is not None:
-      _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
-      extra["divided_by"] = _privacy.divided_by(result.total_weight, options.normalize)
+      extra["clip_record"] = noise_record(result, options, noise)
     ok = worth_a_step(result, options, noise)
     if engine_options.state_argnum is not None and skip_nonfinite:
       # A skipped step leaves the threaded state (BatchNorm statistics) as it
@@ -192,6 +197,19 @@ def _unscaled(result: Result, loss_scale: DynamicLossScale) -> Result:
   )
 
 
+def noise_record(
+  result: Result, options: _options.Options, noise: _privacy.NoiseConfig
+) -> _privacy.ClipRecord:
+  """The :class:`~jaxaccum._privacy.ClipRecord` that a step holding
+  :func:`jaxaccum.dp_noise` hands its optimizer with the gradient, after
+  checking the noise against the step's options."""
+  _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
+  assert options.clip_per_example is not None
+  return _privacy.record_of(
+    result.grads[0], result.total_weight, options.clip_per_example, options.normalize
+  )
+
+
 def worth_a_step(
   result: Result,
   options: _options.Options,
@@ -224,7 +242,7 @@ def _apply(
   grads: PyTree,
   extra: dict[str, Any],
 ):
-  if extra:  # dp_noise's divided_by, through chains of plain transformations
+  if extra:  # dp_noise's clip_record, through chains of plain transformations
     tx = optax.with_extra_args_support(tx)
   updates, next_state = tx.update(grads, opt_state, params, **extra)
   # The state keeps its dtypes (adam's mu would come back promoted with the

@@ -57,6 +57,8 @@ def value_and_grad(
   noise_stats: bool = False,
   value_checks: bool = False,
   clip_per_example: float | None = None,
+  public_argnums: int | Sequence[int] = (),
+  clip_record: bool = False,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -230,7 +232,20 @@ def value_and_grad(
       to the sum (one example cannot poison a step); it still counts, and its
       loss shows in the value.
       Row ``j`` of micro-batch ``i`` gets the key ``fold_in(key_i, j)``. Add
-      the noise with :func:`jaxaccum.dp_noise`.
+      the noise with :func:`jaxaccum.dp_noise`. Every other argument that
+      holds arrays is a ``ValueError`` unless listed in ``public_argnums``,
+      and so is an array passed by keyword.
+    public_argnums: with ``clip_per_example``, the arguments besides the
+      differentiated ones, the batch and the key that every example's loss
+      may read, declared to depend on no example: a learning-rate schedule's
+      value, a frozen embedding table, a teacher model trained on public
+      data. jaxaccum cannot check this; the guarantee holds only if it is
+      true. An argument computed from the batch (its mean) voids it.
+    clip_record: with ``clip_per_example``, return the gradient as a
+      :class:`jaxaccum.ClipRecord` (the gradient, what it was divided by, the
+      examples, the clip norm and ``normalize``), which
+      :func:`jaxaccum.accumulate` takes in place of the gradient and needs
+      when its inner optimizer holds :func:`jaxaccum.dp_noise`.
 
   Returns:
     A function of the same arguments as ``fun`` that returns
@@ -258,9 +273,21 @@ def value_and_grad(
 
   @functools.wraps(fun)
   def accumulated(*args, **kwargs):
-    return step(*args, **kwargs).arranged(options)
+    return recorded(step(*args, **kwargs), options).arranged(options)
 
   return accumulated
+
+
+def recorded(result: _engine.Result, options: _options.Options) -> _engine.Result:
+  """The result with its gradient in a :class:`jaxaccum.ClipRecord` when
+  ``clip_record=True``."""
+  if not options.clip_record:
+    return result
+  assert options.clip_per_example is not None
+  record = _privacy.record_of(
+    result.grads[0], result.total_weight, options.clip_per_example, options.normalize
+  )
+  return result._replace(grads=(record,))
 
 
 def grad(
@@ -285,7 +312,9 @@ def grad(
 
   @functools.wraps(fun)
   def accumulated_grad(*args, **call_kwargs):
-    return grad_only(step(*args, **call_kwargs).arranged(options), options)
+    return grad_only(
+      recorded(step(*args, **call_kwargs), options).arranged(options), options
+    )
 
   return accumulated_grad
 
@@ -361,6 +390,7 @@ class Step:
       args = (*args, mask)
     else:
       engine = self.engine(len(args))
+    _privacy.check_public_args(engine.options, args, kwargs)
     if self.parallel is not None:
       return self.parallel(engine, layout, args, kwargs)
     return _unreduced.local(engine, args, kwargs)

@@ -92,6 +92,8 @@ def value_and_grad(
   noise_stats: bool = False,
   value_checks: bool = False,
   clip_per_example: float | None = None,
+  public_argnums: int | Sequence[int] = (),
+  clip_record: bool = False,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -130,9 +132,19 @@ def value_and_grad(
     value_checks: as in :func:`jaxaccum.value_and_grad`.
     clip_per_example: DP-SGD's per-example clipping, as in
       :func:`jaxaccum.value_and_grad`: ``fun(model, example)`` sees one
-      example, and the function takes ``example_mask=``. The model may hold
-      no variables besides its parameters (no BatchNorm, no stored RNG
-      streams).
+      example, and the function takes ``example_mask=``. ``fun`` may read
+      the model's other variables (BatchNorm in eval mode,
+      ``use_running_average=True``) but not change them (BatchNorm in
+      training mode, a stored RNG stream that dropout draws from).
+    public_argnums: with ``clip_per_example``, the other arguments that hold
+      arrays or nnx objects (a teacher model) and that every example's loss
+      may read, declared to depend on no example, as in
+      :func:`jaxaccum.value_and_grad`; any other is a ``ValueError``.
+    clip_record: with ``clip_per_example``, return the gradient as a
+      :class:`jaxaccum.ClipRecord`, as in :func:`jaxaccum.value_and_grad`:
+      for a loop of your own, ``optimizer.update(model, record.grads,
+      clip_record=record)`` with :func:`jaxaccum.dp_noise` first in the
+      optimizer (or :func:`jaxaccum.nnx.make_train_step`, which does it).
 
   Returns:
     A function ``(*args, **kwargs) -> (value, grads)`` (or
@@ -164,7 +176,7 @@ def value_and_grad(
   @functools.wraps(fun)
   def accumulated(*args, **kwargs):
     result, user = run(*args, **kwargs)
-    return result.arranged(user)
+    return _value_and_grad.recorded(result, user).arranged(user)
 
   return accumulated
 
@@ -202,6 +214,7 @@ def _accumulated_results(
   def run(*args, **kwargs):
     user = options.resolve(len(args))
     _check_batch_is_plain(args, user)
+    _check_public_objects(args, user)
     layout, diff_states, threaded, plain = _split_args(args, user, wrt)
     result = step_for(user, layout)(tuple(diff_states), threaded, *plain, **kwargs)
     aux, new_threaded = result.aux
@@ -306,6 +319,25 @@ def _check_batch_is_plain(args: tuple[Any, ...], user: _options.Options) -> None
         f"The batch argument {n} holds an nnx object; the batch must be a "
         "pytree of arrays to split into micro-batches."
       )
+
+
+def _check_public_objects(args: tuple[Any, ...], user: _options.Options) -> None:
+  """Under ``clip_per_example``, an nnx object that is not differentiated
+  (a teacher model) is read by every example's loss, like any other
+  argument: it must be declared public (the engine sees only its variables,
+  as threaded state, and checks the plain arguments)."""
+  if user.clip_per_example is None:
+    return
+  for n, arg in enumerate(args):
+    if n in user.argnums or n in user.public_argnums or not _holds_nnx(arg):
+      continue
+    raise ValueError(
+      f"With clip_per_example, args[{n}] holds nnx objects whose variables "
+      "reach every example's loss, and it is not differentiated. jaxaccum "
+      "cannot see where they came from: a model or state computed from the "
+      "examples carries them into every example's clipped gradient, and the "
+      f"privacy guarantee is void. {_privacy.public_fix(user, n)}"
+    )
 
 
 def grad(
@@ -431,6 +463,11 @@ def make_train_step(
       "jaxaccum.make_train_step does: run it on the arrays of "
       "nnx.split(model, nnx.Param, ...), or train in bfloat16 or float32."
     )
+  if value_and_grad_kwargs.get("clip_record"):
+    raise ValueError(
+      "jaxaccum.nnx.make_train_step hands its optimizer the clip record "
+      "itself; clip_record=True is for jaxaccum.value_and_grad and grad."
+    )
   kwargs = {"wrt": optimizer.wrt, **value_and_grad_kwargs}
   wrt = kwargs.pop("wrt")
   options = _options.create(loss_fn, num_micro_batches, **kwargs)
@@ -444,8 +481,7 @@ def make_train_step(
     noise = _privacy.find_noise(opt.opt_state)
     extra: dict[str, Any] = {}
     if noise is not None:  # dp_noise, as jaxaccum.make_train_step passes it
-      _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
-      extra["divided_by"] = _privacy.divided_by(result.total_weight, options.normalize)
+      extra["clip_record"] = _train_step.noise_record(result, options, noise)
     if both_update:
       opt.update(grads, **extra)
     else:

@@ -79,6 +79,13 @@ def assert_tree_close(got, want, atol):
   chex.assert_trees_all_close(got, want, atol=atol, rtol=0)
 
 
+def record(grads, divided_by, clip=C, normalize="mean"):
+  """The record a clipped step hands dp_noise with ``grads``, built by hand
+  for tests of dp_noise alone."""
+  n = jnp.float32(divided_by)
+  return _privacy.ClipRecord(grads, n, n, clip, normalize)
+
+
 # ---------------------------------------------------------------- clipping
 
 
@@ -249,11 +256,12 @@ def test_nnx_model_with_an_rng_stream_is_refused_by_name():
   with pytest.raises(ValueError) as error:
     fun(model, data())
   assert str(error.value) == (
-    "clip_per_example does not thread state: fun's model holds 2 variables "
-    "besides its parameters (BatchNorm statistics, RNG streams), and each "
-    "example's gradient is computed apart from the others. Use a model without "
-    "them: LayerNorm or GroupNorm instead of BatchNorm, and dropout keys by "
-    "rng_argnum."
+    "clip_per_example does not thread state: fun changed 1 of the 2 variables "
+    "its model holds besides its parameters (BatchNorm statistics in training "
+    "mode, RNG streams), and each example's gradient is computed apart from the "
+    "others. Use a model that only reads them: BatchNorm in eval mode "
+    "(use_running_average=True) is per-example safe, or use LayerNorm or "
+    "GroupNorm instead, and pass dropout keys by rng_argnum."
   )
 
 
@@ -392,7 +400,7 @@ def test_fixed_noise_is_divided_like_the_sum_and_nothing_divides_by_zero(divided
   # mutmut: _privacy.dp_noise
   key, g = jax.random.key(5), {"a": jnp.full(3, 0.5), "b": jnp.ones(())}
   tx = jaxaccum.dp_noise(2.0, C, key, normalize="fixed")
-  out, _ = tx.update(g, tx.init(g), divided_by=divided_by)
+  out, _ = tx.update(g, tx.init(g), clip_record=record(g, divided_by))
   leaves, treedef = jax.tree.flatten(g)
   keys = jax.random.split(jax.random.fold_in(key, 0), len(leaves))
   z = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
@@ -433,7 +441,9 @@ def test_a_fixed_size_step_on_padding_only_is_skipped(noise):
 def window_updates(tx, params, batch, mask, k):
   """One window of accumulate(tx, k) fed the micro-batches' clipped sums."""
   acc = jaxaccum.accumulate(tx, k)
-  grad = jaxaccum.grad(example_loss, 1, normalize="sum", clip_per_example=C)
+  grad = jaxaccum.grad(
+    example_loss, 1, normalize="sum", clip_per_example=C, clip_record=True
+  )
   m = B // k
   state = acc.init(params)
   for i in range(k):
@@ -441,7 +451,7 @@ def window_updates(tx, params, batch, mask, k):
     g = grad(
       params, jax.tree.map(lambda x, r=rows: x[r], batch), example_mask=mask[rows]
     )
-    updates, state = acc.update(g, state, params, weight=jnp.sum(mask[rows]))
+    updates, state = acc.update(g, state, params)
   return updates, state
 
 
@@ -468,7 +478,9 @@ def test_accumulate_draws_noise_once_per_window_across_calls(monkeypatch):
   monkeypatch.setattr(_privacy, "_gaussian", counted)
   params, batch = params0(), data()
   acc = jaxaccum.accumulate(dp_tx(1.0, jax.random.key(0)), 4)
-  grad = jaxaccum.grad(example_loss, 1, normalize="sum", clip_per_example=C)
+  grad = jaxaccum.grad(
+    example_loss, 1, normalize="sum", clip_per_example=C, clip_record=True
+  )
   update = jax.jit(acc.update)
   state = acc.init(params)
   for call in range(12):  # three windows of four calls
@@ -483,7 +495,9 @@ def test_the_update_variance_over_2000_seeds_is_one_draw_per_window():
   """Noise per micro-batch instead of per window has k times the variance."""
   params, batch = params0(), data()
   k, sigma = 4, 1.5
-  grad = jaxaccum.grad(example_loss, 1, normalize="sum", clip_per_example=C)
+  grad = jaxaccum.grad(
+    example_loss, 1, normalize="sum", clip_per_example=C, clip_record=True
+  )
   m = B // k
   sums = [
     grad(params, jax.tree.map(lambda x, i=i: x[i * m : (i + 1) * m], batch))
@@ -738,7 +752,8 @@ def test_a_raw_key_of_the_default_generator_is_taken():
     key = jax.random.PRNGKey(0)
     assert key.shape == (4,)
     tx = jaxaccum.dp_noise(1.0, 1.0, key, normalize="fixed")
-    out, state = tx.update(jnp.zeros(3), tx.init(jnp.zeros(3)), divided_by=1.0)
+    g = jnp.zeros(3)
+    out, state = tx.update(g, tx.init(g), clip_record=record(g, 1.0, clip=1.0))
   assert int(state.draws) == 1 and bool(jnp.all(out != 0))
 
 
@@ -777,17 +792,18 @@ def test_noise_stats_with_clipping_is_named():
   )
 
 
-def test_accumulate_with_noise_needs_the_example_count():
+def test_accumulate_with_noise_needs_the_clipped_sums_record():
   acc = jaxaccum.accumulate(dp_tx(1.0, jax.random.key(0)), 2)
   state = acc.init(params0())
   with pytest.raises(ValueError) as error:
-    acc.update(params0(), state, params0())
+    acc.update(params0(), state, params0(), weight=jnp.float32(B))
   assert message(error) == (
-    "accumulate() with jaxaccum.dp_noise in its inner optimizer needs weight=, "
-    "each call's number of real examples: pass the micro-batch's clipped sum "
-    '(value_and_grad(..., clip_per_example=C, normalize="sum")) and '
-    "weight=jnp.sum(example_mask), so that the window's noise is added to its "
-    "clipped sum and divided as dp_noise says."
+    "accumulate() with jaxaccum.dp_noise in its inner optimizer needs each "
+    "call's clipped sum as a jaxaccum.ClipRecord, in place of the gradient: "
+    "grad = jaxaccum.grad(fun, k, clip_per_example=C, normalize='sum', "
+    "clip_record=True); tx.update(grad(params, batch, example_mask=mask), "
+    "opt_state, params). A plain gradient may be unclipped, clipped at "
+    "another norm or a mean, and the noise would protect nothing."
   )
 
 
@@ -864,19 +880,27 @@ def test_dp_noise_names_arguments_that_are_no_numbers_and_takes_zero_noise():
   jaxaccum.dp_noise(1.0, 1.0, key, normalize="poisson", expected_batch_size=0.5)
   # sigma = 0 is allowed (no noise, no privacy: a clipped-only baseline).
   tx = jaxaccum.dp_noise(0.0, 1.0, key, normalize="fixed")
-  out, _ = tx.update(jnp.array([0.5, 0.25]), tx.init(jnp.zeros(2)), divided_by=4.0)
+  g = jnp.array([0.5, 0.25])
+  out, _ = tx.update(g, tx.init(g), clip_record=record(g, 4.0, clip=1.0))
   np.testing.assert_array_equal(out, [0.5, 0.25])
 
 
-def test_dp_noise_without_divided_by_is_named():
+def test_dp_noise_without_the_clip_record_is_named():
   tx = jaxaccum.dp_noise(1.0, 1.0, jax.random.key(0), normalize="fixed")
   with pytest.raises(ValueError) as error:
-    tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
+    tx.update(jnp.ones(2), tx.init(jnp.ones(2)), divided_by=4.0)
   assert message(error) == (
-    "jaxaccum.dp_noise's update needs divided_by=, what the clipped sum was "
-    "divided by (the number of real examples, their total weight, or 1 for a "
-    "sum). make_train_step and accumulate pass it when dp_noise is first in "
-    "the chain; in a loop of your own pass it yourself."
+    "jaxaccum.dp_noise received no clip_record=, the record of the clipped sum "
+    "that make_train_step, jaxaccum.nnx.make_train_step and accumulate pass "
+    "with the gradient, so it cannot tell that the gradient was clipped and "
+    "that nothing changed it since. Put jaxaccum.dp_noise first, where it sees "
+    "the clipped sum itself: optax.chain(jaxaccum.dp_noise(...), "
+    "optax.adam(...)), with no wrapper around it (optax.masked, "
+    "multi_transform, MultiSteps); to accumulate across calls, use "
+    "jaxaccum.accumulate(optax.chain(jaxaccum.dp_noise(...), ...), k). In a "
+    "loop of your own pass update(record.grads, state, clip_record=record) "
+    "with the record of value_and_grad(..., clip_per_example=C, "
+    "clip_record=True)."
   )
 
 
@@ -948,7 +972,13 @@ def test_sampler_data_of_another_size_is_named():
       {},
       "noise_multiplier must be >= 0, got noise_multiplier=-1.0.",
     ),
-    ((0.1, 1.0, -1, 1e-5), {}, "steps must be an integer >= 0, got steps=-1."),
+    (
+      (0.1, 1.0, -1, 1e-5),
+      {},
+      "steps must be an integer >= 1, the noise draws so far, got steps=-1: "
+      "before the first step nothing was released and there is no epsilon to "
+      "report.",
+    ),
     ((0.1, 1.0, 1, 1.0), {}, "delta must be in (0, 1), got delta=1.0."),
     (
       (0.1, 1.0, 1, 1e-5),
