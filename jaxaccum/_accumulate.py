@@ -403,35 +403,17 @@ def accumulate(
     )
     micro_step = state.micro_step + 1
     done = (micro_step >= state.window_size) | jnp.asarray(flush)
-    if noise_config is not None and noise_config.normalize == "poisson":
-      # An empty Poisson draw is part of the mechanism: its update is noise.
-      apply = done
-    else:
-      apply = done & (window.acc_weight > 0)
-    if scale is not None:
-      apply = apply & window.window_finite
-
-    def inner_update(acc_grads, acc_weight, inner_state, noise):
-      mean = _normalize.safe_divide(acc_grads, acc_weight)
-      # In the gradients' dtype, or float32 once unscaled from a loss scale
-      # (a float16 mean would underflow where the scale had saved it).
-      mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand)
-      extra = extra_args
-      if noise_config is not None:  # the window's clipped sum: mean * Σ w
-        window_record = _privacy.ClipRecord(
-          mean, acc_weight, acc_weight, noise_config.clip_norm, "mean"
-        )
-        extra = {**extra_args, "clip_record": window_record}
-      updates, new_inner_state = inner.update(mean, inner_state, params, **extra)
-      # The state keeps its dtypes, whatever the gradients' dtype promoted it to.
-      new_inner_state = _tree.cast_like(new_inner_state, inner_state)
-      if isinstance(every_k, _autopilot.AutoK) and every_k.power:
-        # The learning rate follows the batch.
-        factor = state.autopilot.lr_factor
-        updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
-      if noise_stats:
-        noise = noise._replace(last=noise.window.finalize(_tree.sq_norm(mean)))
-      return updates, new_inner_state, noise
+    apply = _applies(done, window, noise_config, scale)
+    inner_update = _inner_update(
+      inner,
+      every_k,
+      state=state,
+      summand=summand,
+      params=params,
+      extra_args=extra_args,
+      noise_config=noise_config,
+      noise_stats=noise_stats,
+    )
 
     def no_update(acc_grads, acc_weight, inner_state, noise):
       shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state, noise)
@@ -452,6 +434,58 @@ def accumulate(
     return updates, new_state._replace(window_size=window_size, autopilot=autopilot)
 
   return _partitioning(init_fn, update_fn)
+
+
+def _applies(done: jax.Array, window: Any, noise_config: Any, scale: Any) -> jax.Array:
+  """Whether this call runs ``inner``: a window is done and holds weight (an
+  empty Poisson draw too: its update is noise), and under a loss scale its
+  sums are finite."""
+  if noise_config is not None and noise_config.normalize == "poisson":
+    apply = done
+  else:
+    apply = done & (window.acc_weight > 0)
+  if scale is not None:
+    apply = apply & window.window_finite
+  return apply
+
+
+def _inner_update(
+  inner: optax.GradientTransformation,
+  every_k: Any,
+  *,
+  state: Any,
+  summand: PyTree,
+  params: PyTree,
+  extra_args: dict[str, Any],
+  noise_config: Any,
+  noise_stats: bool,
+) -> Callable[..., Any]:
+  """``inner_update(acc_grads, acc_weight, inner_state, noise)``: ``inner``
+  run once on the window's normalized sum (the ``lax.cond``'s true branch)."""
+
+  def inner_update(acc_grads, acc_weight, inner_state, noise):
+    mean = _normalize.safe_divide(acc_grads, acc_weight)
+    # In the gradients' dtype, or float32 once unscaled from a loss scale
+    # (a float16 mean would underflow where the scale had saved it).
+    mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand)
+    extra = extra_args
+    if noise_config is not None:  # the window's clipped sum: mean * Σ w
+      window_record = _privacy.ClipRecord(
+        mean, acc_weight, acc_weight, noise_config.clip_norm, "mean"
+      )
+      extra = {**extra_args, "clip_record": window_record}
+    updates, new_inner_state = inner.update(mean, inner_state, params, **extra)
+    # The state keeps its dtypes, whatever the gradients' dtype promoted it to.
+    new_inner_state = _tree.cast_like(new_inner_state, inner_state)
+    if isinstance(every_k, _autopilot.AutoK) and every_k.power:
+      # The learning rate follows the batch.
+      factor = state.autopilot.lr_factor
+      updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
+    if noise_stats:
+      noise = noise._replace(last=noise.window.finalize(_tree.sq_norm(mean)))
+    return updates, new_inner_state, noise
+
+  return inner_update
 
 
 def _partitioning(
