@@ -329,3 +329,21 @@ def test_make_train_step_and_nnx_take_the_same_path():
   colls = testing.collectives(text)
   assert all(c.bytes <= LOSS_BYTES for c in over(colls, mesh, ["data"], in_loop=True))
   assert len(over(colls, mesh, ["data"], in_loop=False)) == 1, colls
+
+
+def test_a_use_jax_refuses_as_reduced_falls_back_with_a_warning():
+  """A matrix product of a weight with a constant (a penalty computed from
+  the weights alone) is reduced itself, and JAX refuses to add it to the
+  loss: the step warns and reduces every micro-batch, still exact."""
+  mesh = explicit_mesh((8,), ("data",))
+  params, batch = problem(mesh, {})
+  base = model(mesh)
+
+  def loss(p, batch):
+    return base(p, batch) + 1e-3 * jnp.sum(jnp.ones((3, F)) @ p["w1"])
+
+  with pytest.warns(UserWarning, match="refused a parameter typed reduced"):
+    out, colls = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, batch)
+  want, _ = compiled(jax.value_and_grad(loss), mesh, params, batch)
+  assert_like_full_batch(out, want, params)
+  assert over(colls, mesh, ["data"], in_loop=True), colls
