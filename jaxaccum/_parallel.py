@@ -557,10 +557,26 @@ class _Step:
     return g.reshape(self.devices, *g.shape[len(p.copies) :])
 
   def _unflatten_devices(self, x: jax.Array) -> jax.Array:
-    return x.reshape(*self.sizes, *x.shape[1:])
+    """``(D, ...)`` per device as ``(*data sizes, ...)``; on Explicit axes
+    laid out over the data axes first (a batch that came replicated is
+    sliced where it lies), so that every input the ``vmap`` maps is
+    sharded alike."""
+    shape = (*self.sizes, *x.shape[1:])
+    if not _explicit_in_context(self.axes):
+      return x.reshape(shape)
+    x = self.parallel.constrain(
+      x, P(_entry(self.axes), *(P.UNCONSTRAINED,) * (jnp.ndim(x) - 1))
+    )
+    rest = jax.typeof(x).sharding.spec.partitions[1:]
+    return _reshaped(x, shape, P(*self.axes, *rest))
 
   def _flatten_devices(self, x: jax.Array) -> jax.Array:
-    return x.reshape(self.devices, *x.shape[len(self.sizes) :])
+    shape = (self.devices, *x.shape[len(self.sizes) :])
+    spec = _compat.explicit_spec(x)
+    if spec is None or not _explicit_in_context(self.axes):
+      return x.reshape(shape)
+    rest = spec.partitions[len(self.sizes) :]
+    return _reshaped(x, shape, P(_entry(self.axes), *rest))
 
   # -- chapter 3: accumulate, then reduce once --------------------------------
 
@@ -884,6 +900,20 @@ def _final_key(new: jax.Array, old: jax.Array) -> jax.Array:
     jax.random.key_data(new_zero) != jax.random.key_data(_tree.fold_in(old, 0))
   )
   return _tree.select(changed, new_zero, old)
+
+
+def _explicit_in_context(axes: tuple[str, ...]) -> bool:
+  """Whether the data ``axes`` are Explicit in the mesh of the context (they
+  are Auto in a step of shared leaves, :meth:`DataParallel._data_axes_auto`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  return any(types.get(a) == AxisType.Explicit for a in axes)
+
+
+def _reshaped(x: jax.Array, shape: tuple[int, ...], spec: P) -> jax.Array:
+  """``x`` reshaped to ``shape``, typed ``spec`` on its mesh."""
+  sharding = jax.typeof(x).sharding.update(spec=spec)
+  return jax.lax.reshape(x, shape, out_sharding=sharding)
 
 
 def _replicated_rows(x: jax.Array) -> jax.Array:
