@@ -191,6 +191,17 @@ def scatter_by_all_to_all(x: jax.Array, axis: str, dim: int) -> jax.Array:
   return jnp.sum(blocks, axis=dim)
 
 
+def scan_operand_counts(params: dict[str, Any], operands: int) -> tuple[int, int]:
+  """A ``scan`` equation's numbers of constant and carried operands, of its
+  ``operands`` in all (the rest are scanned): ``num_consts`` and
+  ``num_carry`` up to jax 0.11.0, after it the first two parts of the flat
+  tree ``ft_in``."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].update(list(range(operands))).unpack()
+  return len(list(consts)), len(list(carry))
+
+
 def names_spmd_axis(error: Exception, axes: Sequence[str]) -> bool:
   """Whether ``error`` is JAX's refusal of a sharding annotation inside a
   ``vmap`` whose ``spmd_axis_name`` (``axes``) the annotation names: a

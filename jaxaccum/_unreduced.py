@@ -166,13 +166,16 @@ def reducible_leaves(jaxpr: Any, count: int | None = None) -> list[bool]:
   [True, False]
   """
   leaves = jaxpr.jaxpr.invars[:count]
-  bad = _refused(jaxpr.jaxpr, {v: n for n, v in enumerate(leaves)})
+  bad, through = _refused(jaxpr.jaxpr, {v: n for n, v in enumerate(leaves)})
+  bad |= set(through.values())  # a leaf returned (in the aux) is refused
   return [n not in bad for n in range(len(leaves))]
 
 
-def _refused(jaxpr: Any, tracked: dict[Any, int]) -> set[int]:
+def _refused(jaxpr: Any, tracked: dict[Any, int]) -> tuple[set[int], dict[int, int]]:
   """The leaves (values of ``tracked``, which maps ``jaxpr``'s variables to
-  them) that some use in ``jaxpr`` would refuse as ``reduced``."""
+  them) that some use in ``jaxpr`` would refuse as ``reduced``, and the
+  outputs of ``jaxpr`` that are a leaf passed through (output position ->
+  leaf)."""
   tracked = dict(tracked)
   bad: set[int] = set()
   for eqn in jaxpr.eqns:
@@ -187,41 +190,49 @@ def _refused(jaxpr: Any, tracked: dict[Any, int]) -> set[int]:
       # replicated values later: refused
       if all(_is_var(v) and v in tracked for v in eqn.invars):
         bad |= leaves
+    elif name in _CALLS:
+      inner_bad, through = _refused_inside(eqn, tracked)
+      bad |= inner_bad
+      for position, leaf in through.items():  # e.g. nnx.remat's weights
+        tracked[eqn.outvars[position]] = leaf
     else:
-      bad |= _refused_inside(eqn, tracked) if _calls(eqn) else leaves
-  bad |= {tracked[v] for v in jaxpr.outvars if _is_var(v) and v in tracked}
-  return bad
-
-
-def _calls(eqn: Any) -> bool:
-  return eqn.primitive.name in {
-    "pjit",
-    "jit",
-    "closed_call",
-    "remat2",
-    "checkpoint",
-    "scan",
-    "cond",
+      bad |= leaves
+  through = {
+    position: tracked[v]
+    for position, v in enumerate(jaxpr.outvars)
+    if _is_var(v) and v in tracked
   }
+  return bad, through
 
 
-def _refused_inside(eqn: Any, tracked: dict[Any, int]) -> set[int]:
-  """``_refused`` for the leaves an ``eqn`` that calls jaxprs passes in."""
+# Primitives that call jaxprs: a leaf passed in is followed inside; one that
+# a call to a jaxpr (jit, checkpoint) returns as it is is followed after it.
+_CALLS = frozenset(
+  {"pjit", "jit", "closed_call", "remat2", "checkpoint", "scan", "cond"}
+)
+
+
+def _refused_inside(
+  eqn: Any, tracked: dict[Any, int]
+) -> tuple[set[int], dict[int, int]]:
+  """``_refused`` for the leaves an ``eqn`` that calls jaxprs passes in; a
+  leaf that a ``scan`` or ``cond`` returns is refused."""
   params, args = eqn.params, list(eqn.invars)
   name = eqn.primitive.name
   if name == "cond":
     bodies, args = list(params["branches"]), args[1:]
   elif name == "scan":
     bodies = [params["jaxpr"]]
-    first, count = params["num_consts"], params["num_carry"]
+    first, count = _compat.scan_operand_counts(params, len(args))
     carried = {
       tracked[v] for v in args[first : first + count] if _is_var(v) and v in tracked
     }
     if carried:
-      return carried  # a carried leaf comes back out: refused
+      return carried, {}  # a carried leaf comes back out: refused
   else:
     bodies = [params["jaxpr"]]
   bad: set[int] = set()
+  through: dict[int, int] = {}
   for body in bodies:
     inner = getattr(body, "jaxpr", body)
     inside = {
@@ -229,8 +240,12 @@ def _refused_inside(eqn: Any, tracked: dict[Any, int]) -> set[int]:
       for var, v in zip(inner.invars, args, strict=True)
       if _is_var(v) and v in tracked
     }
-    bad |= _refused(inner, inside)
-  return bad
+    inner_bad, inner_through = _refused(inner, inside)
+    bad |= inner_bad
+    through.update(inner_through)
+  if name in {"scan", "cond"}:
+    return bad | set(through.values()), {}
+  return bad, through
 
 
 def _is_var(v: Any) -> bool:

@@ -96,3 +96,30 @@ def test_only_the_first_count_inputs_are_leaves():
 
   assert uses(fun, W, X, count=1) == [True]
   assert uses(fun, W, X) == [False, False]
+
+
+def test_a_leaf_a_call_returns_as_it_is_is_followed_after_it():
+  """nnx.remat returns a layer's weights from its checkpoint: the leaf is
+  followed to its uses after the call, not refused for leaving it."""
+
+  @jax.jit
+  def passes(w):
+    return w
+
+  def fun(w, v):
+    h, w_again = jax.checkpoint(lambda h, w: (h @ w, w))(X, w)
+    return jnp.sum(h @ w_again) + jnp.sum(X @ passes(v))
+
+  assert uses(fun, W, W) == [True, True]
+
+
+def test_a_leaf_a_scan_or_cond_returns_is_refused():
+  def scanned(w):
+    _, ws = jax.lax.scan(lambda c, _: (c, w), 0.0, None, length=2)
+    return jnp.sum(X @ ws[0])
+
+  def branched(w):
+    return jnp.sum(X @ jax.lax.cond(True, lambda w: w, lambda w: w.T, w))
+
+  assert uses(scanned, W) == [False]
+  assert uses(branched, W) == [False]
