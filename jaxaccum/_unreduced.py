@@ -311,7 +311,16 @@ class UnreducedStep:
     index = jax.ShapeDtypeStruct((), jnp.int32)
     diff_args = tuple(args[n] for n in o.argnums)
     jaxpr = jax.make_jaxpr(lambda *a: loss(*a)[0])(diff_args, micro, index, state)
-    return reducible_leaves(jaxpr, count)
+    try:
+      return reducible_leaves(jaxpr, count)
+    except Exception as error:  # a program this reader does not know: refuse all
+      warnings.warn(
+        "jaxaccum could not read fun's uses of its parameters, so this step "
+        "reduces every micro-batch's gradient, as plain jit does. Please "
+        f"report it. The reader said: {type(error).__name__}: {error}",
+        stacklevel=4,
+      )
+      return [False] * count
 
   # -- the leaves in the loop, their accumulators, the one reduction --------
 

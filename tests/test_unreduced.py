@@ -347,3 +347,24 @@ def test_a_use_jax_refuses_as_reduced_falls_back_with_a_warning():
   want, _ = compiled(jax.value_and_grad(loss), mesh, params, batch)
   assert_like_full_batch(out, want, params)
   assert over(colls, mesh, ["data"], in_loop=True), colls
+
+
+def test_a_program_the_reader_does_not_know_reduces_every_micro_batch(monkeypatch):
+  """A failure of the jaxpr reader (a primitive's parameters renamed by a
+  new jax, as scan's were) costs bytes, never the step: a warning, and
+  every gradient reduced by the partitioner, still exact."""
+  from jaxaccum import _unreduced  # noqa: PLC0415
+
+  def broken(jaxpr, count=None):
+    raise KeyError("num_consts")
+
+  monkeypatch.setattr(_unreduced, "reducible_leaves", broken)
+  mesh = explicit_mesh((8,), ("data",))
+  params, batch = problem(mesh, {})
+  loss = model(mesh)
+  with pytest.warns(UserWarning, match="could not read fun's uses"):
+    out, colls = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, batch)
+  want, _ = compiled(jax.value_and_grad(loss), mesh, params, batch)
+  assert_like_full_batch(out, want, params)
+  in_loop = sum(c.bytes for c in over(colls, mesh, ["data"], in_loop=True))
+  assert in_loop >= shard_bytes(params), colls
