@@ -81,8 +81,11 @@ def value_and_grad(
   a convolution kernel) is reduced each micro-batch, as plain ``jit`` does;
   so is every leaf with ``noise_stats`` or ``clip_per_example``. ``fun``
   runs on your mesh with its own axis types, and its constraints work as
-  under ``jax.value_and_grad``. A batch replicated over every axis, or on
-  Auto axes, leaves every reduction to the partitioner.
+  under ``jax.value_and_grad``; a parameter it reads is typed ``reduced``,
+  whose spec JAX indexes only through ``spec.partitions`` (``spec[1]``
+  raises; jaxaccum then warns and reduces every micro-batch). A batch
+  replicated over every axis, or on Auto axes, leaves every reduction to
+  the partitioner.
 
   Args:
     fun: the loss, ``fun(*args, **kwargs)``. Its value is a scalar, or the pair
