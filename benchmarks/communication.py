@@ -1093,7 +1093,7 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
       f"{results['batch_size']} on {results['num_devices']} devices"
     ),
   )
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7, loc="upper left")
   gathered = [k for k in ks if k >= results["num_devices"]]
   if gathered:
     ax.annotate(
@@ -1131,30 +1131,39 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
 
 
 def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
-  """Part 2: every sample of every approach (dots) and its median (bar)."""
+  """Part 2: every sample of every approach (dots) and its median (a
+  horizontal bar, log-scale time), with its ratio to its yardstick."""
   names = list(plain["approaches"])
-  for i, name in enumerate(names):
-    r = plain["approaches"][name]
-    ax.bar(i, r["median_ms"], color=f"C{i}", alpha=0.6)
-    ax.plot([i] * len(r["samples_ms"]), r["samples_ms"], ".", color="k", ms=3)
-    ax.text(i, r["median_ms"], f"{r['ratio_to_full']:.2f}x", ha="center", va="bottom")
   short = {
     "full_batch": "full batch",
-    "full_batch_again": "full batch\nagain (A/A)",
-    "jaxaccum": "jaxaccum,\nplain jit",
-    "jaxaccum_mesh": "jaxaccum,\nmesh=",
-    "jaxaccum_explicit": "jaxaccum,\nExplicit",
-    "full_batch_device_rows": "full batch,\nB/8 rows",
-    "jaxaccum_device_rows": "jaxaccum,\nB/8 rows",
-    "contiguous_scan": "contiguous\nsplit",
-    "full_batch_one_device": "full batch,\n1 device",
-    "jaxaccum_one_device": "jaxaccum,\n1 device",
-    "optax_microbatch": "optax.\nmicrobatch",
-    "hand_scan_one_device": "hand scan,\n1 device",
+    "full_batch_again": "full batch again (A/A)",
+    "jaxaccum": "jaxaccum, plain jit, Auto",
+    "jaxaccum_mesh": "jaxaccum, mesh=",
+    "jaxaccum_explicit": "jaxaccum, plain jit, Explicit",
+    "full_batch_device_rows": "full batch, B/8 rows, 1 device",
+    "jaxaccum_device_rows": "jaxaccum, B/8 rows, 1 device",
+    "contiguous_scan": "contiguous split",
+    "full_batch_one_device": "full batch, 1 device",
+    "jaxaccum_one_device": "jaxaccum, 1 device",
+    "optax_microbatch": "optax.microbatch",
+    "hand_scan_one_device": "hand scan, 1 device",
   }
-  ax.set_xticks(range(len(names)), [short.get(n, n) for n in names], fontsize=7)
+  for i, name in enumerate(names):
+    r = plain["approaches"][name]
+    ax.barh(i, r["median_ms"], color=f"C{i % 10}", alpha=0.6)
+    ax.plot(r["samples_ms"], [i] * len(r["samples_ms"]), ".", color="k", ms=2)
+    ax.text(
+      max(r["samples_ms"]) * 1.1,
+      i,
+      f"{r['ratio_to_full']:.2f}x",
+      va="center",
+      fontsize=7,
+    )
+  ax.set_yticks(range(len(names)), [short.get(n, n) for n in names], fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xscale("log")
   ax.set(
-    ylabel="ms per step (median of interleaved rounds)",
+    xlabel="ms per step (median of interleaved rounds; dots: samples)",
     title=(
       f"Plain jit, no mesh=: {plain['model']['num_params']:,}-parameter MLP, "
       f"B={plain['batch_size']}, k={plain['k']}"
