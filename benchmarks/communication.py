@@ -8,8 +8,9 @@ timing of part 2).
 Part 1, bytes. Eight fake CPU devices form a mesh with one ``"data"`` axis
 (``Auto``). An MLP classifier (784 -> 512 -> 512 -> 10, 669,706 float32
 parameters, replicated) gets a global batch of 256 rows, sharded along
-``"data"``. For ``k`` in {1, 2, 4, 8, 16} micro-batches, three ways of
-computing the accumulated ``(loss, grads)`` are compiled:
+``"data"``. For ``k`` in {1, 2, 4, 8, 16} micro-batches, four ways of
+computing the accumulated ``(loss, grads)`` are compiled (the fourth on the
+same mesh with ``Explicit`` axes):
 
 (a) ``jaxaccum``: ``jaxaccum.value_and_grad(loss, k, mesh=mesh,
     data_axis="data")``. The batch is laid out as one block per device, the
