@@ -8,8 +8,9 @@ timing of part 2).
 Part 1, bytes. Eight fake CPU devices form a mesh with one ``"data"`` axis
 (``Auto``). An MLP classifier (784 -> 512 -> 512 -> 10, 669,706 float32
 parameters, replicated) gets a global batch of 256 rows, sharded along
-``"data"``. For ``k`` in {1, 2, 4, 8, 16} micro-batches, three ways of
-computing the accumulated ``(loss, grads)`` are compiled:
+``"data"``. For ``k`` in {1, 2, 4, 8, 16} micro-batches, four ways of
+computing the accumulated ``(loss, grads)`` are compiled (the fourth on the
+same mesh with ``Explicit`` axes):
 
 (a) ``jaxaccum``: ``jaxaccum.value_and_grad(loss, k, mesh=mesh,
     data_axis="data")``. The batch is laid out as one block per device, the
@@ -21,7 +22,20 @@ computing the accumulated ``(loss, grads)`` are compiled:
     accumulator=MEAN)`` under plain ``jax.jit``. GSPMD decides where the
     collectives go.
 (c) a hand-written ``lax.scan`` over a C-order split ``batch.reshape(k, B // k,
-    ...)`` under plain ``jax.jit``.
+    ...)`` under plain ``jax.jit``;
+(d) ``jaxaccum.value_and_grad(loss, k)`` under plain ``jax.jit``, no
+    ``mesh=``, with the parameters and the batch on an Explicit ``(8,)``
+    mesh: the weights (every use a matrix product) are accumulated
+    ``unreduced`` and reduced once after the loop, the biases are left to
+    the partitioner.
+
+The same plain-``jit`` step is then read over each mesh axis on two Explicit
+meshes (:data:`EXPLICIT_MESHES`): the replicated MLP on ``(8,)``, and the MLP
+tensor parallel on ``(4, 2)`` ``data x model``, whose loss names
+``out_sharding`` for each matrix product (:func:`explicit_loss`). For each
+``k`` and the full batch: the collectives over ``"data"`` inside the loop
+and after it, those over ``"model"`` inside it, and whether every gradient
+keeps its parameter's sharding.
 
 What is measured, from the optimized HLO (``jaxaccum.testing``): every
 collective (all-reduce, reduce-scatter, all-gather, ...) counts the size of
@@ -48,17 +62,25 @@ timed six ways side by side, in interleaved rounds after an untimed one
 (round ``r`` times every approach once, in an order rotated by ``r``; each
 sample repeats the step until it lasts 200 ms), and the medians are
 compared: the full batch
-``jit(jax.value_and_grad(loss))``; jaxaccum under plain ``jit``; jaxaccum
-with ``mesh=``; a contiguous split (the hand-written scan of (c), the
+``jit(jax.value_and_grad(loss))``; jaxaccum under plain ``jit`` on Auto
+axes; jaxaccum with ``mesh=``; jaxaccum under plain ``jit`` on an Explicit
+mesh; optax.microbatch; a contiguous split (the hand-written scan of (c), the
 layout jaxaccum used before, which gathers the batch); and, for the cost of
-the loop itself, the full batch and jaxaccum on one device. The full batch
+the loop itself, the full batch and jaxaccum on one device, on the whole
+batch and on one device's rows (B / 8, the micro-batches each device runs
+in the 8-device split). The full batch
 is timed twice, the second time as ``full_batch_again``: its median over
 the first (``aa_ratio``, the A/A control) is the noise floor of the ratios,
 and the time target counts as met or missed only where it is within 3% of
 1. The compiled HLO of each is searched for collectives that move batch
 data (all-gather, collective-permute, all-to-all). Targets: jaxaccum under
-plain ``jit`` within 1.10 x the full batch's median, and none of those
-collectives.
+plain ``jit`` within 1.10 x the full batch's median, jaxaccum under plain
+``jit`` on Explicit axes no slower than ``mesh=`` (decided by the same A/A
+rule), and none of those collectives. After the timing, ``jax.profiler``
+traces of a few steps of the full batch, ``mesh=``, the Explicit step and
+the two one-device steps on one device's rows, in interleaved rounds, are
+read thunk by thunk (:func:`profile_thunks`): how many matmul, collective, copy and elementwise
+thunks each runs per step, and how long they last, against XLA's flops.
 
 The results, and what they show, are in ``benchmarks/README.md`` (generated
 from the JSON by ``benchmarks/_report.py``). Outputs:
@@ -78,6 +100,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import contextlib
 import datetime
 import functools
 import gc
@@ -86,7 +109,9 @@ import json
 import math
 import pathlib
 import platform
+import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -134,6 +159,24 @@ APPROACHES = {
   "jaxaccum": "(a) jaxaccum, mesh=, data_axis=",
   "optax_microbatch": "(b) optax.microbatch under jit (GSPMD)",
   "hand_scan": "(c) hand-written lax.scan, C-order split, under jit",
+  "jaxaccum_explicit": "(d) jaxaccum.value_and_grad(loss, k) under plain jit, no "
+  "mesh=, on an Explicit mesh",
+}
+#: The Explicit meshes of the plain-jit rows: the replicated MLP on ``(8,)``,
+#: and a tensor-parallel one on ``(4, 2)`` (Megatron's split of the two hidden
+#: layers: the first's columns and the second's rows over ``"model"``).
+EXPLICIT_MESHES = {
+  "data8": {"shape": (8,), "axes": ("data",), "specs": None, "loss": "loss"},
+  "data4_model2": {
+    "shape": (4, 2),
+    "axes": ("data", "model"),
+    "specs": (
+      {"w": P(None, "model"), "b": P(None, "model")},
+      {"w": P("model", None), "b": P()},
+      {"w": P(), "b": P()},
+    ),
+    "loss": "explicit_loss",
+  },
 }
 
 # Part 2: step time under plain jit without mesh=.
@@ -148,6 +191,8 @@ PLAIN_APPROACHES = {
   "full_batch_again": "the full batch timed again (the A/A control)",
   "jaxaccum": "jaxaccum.value_and_grad(loss, k), plain jit, no mesh=",
   "jaxaccum_mesh": 'jaxaccum.value_and_grad(loss, k, mesh=, data_axis="data")',
+  "jaxaccum_explicit": "jaxaccum.value_and_grad(loss, k), plain jit, no mesh=, on an "
+  "Explicit (8,) mesh (the weights accumulated unreduced, reduced after the loop)",
   "optax_microbatch": "optax.microbatching.microbatch(jax.value_and_grad(loss)), "
   "plain jit (its strided split keeps each device's rows in place)",
   "contiguous_scan": "contiguous split: hand-written lax.scan over "
@@ -158,6 +203,30 @@ PLAIN_APPROACHES = {
   "ratio is to the full batch on one device",
   "hand_scan_one_device": "the hand-written lax.scan on one device (the loop "
   "any accumulation runs); its ratio is to the full batch on one device",
+  "full_batch_device_rows": "the full batch of one device's rows (B / 8) on one "
+  "device: what each device computes in the 8-device full batch",
+  "jaxaccum_device_rows": "jaxaccum.value_and_grad(loss, k) on one device's rows "
+  "(B / 8) on one device: each device's loop in the 8-device split, B / (8 k) rows "
+  "a micro-batch; its ratio is to the full batch of the same rows",
+}
+#: The steps of part 2 whose thunks are profiled (one trace of a few steps each).
+PROFILED = (
+  "full_batch",
+  "jaxaccum_mesh",
+  "jaxaccum_explicit",
+  "full_batch_device_rows",
+  "jaxaccum_device_rows",
+)
+PROFILE_STEPS = 4
+PROFILE_ROUNDS = 7
+#: The yardstick of each part-2 row's time ratio (the full batch of its rows
+#: on its devices).
+PLAIN_YARDSTICK = {
+  "full_batch_one_device": "full_batch_one_device",
+  "jaxaccum_one_device": "full_batch_one_device",
+  "hand_scan_one_device": "full_batch_one_device",
+  "full_batch_device_rows": "full_batch_device_rows",
+  "jaxaccum_device_rows": "full_batch_device_rows",
 }
 #: Collectives that move batch data between devices (the gradient
 #: reductions are all-reduces or reduce-scatters).
@@ -194,6 +263,43 @@ def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     h = jax.nn.relu(h @ layer["w"] + layer["b"])
   logits = h @ params[-1]["w"] + params[-1]["b"]
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def explicit_loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """:func:`loss` written for Explicit axes, as a tensor-parallel model must be:
+  each matrix product names its result's sharding (``out_sharding``), rows
+  where the batch's are and columns where the weight's are; JAX refuses a
+  contraction over a sharded feature dimension without it. The specs are read
+  with ``spec.partitions[...]``: a ``reduced`` parameter's ``spec[...]`` is
+  refused by JAX."""
+  x, labels = batch
+  rows = jax.typeof(x).sharding.spec.partitions[0]
+  h = x
+  for i, layer in enumerate(params):
+    cols = jax.typeof(layer["w"]).sharding.spec.partitions[1]
+    h = jnp.matmul(h, layer["w"], out_sharding=P(rows, cols)) + layer["b"]
+    if i < len(params) - 1:
+      h = jax.nn.relu(h)
+  return optax.softmax_cross_entropy_with_integer_labels(h, labels).mean()
+
+
+def explicit_problem(
+  mesh: jax.sharding.Mesh, specs: Sequence[dict] | None, params: list, batch: tuple
+) -> tuple[list, tuple]:
+  """``params`` (by layer ``specs``, replicated if None) and ``batch`` (rows
+  over ``"data"``) placed on ``mesh``."""
+  specs = specs or [{"w": P(), "b": P()}] * len(params)
+  placed = [
+    {n: jax.device_put(a, NamedSharding(mesh, spec[n])) for n, a in layer.items()}
+    for layer, spec in zip(params, specs, strict=True)
+  ]
+  return placed, jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+
+def explicit_mesh(shape: Sequence[int], axes: Sequence[str]) -> jax.sharding.Mesh:
+  return jax.make_mesh(
+    tuple(shape), tuple(axes), axis_types=(AxisType.Explicit,) * len(axes)
+  )
 
 
 def hand_scan(k: int, loss_fn: Callable[..., jax.Array] = loss) -> LossAndGrads:
@@ -274,12 +380,19 @@ def xla_flops(compiled: Any) -> float:
   return float(analysis["flops"])
 
 
-def compile_step(fun: LossAndGrads, params: PyTree, batch: PyTree) -> tuple[Any, float]:
-  """``jit(fun)`` (or ``fun``, if jitted) compiled for ``(params, batch)``, and
-  the seconds it took."""
+def compile_step(
+  fun: LossAndGrads,
+  params: PyTree,
+  batch: PyTree,
+  mesh: jax.sharding.Mesh | None = None,
+) -> tuple[Any, float]:
+  """``jit(fun)`` (or ``fun``, if jitted) compiled for ``(params, batch)``
+  (under ``jax.set_mesh(mesh)`` where given: an Explicit loss names bare
+  ``out_sharding`` specs), and the seconds it took."""
   start = time.perf_counter()
   jitted = fun if hasattr(fun, "lower") else jax.jit(fun)
-  compiled = jitted.lower(params, batch).compile()
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    compiled = jitted.lower(params, batch).compile()
   return compiled, time.perf_counter() - start
 
 
@@ -298,6 +411,49 @@ def collective_summary(colls: Sequence[testing.Collective]) -> dict[str, Any]:
     "in_loop_executions_per_step": sum(c.executions for c in in_loop),
     "in_loop_ops": sorted({c.op for c in in_loop}),
   }
+
+
+def axis_summary(
+  colls: Sequence[testing.Collective], mesh: jax.sharding.Mesh, axis: str
+) -> dict[str, Any]:
+  """The collectives that communicate over mesh ``axis``
+  (``Collective.axes``): executions and bytes per step inside the loop, and
+  each one after it."""
+  on = [c for c in colls if axis in c.axes(mesh)]
+  in_loop = [c for c in on if c.in_loop]
+  after = [c for c in on if not c.in_loop]
+  return {
+    "in_loop_executions_per_step": sum(c.executions for c in in_loop),
+    "in_loop_bytes_per_step": sum(c.bytes * c.executions for c in in_loop),
+    "in_loop_bytes_per_execution": sorted({c.bytes for c in in_loop}),
+    "in_loop_ops": sorted({c.op for c in in_loop}),
+    "after_loop": [{"op": c.op, "bytes": c.bytes} for c in after],
+  }
+
+
+def shard_bytes(tree: PyTree) -> int:
+  """Bytes of one device's shard of every leaf of ``tree``."""
+  return sum(
+    int(np.prod(x.addressable_shards[0].data.shape)) * x.dtype.itemsize
+    for x in jax.tree.leaves(tree)
+  )
+
+
+def leaf_bytes(params: list[dict]) -> dict[str, int]:
+  """One device's bytes of the weights (every use a matrix product) and of the
+  biases (added to activations), as the parameters lie on their mesh."""
+  return {
+    "weights": shard_bytes([layer["w"] for layer in params]),
+    "biases": shard_bytes([layer["b"] for layer in params]),
+  }
+
+
+def keeps_shardings(grads: PyTree, params: PyTree) -> bool:
+  """Whether every gradient has its parameter's sharding."""
+  return all(
+    g.sharding.is_equivalent_to(p.sharding, g.ndim)
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True)
+  )
 
 
 def accuracy(
@@ -321,14 +477,21 @@ def measure(
   reference: tuple[jax.Array, PyTree],
   ideal_flops: float,
   grad_bytes: int,
+  mesh: jax.sharding.Mesh,
 ) -> dict[str, Any]:
-  """Compiles ``jit(fun)`` once; its collectives, compute estimate and accuracy."""
-  compiled, compile_seconds = compile_step(fun, params, batch)
+  """Compiles ``jit(fun)`` once; its collectives (all, and those over
+  ``"data"``), compute estimate and accuracy. An Explicit ``mesh`` is set
+  around the compilation."""
+  explicit = AxisType.Explicit in mesh.axis_types
+  compiled, compile_seconds = compile_step(
+    fun, params, batch, mesh if explicit else None
+  )
   colls = testing.collectives(compiled.as_text() or "")
   summary = collective_summary(colls)
   flops = xla_flops(compiled)
   return {
     **summary,
+    "data_axis": axis_summary(colls, mesh, "data"),
     "bytes_over_grad_bytes": summary["bytes_per_step"] / grad_bytes,
     "collectives": [c._asdict() for c in colls],
     "xla_flops_per_device": flops,
@@ -388,6 +551,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   plain = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
   ideal_flops = xla_flops(plain)
 
+  explicit = explicit_mesh((NUM_DEVICES,), ("data",))
+  on_explicit = explicit_problem(
+    explicit, None, init_params(np.random.default_rng(0)), (x, labels)
+  )
   results: dict[str, dict[str, Any]] = {name: {} for name in APPROACHES}
   print(
     f"{'approach':<17} {'k':>3} {'bytes/step':>12} {'/grad':>6} {'in-loop':>8} "
@@ -395,15 +562,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   )
   for name in APPROACHES:
     for k in ks:
-      fun = make_approach(name, k, mesh)
+      if name == "jaxaccum_explicit":
+        fun, (p, b), on = jaxaccum.value_and_grad(loss, k), on_explicit, explicit
+      else:
+        fun, (p, b), on = make_approach(name, k, mesh), (params, batch), mesh
       r = measure(
         fun,
         k,
-        params=params,
-        batch=batch,
+        params=p,
+        batch=b,
         reference=reference,
         ideal_flops=ideal_flops,
         grad_bytes=grad_bytes,
+        mesh=on,
       )
       results[name][str(k)] = r
       print(
@@ -413,10 +584,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{r['compute_vs_data_parallel_est']:>7.2f}x {r['grads_rel_error']:>9.1e}"
       )
 
+  print("\nplain jit on Explicit meshes: collectives over data, in and after the loop")
+  explicit_rows = run_explicit(
+    ks,
+    params=init_params(np.random.default_rng(0)),
+    batch=(x, labels),
+    reference=reference,
+  )
   print("\nstep time under plain jit, no mesh=")
   plain = run_plain_jit(
     rounds=args.rounds or (5 if args.quick else PLAIN_ROUNDS),
     min_sample_ms=args.min_sample_ms or (50.0 if args.quick else PLAIN_MIN_SAMPLE_MS),
+    profile_rounds=3 if args.quick else PROFILE_ROUNDS,
   )
   for name, r in plain["approaches"].items():
     print(
@@ -446,8 +625,67 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ),
     "approaches": {name: APPROACHES[name] for name in APPROACHES},
     "results": results,
+    "explicit": explicit_rows,
     "plain_jit": plain,
   }
+
+
+def run_explicit(
+  ks: Sequence[int], *, params: list, batch: tuple, reference: tuple[jax.Array, PyTree]
+) -> dict[str, Any]:
+  """Plain ``jit`` of ``jaxaccum.value_and_grad(loss_fn, k)`` on each of
+  :data:`EXPLICIT_MESHES` (with its loss: :func:`loss` unchanged on the
+  replicated mesh, :func:`explicit_loss` on the tensor-parallel one), no
+  ``mesh=``: the collectives over ``"data"`` in
+  the loop and after it, those over ``"model"`` in it, the bytes of the
+  weights and biases they reduce, and whether each gradient keeps its
+  parameter's sharding. The full batch under the same ``jit`` on the same
+  mesh is the yardstick (k = 0 in the rows)."""
+  out: dict[str, Any] = {}
+  for name, spec in EXPLICIT_MESHES.items():
+    mesh = explicit_mesh(spec["shape"], spec["axes"])
+    p, b = explicit_problem(mesh, spec["specs"], params, batch)
+    loss_fn = {"loss": loss, "explicit_loss": explicit_loss}[spec["loss"]]
+    rows = {}
+    for k in (0, *ks):
+      fun = (
+        jax.value_and_grad(loss_fn) if k == 0 else jaxaccum.value_and_grad(loss_fn, k)
+      )
+      compiled, _ = compile_step(fun, p, b, mesh)
+      colls = testing.collectives(compiled.as_text() or "")
+      value, grads = compiled(p, b)
+      rows[str(k)] = {
+        "data_axis": axis_summary(colls, mesh, "data"),
+        **(
+          {"model_axis": axis_summary(colls, mesh, "model")}
+          if "model" in spec["axes"]
+          else {}
+        ),
+        **collective_summary(colls),
+        **accuracy((value, grads), reference),
+        "grads_keep_shardings": keeps_shardings(grads, p),
+      }
+      d = rows[str(k)]["data_axis"]
+      print(
+        f"{name:<13} k={k:>2}: data in loop {d['in_loop_executions_per_step']:>3} x "
+        f"{d['in_loop_bytes_per_execution']} B, after {d['after_loop']}, grads "
+        f"err {rows[str(k)]['grads_rel_error']:.1e}"
+      )
+    out[name] = {
+      "mesh": {
+        "shape": list(spec["shape"]),
+        "axis_names": list(spec["axes"]),
+        "axis_types": "Explicit",
+      },
+      "param_specs": [
+        {n: str(s) for n, s in layer.items()}
+        for layer in (spec["specs"] or [{"w": P(), "b": P()}] * len(p))
+      ],
+      "loss": spec["loss"],
+      "leaf_bytes": leaf_bytes(p),
+      "rows": rows,
+    }
+  return out
 
 
 # ---------------------------------------------------------------- part 2
@@ -502,7 +740,9 @@ def interleaved_medians(
   return out
 
 
-def run_plain_jit(*, rounds: int, min_sample_ms: float) -> dict[str, Any]:
+def run_plain_jit(
+  *, rounds: int, min_sample_ms: float, profile_rounds: int = PROFILE_ROUNDS
+) -> dict[str, Any]:
   """Issue 19: jaxaccum without ``mesh=`` under plain ``jit`` on a batch
   sharded over the devices, against the full batch, ``mesh=`` and a
   contiguous split: step time in interleaved rounds and the collectives of
@@ -517,7 +757,15 @@ def run_plain_jit(*, rounds: int, min_sample_ms: float) -> dict[str, Any]:
     jax.device_put(params, NamedSharding(mesh, P())),
     jax.device_put((x, labels), NamedSharding(mesh, P("data"))),
   )
+  explicit = explicit_mesh((NUM_DEVICES,), ("data",))
+  on_explicit = explicit_problem(explicit, None, params, (x, labels))
   one_device = jax.device_put((params, (x, labels)), jax.devices()[0])
+  rows = PLAIN_BATCH_SIZE // NUM_DEVICES
+  device_rows = jax.device_put((params, (x[:rows], labels[:rows])), jax.devices()[0])
+  references = {
+    "device_rows": jax.jit(jax.value_and_grad(loss))(*device_rows),
+    "": reference,
+  }
   k = PLAIN_K
   steps = {
     "full_batch": (jax.value_and_grad(loss), on_mesh),
@@ -527,6 +775,7 @@ def run_plain_jit(*, rounds: int, min_sample_ms: float) -> dict[str, Any]:
       jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis="data", param_specs=P()),
       on_mesh,
     ),
+    "jaxaccum_explicit": (jaxaccum.value_and_grad(loss, k), on_explicit),
     "optax_microbatch": (
       make_approach("optax_microbatch", k, mesh, batch_size=PLAIN_BATCH_SIZE),
       on_mesh,
@@ -535,6 +784,8 @@ def run_plain_jit(*, rounds: int, min_sample_ms: float) -> dict[str, Any]:
     "full_batch_one_device": (jax.value_and_grad(loss), one_device),
     "jaxaccum_one_device": (jaxaccum.value_and_grad(loss, k), one_device),
     "hand_scan_one_device": (hand_scan(k), one_device),
+    "full_batch_device_rows": (jax.value_and_grad(loss), device_rows),
+    "jaxaccum_device_rows": (jaxaccum.value_and_grad(loss, k), device_rows),
   }
   compiled = {
     name: (compile_step(fun, *args)[0], args) for name, (fun, args) in steps.items()
@@ -546,18 +797,34 @@ def run_plain_jit(*, rounds: int, min_sample_ms: float) -> dict[str, Any]:
   )
   results = {}
   for name, (step, args) in compiled.items():
-    full = "full_batch_one_device" if name.endswith("_one_device") else "full_batch"
+    full = PLAIN_YARDSTICK.get(name, "full_batch")
     colls = testing.collectives(step.as_text() or "")
+    want = references["device_rows" if name.endswith("_device_rows") else ""]
     results[name] = {
       "label": PLAIN_APPROACHES[name],
       **timings[name],
       "ratio_to_full": timings[name]["median_ms"] / timings[full]["median_ms"],
+      "yardstick": full,
       **collective_summary(colls),
       "data_moving_collectives": [c.op for c in colls if c.op in MOVES_DATA],
       "collectives": [c._asdict() for c in colls],
-      **accuracy(step(*args), reference),
+      "xla_flops_per_device": xla_flops(step),
+      **accuracy(step(*args), want),
     }
+  results["jaxaccum_explicit"]["data_axis"] = axis_summary(
+    testing.collectives(compiled["jaxaccum_explicit"][0].as_text() or ""),
+    explicit,
+    "data",
+  )
+  profile = profile_thunks(
+    {name: compiled[name] for name in PROFILED},
+    rounds=profile_rounds,
+    steps_per_trace=PROFILE_STEPS,
+  )
   ratio = results["jaxaccum"]["ratio_to_full"]
+  over_mesh = (
+    results["jaxaccum_explicit"]["median_ms"] / results["jaxaccum_mesh"]["median_ms"]
+  )
   aa = results["full_batch_again"]["ratio_to_full"]
   moved = results["jaxaccum"]["data_moving_collectives"]
   return {
@@ -593,14 +860,198 @@ def run_plain_jit(*, rounds: int, min_sample_ms: float) -> dict[str, Any]:
         "decided": aa_decides(aa),
       },
       {
+        "target": "jaxaccum on Explicit axes, plain jit: time <= mesh=",
+        "value": over_mesh,
+        "threshold": "<= 1.00",
+        "pass": over_mesh <= 1.0,
+        "timed": True,
+        "decided": aa_decides(aa),
+      },
+      {
         "target": "no all-gather, collective-permute or all-to-all",
         "value": len(moved),
         "threshold": "== 0",
         "pass": not moved,
       },
     ],
+    "profile": profile,
+    "profile_method": (
+      f"jax.profiler traces of {PROFILE_STEPS} steps after the timing, in "
+      f"{profile_rounds} interleaved rounds (the median over the rounds); each "
+      "event named for an instruction of the compiled HLO is one thunk's "
+      "execution on one device, classed by the instruction (a fusion by the "
+      "ops it fuses): matmul (dot), collective, copy/slice, elementwise/"
+      "reduce; while loops and calls, which hold other thunks, are not "
+      "counted. Durations are summed over the devices' threads, per step: "
+      "with more device threads than cores, they include time a thread waits "
+      "for a core, and a collective's includes the wait for the other "
+      "devices at its rendezvous"
+    ),
     "load_average_at_end": list(os.getloadavg()),
   }
+
+
+#: An HLO computation's header and an instruction: ``%name = type opcode(``.
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(
+  r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$"
+)
+_LAYOUT = re.compile(r"\{[^}]*\}")
+THUNK_KINDS = ("matmul", "collective", "copy/slice", "elementwise/reduce")
+_COPIES = frozenset(
+  {
+    "copy",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "slice",
+    "concatenate",
+    "transpose",
+    "bitcast",
+    "reshape",
+    "broadcast",
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+  }
+)
+
+
+def thunk_kinds(hlo: str) -> tuple[dict[str, str | None], dict[str, str]]:
+  """Each instruction of an optimized HLO module, by name: its kind
+  (:data:`THUNK_KINDS`; a fusion's from the ops it fuses), or None for a
+  loop, call or conditional (its thunks are counted where they run); and
+  its signature, ``f32[8,4] fusion(f32[8,4], f32[4,8])`` (result and
+  operand types, layouts left out)."""
+  ops: dict[str, set[str]] = {}
+  instructions: dict[str, tuple[str, list[str]]] = {}
+  types: dict[str, str] = {}
+  operands: dict[str, list[str]] = {}
+  current = None
+  for line in hlo.splitlines():
+    head = _COMPUTATION.match(line)
+    if head and not line[:1].isspace():  # instructions are indented
+      current = head.group(1)
+      ops[current] = set()
+      continue
+    m = _INSTRUCTION.match(line)
+    if m and current is not None:
+      name, result, op, rest = m.groups()
+      ops[current].add(op)
+      instructions[name] = (op, re.findall(r"calls=%?([\w.\-]+)", rest))
+      types[name] = _LAYOUT.sub("", result)
+      operands[name] = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+
+  def kind(op: str, calls: list[str]) -> str | None:
+    if op in ("while", "call", "conditional"):
+      return None
+    fused = {op}.union(*(ops.get(c, set()) for c in calls))
+    if any(o in testing.COLLECTIVES for o in fused):
+      return "collective"
+    if fused & {"dot", "convolution"}:
+      return "matmul"
+    if fused - {"fusion"} <= _COPIES:
+      return "copy/slice"
+    return "elementwise/reduce"
+
+  signatures = {
+    name: f"{types[name]} {op}({', '.join(types.get(o, o) for o in operands[name])})"
+    for name, (op, _) in instructions.items()
+  }
+  kinds = {name: kind(op, calls) for name, (op, calls) in instructions.items()}
+  return kinds, signatures
+
+
+def trace_thunks(
+  step: Any, args: tuple, kinds: dict[str, str | None], steps: int
+) -> dict:
+  """One ``jax.profiler`` trace of ``steps`` calls of the compiled ``step``:
+  per step, the thunk executions and their summed milliseconds (over every
+  device's threads) by kind (``kinds``, from :func:`thunk_kinds`)."""
+  with tempfile.TemporaryDirectory() as folder:
+    jax.profiler.start_trace(folder)
+    for _ in range(steps):
+      out = step(*args)
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    (trace,) = pathlib.Path(folder).rglob("*.xplane.pb")
+    data = jax.profiler.ProfileData.from_file(str(trace))
+  count = dict.fromkeys(THUNK_KINDS, 0)
+  total = dict.fromkeys(THUNK_KINDS, 0.0)
+  by_name: dict[str, float] = {}
+  for plane in data.planes:
+    for line in plane.lines:
+      for event in line.events:
+        kind = kinds.get(event.name)
+        if kind is not None:
+          count[kind] += 1
+          total[kind] += event.duration_ns / 1e6
+          by_name[event.name] = by_name.get(event.name, 0.0) + event.duration_ns / 1e6
+  return {
+    "thunks_per_step": {k: count[k] / steps for k in THUNK_KINDS},
+    "thunk_ms_per_step": {k: total[k] / steps for k in THUNK_KINDS},
+    "ms_per_step_by_instruction": {n: t / steps for n, t in by_name.items()},
+  }
+
+
+def profile_thunks(
+  steps: dict[str, tuple[Any, tuple]], *, rounds: int, steps_per_trace: int
+) -> dict[str, dict[str, Any]]:
+  """:func:`trace_thunks` of each compiled step in ``steps`` (``name ->
+  (step, args)``), in ``rounds`` interleaved rounds (round ``r`` traces
+  every step once, in an order rotated by ``r``, as the timing does): the
+  median over the rounds of each kind's thunks and milliseconds per step."""
+  read = {name: thunk_kinds(step.as_text() or "") for name, (step, _) in steps.items()}
+  names = list(steps)
+  traces: dict[str, list[dict]] = {name: [] for name in names}
+  for r in range(rounds):
+    shift = r % len(names)
+    for name in names[shift:] + names[:shift]:
+      step, args = steps[name]
+      traces[name].append(trace_thunks(step, args, read[name][0], steps_per_trace))
+  return {
+    name: {
+      "rounds": rounds,
+      "steps": steps_per_trace,
+      **{
+        what: {
+          k: statistics.median(t[what][k] for t in traces[name]) for k in THUNK_KINDS
+        }
+        for what in ("thunks_per_step", "thunk_ms_per_step")
+      },
+      "longest_thunks": longest(traces[name], *read[name]),
+      "traces": [
+        {what: t[what] for what in ("thunks_per_step", "thunk_ms_per_step")}
+        for t in traces[name]
+      ],
+    }
+    for name in names
+  }
+
+
+def longest(
+  traces: list[dict],
+  kinds: dict[str, str | None],
+  signatures: dict[str, str],
+  top: int = 10,
+) -> list[dict[str, Any]]:
+  """The ``top`` instructions whose thunks last longest, the median over
+  ``traces`` of their milliseconds per step (summed over the devices), with
+  their kind and signature."""
+  names = {n for t in traces for n in t["ms_per_step_by_instruction"]}
+  spent = {
+    n: statistics.median(t["ms_per_step_by_instruction"].get(n, 0.0) for t in traces)
+    for n in names
+  }
+  return [
+    {
+      "instruction": n,
+      "kind": kinds[n],
+      "ms_per_step": spent[n],
+      "signature": signatures[n],
+    }
+    for n in sorted(spent, key=spent.get, reverse=True)[:top]
+  ]
 
 
 def plot(results: dict[str, Any], png: pathlib.Path) -> None:
@@ -615,7 +1066,12 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   fig, (ax, ax_compute, ax_time) = plt.subplots(
     1, 3, figsize=(17, 4.8), layout="constrained", width_ratios=(3, 2, 2)
   )
-  markers = {"jaxaccum": "o", "optax_microbatch": "s", "hand_scan": "^"}
+  markers = {
+    "jaxaccum": "o",
+    "optax_microbatch": "s",
+    "hand_scan": "^",
+    "jaxaccum_explicit": "D",
+  }
   for name, label in results["approaches"].items():
     rows = [results["results"][name][str(k)] for k in ks]
     ax.plot(ks, [r["bytes_per_step"] for r in rows], marker=markers[name], label=label)
@@ -638,7 +1094,7 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
       f"{results['batch_size']} on {results['num_devices']} devices"
     ),
   )
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7, loc="upper left")
   gathered = [k for k in ks if k >= results["num_devices"]]
   if gathered:
     ax.annotate(
@@ -676,27 +1132,39 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
 
 
 def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
-  """Part 2: every sample of every approach (dots) and its median (bar)."""
+  """Part 2: every sample of every approach (dots) and its median (a
+  horizontal bar, log-scale time), with its ratio to its yardstick."""
   names = list(plain["approaches"])
-  for i, name in enumerate(names):
-    r = plain["approaches"][name]
-    ax.bar(i, r["median_ms"], color=f"C{i}", alpha=0.6)
-    ax.plot([i] * len(r["samples_ms"]), r["samples_ms"], ".", color="k", ms=3)
-    ax.text(i, r["median_ms"], f"{r['ratio_to_full']:.2f}x", ha="center", va="bottom")
   short = {
     "full_batch": "full batch",
-    "full_batch_again": "full batch\nagain (A/A)",
-    "jaxaccum": "jaxaccum,\nplain jit",
-    "jaxaccum_mesh": "jaxaccum,\nmesh=",
-    "contiguous_scan": "contiguous\nsplit",
-    "full_batch_one_device": "full batch,\n1 device",
-    "jaxaccum_one_device": "jaxaccum,\n1 device",
-    "optax_microbatch": "optax.\nmicrobatch",
-    "hand_scan_one_device": "hand scan,\n1 device",
+    "full_batch_again": "full batch again (A/A)",
+    "jaxaccum": "jaxaccum, plain jit, Auto",
+    "jaxaccum_mesh": "jaxaccum, mesh=",
+    "jaxaccum_explicit": "jaxaccum, plain jit, Explicit",
+    "full_batch_device_rows": "full batch, B/8 rows, 1 device",
+    "jaxaccum_device_rows": "jaxaccum, B/8 rows, 1 device",
+    "contiguous_scan": "contiguous split",
+    "full_batch_one_device": "full batch, 1 device",
+    "jaxaccum_one_device": "jaxaccum, 1 device",
+    "optax_microbatch": "optax.microbatch",
+    "hand_scan_one_device": "hand scan, 1 device",
   }
-  ax.set_xticks(range(len(names)), [short.get(n, n) for n in names], fontsize=7)
+  for i, name in enumerate(names):
+    r = plain["approaches"][name]
+    ax.barh(i, r["median_ms"], color=f"C{i % 10}", alpha=0.6)
+    ax.plot(r["samples_ms"], [i] * len(r["samples_ms"]), ".", color="k", ms=2)
+    ax.text(
+      max(r["samples_ms"]) * 1.1,
+      i,
+      f"{r['ratio_to_full']:.2f}x",
+      va="center",
+      fontsize=7,
+    )
+  ax.set_yticks(range(len(names)), [short.get(n, n) for n in names], fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xscale("log")
   ax.set(
-    ylabel="ms per step (median of interleaved rounds)",
+    xlabel="ms per step (median of interleaved rounds; dots: samples)",
     title=(
       f"Plain jit, no mesh=: {plain['model']['num_params']:,}-parameter MLP, "
       f"B={plain['batch_size']}, k={plain['k']}"
@@ -712,6 +1180,7 @@ COMMUNICATION_APPROACHES = {
   "jaxaccum": "(a) jaxaccum, `mesh=`",
   "optax_microbatch": "(b) optax.microbatch",
   "hand_scan": "(c) hand-written scan",
+  "jaxaccum_explicit": "(d) jaxaccum, plain `jit`, Explicit",
 }
 
 
@@ -795,20 +1264,140 @@ def communication_summary(results: dict[str, Any]) -> str:
       f": XLA all-gathers batch rows before the loop at {ks_text(gathers)}, and "
       "a device that holds every micro-batch computes them all"
     )
-  return bullet_list(
-    [
-      "(a) jaxaccum's bytes over the gradient's are "
-      f"{span(r['bytes_over_grad_bytes'] for r in acc)} at every k from {ks[0]} "
-      f"to {ks[-1]}, with {max(r['in_loop_executions_per_step'] for r in acc)} "
-      "collectives run inside the loop.",
-      "(b) optax.microbatch's bytes over the gradient's are "
-      f"{by_k({k: r['bytes_over_grad_bytes'] for k, r in micro.items()})}: its "
-      "all-reduce runs inside the loop, "
-      f"{listing([str(r['in_loop_executions_per_step']) for r in micro.values()])} "
-      "times per step.",
-      text + ".",
-    ]
+  items = [
+    "(a) jaxaccum's bytes over the gradient's are "
+    f"{span(r['bytes_over_grad_bytes'] for r in acc)} at every k from {ks[0]} "
+    f"to {ks[-1]}, with {max(r['in_loop_executions_per_step'] for r in acc)} "
+    "collectives run inside the loop.",
+    "(b) optax.microbatch's bytes over the gradient's are "
+    f"{by_k({k: r['bytes_over_grad_bytes'] for k, r in micro.items()})}: its "
+    "all-reduce runs inside the loop, "
+    f"{listing([str(r['in_loop_executions_per_step']) for r in micro.values()])} "
+    "times per step.",
+    text + ".",
+  ]
+  if "jaxaccum_explicit" in res:
+    plain = {k: res["jaxaccum_explicit"][str(k)] for k in ks}
+    items.append(
+      "(d) jaxaccum under plain `jit` on an Explicit mesh, no `mesh=`: its "
+      "bytes over the gradient's are "
+      f"{by_k({k: r['bytes_over_grad_bytes'] for k, r in plain.items()})}; its "
+      "collective executions inside the loop per step are "
+      f"{by_k({k: r['in_loop_executions_per_step'] for k, r in plain.items()}, str)} "
+      "(what they reduce is below)."
+    )
+  return bullet_list(items)
+
+
+def _data_axis_cell(d: dict[str, Any]) -> str:
+  """The executions per step and bytes each of the collectives in the loop."""
+  if not d["in_loop_executions_per_step"]:
+    return "none"
+  each = listing([f"{b:,}" for b in d["in_loop_bytes_per_execution"]], "or")
+  return f"{d['in_loop_executions_per_step']} × {each} B"
+
+
+def _after_cell(d: dict[str, Any]) -> str:
+  """``1 all-reduce, 2,674,688 B`` (each collective after the loop)."""
+  if not d["after_loop"]:
+    return "none"
+  return "; ".join(f"{c['op']}, {c['bytes']:,} B" for c in d["after_loop"])
+
+
+def communication_explicit(results: dict[str, Any]) -> str:
+  explicit = results.get("explicit")
+  if explicit is None:
+    return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
+  rows = []
+  for m in explicit.values():
+    mesh = " × ".join(
+      f"{a} ({n})"
+      for a, n in zip(m["mesh"]["axis_names"], m["mesh"]["shape"], strict=True)
+    )
+    for k, r in m["rows"].items():
+      rows.append(
+        [
+          mesh,
+          "full batch" if k == "0" else k,
+          _data_axis_cell(r["data_axis"]),
+          _after_cell(r["data_axis"]),
+          _data_axis_cell(r["model_axis"]) if "model_axis" in r else "–",
+          "yes" if r["grads_keep_shardings"] else "no",
+          f"{r['grads_rel_error']:.1e}",
+        ]
+      )
+  head = (
+    "Plain `jit` of `jaxaccum.value_and_grad(loss, k)`, no `mesh=`, on two "
+    "Explicit meshes, the parameters placed on them and the batch's rows over "
+    '`"data"`: the replicated MLP above on `(8,)`, its loss unchanged, and the '
+    "same MLP tensor parallel on `(4, 2)` `data × model` (the first hidden "
+    "layer's columns and the second's rows, with their biases, over "
+    '`"model"`), whose loss names `out_sharding` for each matrix product, as '
+    "JAX requires for a contraction over a sharded feature dimension on "
+    "Explicit axes. The full batch is `jax.value_and_grad` under the same "
+    "`jit`. Per device and step, from the optimized HLO: the collectives over "
+    '`"data"` inside the loop (executions × bytes each) and after it, those '
+    'over `"model"` inside it, and whether every gradient comes back with its '
+    "parameter's sharding:"
   )
+  header = [
+    "mesh",
+    "k",
+    '`"data"` in the loop',
+    '`"data"` after the loop',
+    '`"model"` in the loop',
+    "shardings kept",
+    "grads rel. error",
+  ]
+  return "\n\n".join(
+    [head, table(header, rows), _explicit_prose(explicit, results["ks"])]
+  )
+
+
+def _explicit_prose(explicit: dict[str, Any], ks: Sequence[int]) -> str:
+  """What the Explicit table says: after the loop, the weights; in it, the
+  biases and the loss, each compared with the bytes it would be."""
+  loop_ks = [k for k in ks if k > 1]
+  items = []
+  for m in explicit.values():
+    leaves = m["leaf_bytes"]
+    rows = [m["rows"][str(k)]["data_axis"] for k in loop_ks]
+    after = {tuple((c["op"], c["bytes"]) for c in d["after_loop"]) for d in rows}
+    each = {tuple(d["in_loop_bytes_per_execution"]) for d in rows}
+    counts = [d["in_loop_executions_per_step"] for d in rows]
+    shape = ", ".join(map(str, m["mesh"]["shape"]))
+    text = f"On `({shape}{',' if len(m['mesh']['shape']) == 1 else ''})` at {ks_text(loop_ks)}: after the loop, "
+    if len(after) == 1 and len(next(iter(after))) == 1:
+      ((op, size),) = next(iter(after))
+      text += f'one {op} over `"data"` of {size:,} bytes per device' + (
+        ", exactly the weights' bytes (every use of a weight is a matrix "
+        "product: they are accumulated unreduced)"
+        if size == leaves["weights"]
+        else f" (the weights are {leaves['weights']:,} bytes)"
+      )
+    else:
+      text += f'the collectives over `"data"` differ with k: {sorted(after)}'
+    if counts == list(loop_ks) and len(each) == 1 and len(next(iter(each))) == 1:
+      (size,) = next(iter(each))
+      text += (
+        f'; inside it, one all-reduce over `"data"` per micro-batch (k per '
+        f"step) of {size:,} bytes"
+        + (
+          f": the biases' {leaves['biases']:,} bytes and the loss's 4. JAX "
+          "refuses a bias typed reduced where it is added to the activations, "
+          "so the partitioner reduces its gradient each micro-batch, together "
+          "with the micro-batch's loss"
+          if size == leaves["biases"] + 4
+          else f" (the biases are {leaves['biases']:,} bytes)"
+        )
+      )
+    else:
+      text += (
+        f"; inside it, {listing([str(c) for c in counts])} executions over "
+        f'`"data"` per step'
+      )
+    items.append(text + ".")
+  return bullet_list(items)
 
 
 PLAIN_ONE_DEVICE_CLOSE = 1.05  # "the loop costs nothing on one device"
@@ -817,11 +1406,14 @@ PLAIN_LABELS = {
   "full_batch_again": "the full batch again (A/A)",
   "jaxaccum": "jaxaccum, plain `jit`, no `mesh=`",
   "jaxaccum_mesh": "jaxaccum, `mesh=`",
+  "jaxaccum_explicit": "jaxaccum, plain `jit`, no `mesh=`, Explicit axes",
   "optax_microbatch": "optax.microbatch, plain `jit`",
   "contiguous_scan": "contiguous split (hand-written scan)",
   "full_batch_one_device": "full batch, one device",
   "jaxaccum_one_device": "jaxaccum, one device (× the full batch on one device)",
   "hand_scan_one_device": "hand-written scan, one device (× the same)",
+  "full_batch_device_rows": "full batch of B / 8 rows, one device",
+  "jaxaccum_device_rows": "jaxaccum on B / 8 rows, one device (× the same)",
 }
 
 
@@ -872,7 +1464,7 @@ def communication_plain_jit(results: dict[str, Any]) -> str:
   ]
 
   def outcome(t: dict[str, Any]) -> str:
-    if t["target"].startswith("jaxaccum time"):  # the one timed target
+    if t.get("timed", t["target"].startswith("jaxaccum time")):
       return timed_verdict(t["pass"], plain.get("aa_ratio"))
     return "met" if t["pass"] else "missed"
 
@@ -883,11 +1475,19 @@ def communication_plain_jit(results: dict[str, Any]) -> str:
     for t in plain["targets"]
   )
   return "\n\n".join(
-    [head, table(header, rows), "Targets:", targets, _plain_jit_prose(plain)]
+    [
+      head,
+      table(header, rows),
+      "Targets:",
+      targets,
+      _plain_jit_prose(plain, results.get("machine")),
+    ]
   )
 
 
-def _plain_jit_prose(plain: dict[str, Any]) -> str:
+def _plain_jit_prose(
+  plain: dict[str, Any], machine: dict[str, Any] | None = None
+) -> str:
   """What the plain-jit table says, in words."""
   res = plain["approaches"]
   full, acc = res["full_batch"], res["jaxaccum"]
@@ -913,6 +1513,20 @@ def _plain_jit_prose(plain: dict[str, Any]) -> str:
       f"{mesh['in_loop_executions_per_step']} of them in the loop, and its time "
       "over the full batch's is "
       f"{ratio(mesh['ratio_to_full'])}."
+    )
+  if "jaxaccum_explicit" in res:
+    expl = res["jaxaccum_explicit"]
+    d = expl["data_axis"]
+    each = listing([f"{b:,}" for b in d["in_loop_bytes_per_execution"]], "or")
+    after = listing(
+      [f"one {c['op']} of {mib(c['bytes'], 2)} MiB" for c in d["after_loop"]]
+    )
+    text += (
+      " On an Explicit mesh, plain `jit` with no `mesh=` runs "
+      f'{d["in_loop_executions_per_step"]} collective executions over `"data"` '
+      f"inside the loop ({each} bytes each) and {after or 'none'} after it; its "
+      f"time over the full batch's is {ratio(expl['ratio_to_full'])}, and over "
+      f"`mesh=`'s {ratio(expl['median_ms'] / res['jaxaccum_mesh']['median_ms'])}."
     )
   if "optax_microbatch" in res:
     peer = res["optax_microbatch"]
@@ -943,16 +1557,255 @@ def _plain_jit_prose(plain: dict[str, Any]) -> str:
         else ""
       )
       + (
-        ", so the difference on the mesh comes with running the loop over "
-        "devices that share the host's cores (not profiled further)."
+        ": the profile below says where the rest goes on the mesh."
         if one <= PLAIN_ONE_DEVICE_CLOSE < res["jaxaccum"]["ratio_to_full"]
         else "."
       )
     )
   m = plain.get("load_average_at_end")
   if m:
-    text += f" The one-minute load average was {m[0]:.1f} when the timing ended."
+    text += f" The one-minute load average was {m[0]:.1f} when the timing ended"
+    cores = (machine or {}).get("cpu_count")
+    text += (
+      f", above the host's {cores} cores: other jobs shared them through the "
+      "run, so the times are noisy, and only a target whose A/A ratio is "
+      f"within {AA_TOLERANCE:.0%} of 1 is decided."
+      if cores and m[0] > cores
+      else "."
+    )
   return text
+
+
+PROFILE_LABELS = {
+  "full_batch": "full batch, 8 devices",
+  "jaxaccum_mesh": "jaxaccum, `mesh=`, 8 devices",
+  "jaxaccum_explicit": "jaxaccum, plain `jit`, Explicit, 8 devices",
+  "full_batch_device_rows": "full batch of B / 8 rows, one device",
+  "jaxaccum_device_rows": "jaxaccum on B / 8 rows, one device",
+}
+
+
+def communication_profile(results: dict[str, Any]) -> str:
+  plain = results.get("plain_jit", {})
+  profile = plain.get("profile")
+  if profile is None:
+    return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
+  res, k = plain["approaches"], plain["k"]
+  rows = []
+  for name, prof in profile.items():
+    r = res[name]
+    loop = 1 if name.startswith("full_batch") else k
+    yardstick = res[r["yardstick"]]
+    count, spent = prof["thunks_per_step"], prof["thunk_ms_per_step"]
+    rows.append(
+      [
+        PROFILE_LABELS.get(name, name),
+        ratio(r["ratio_to_full"]),
+        ratio(r["xla_flops_per_device"] * loop / yardstick["xla_flops_per_device"]),
+        *(f"{count[kind]:,.0f}" for kind in THUNK_KINDS),
+        *(ms(spent[kind]) for kind in THUNK_KINDS),
+      ]
+    )
+  head = (
+    f"Where the time goes: `jax.profiler` traces of {plain_steps(profile)} "
+    f"steps of each after the timing, in {profile_round_count(profile)} interleaved "
+    "rounds, the median over the rounds. Each traced event named for an "
+    "instruction of the compiled program is one thunk (XLA's CPU unit of work) "
+    "run on one device, classed by what it computes (a fusion by the ops it "
+    "fuses); loops are not counted, their bodies' thunks are. Per step, summed "
+    "over the devices: the thunks run, and the milliseconds they lasted. With "
+    "8 device threads on the host's cores, a thunk's duration includes time "
+    "its thread waits for a core, and a collective's the wait for the other "
+    "devices at its rendezvous, so these sums exceed the wall time; the flops "
+    "are XLA's count per device (a loop body's times k), over the full batch's "
+    "of the same rows."
+  )
+  header = [
+    "step",
+    "× full batch (time)",
+    "× full batch (flops)",
+    *(f"{kind} thunks" for kind in THUNK_KINDS),
+    *(f"{kind} ms" for kind in THUNK_KINDS),
+  ]
+  longest_rows = [
+    [
+      PROFILE_LABELS.get(name, name),
+      f"`{t['instruction']}`",
+      t["kind"],
+      f"`{t['signature']}`",
+      ms(t["ms_per_step"]),
+    ]
+    for name in ("full_batch", "jaxaccum_mesh", "jaxaccum_explicit")
+    if name in profile
+    for t in profile[name]["longest_thunks"][:4]
+  ]
+  longest_head = (
+    "The four longest instructions of the 8-device steps (their thunks' "
+    "milliseconds per step, summed over the devices; the median over the "
+    "rounds), with the types of their result and operands:"
+  )
+  return "\n\n".join(
+    [
+      head,
+      table(header, rows),
+      longest_head,
+      table(["step", "instruction", "kind", "signature", "ms"], longest_rows),
+      _profile_finding(plain),
+    ]
+  )
+
+
+def _transposes(signature: str) -> bool:
+  """Whether an operand of ``signature`` holds the result's dimensions in
+  another order (unit dimensions aside): the thunk transposes it.
+
+  >>> _transposes("f32[1,784,256] fusion(f32[1,784,256], f32[256,784])")
+  True
+  >>> _transposes("f32[784,256] fusion(f32[784,256], f32[784,256])")
+  False
+  """
+  shapes = [
+    [int(d) for d in dims.split(",") if d and int(d) != 1]
+    for dims in re.findall(r"\[([\d,]*)\]", signature)
+  ]
+  result, *operands = shapes
+  return any(sorted(o) == sorted(result) and o != result for o in operands)
+
+
+def _longest_of(prof: dict[str, Any], kind: str, what: str) -> str:
+  """`` {what} is `name` (`signature`), X ms per step.``, or ``""``."""
+  for t in prof["longest_thunks"]:
+    if t["kind"] == kind:
+      return (
+        f" {what} is `{t['instruction']}` (`{t['signature']}`), "
+        f"{ms(t['ms_per_step'])} ms per step"
+        + (
+          ": it adds an operand laid out transposed, a copy through memory "
+          "of that gradient each micro-batch."
+          if _transposes(t["signature"])
+          else "."
+        )
+      )
+  return ""
+
+
+def plain_steps(profile: dict[str, Any]) -> int:
+  return next(iter(profile.values()))["steps"]
+
+
+def profile_round_count(profile: dict[str, Any]) -> int:
+  return next(iter(profile.values()))["rounds"]
+
+
+def _profile_finding(plain: dict[str, Any]) -> str:
+  """The finding: where a loop's time goes on the 8-device split, from the
+  profile and the one-device rows."""
+  res, prof, k = plain["approaches"], plain["profile"], plain["k"]
+  full, mesh = prof["full_batch"], prof["jaxaccum_mesh"]
+  flops = res["jaxaccum_mesh"]["xla_flops_per_device"] * k
+  flops /= res["full_batch"]["xla_flops_per_device"]
+
+  def over(a: dict[str, Any], b: dict[str, Any], kind: str, what: str) -> float:
+    return a[what][kind] / max(b[what][kind], 1e-9)
+
+  extra = {
+    kind: mesh["thunk_ms_per_step"][kind] - full["thunk_ms_per_step"][kind]
+    for kind in THUNK_KINDS
+  }
+  total = sum(extra.values())
+  order = sorted(extra, key=extra.get, reverse=True)
+  rows = plain["batch_size"] // mesh_devices(plain)
+  one, rows_ratio = res["jaxaccum_one_device"], res["jaxaccum_device_rows"]
+  dev_full, dev = prof["full_batch_device_rows"], prof["jaxaccum_device_rows"]
+  items = [
+    f"`mesh=` computes the same: XLA's flops per device, the loop body's times "
+    f"k, are {ratio(flops)} × the full batch's. It runs them in k = {k} "
+    f"micro-batches of {rows // k} rows per device instead of one of {rows}: "
+    f"{ratio(over(mesh, full, 'matmul', 'thunks_per_step'))} × the full batch's "
+    "matmul thunks and "
+    f"{ratio(over(mesh, full, 'elementwise/reduce', 'thunks_per_step'))} × its "
+    "elementwise and reduction thunks per step.",
+    "Summed over the devices, its thunks last "
+    f"{ms(total)} ms per step more than the full batch's: "
+    + listing(
+      [
+        f"{kind} {'+' if extra[kind] >= 0 else '−'}{ms(abs(extra[kind]))} ms "
+        f"({ratio(over(mesh, full, kind, 'thunk_ms_per_step'))} × the full batch's)"
+        for kind in order
+      ]
+    )
+    + f". The largest part is the {order[0]} thunks'."
+    + _longest_of(mesh, "elementwise/reduce", "`mesh=`'s longest elementwise thunk"),
+    f"The same loop on one device, on one device's rows ({rows}, so "
+    f"{rows // k}-row micro-batches as on the mesh), takes "
+    f"{ratio(rows_ratio['ratio_to_full'])} × the full batch of those rows, its "
+    f"matmul thunks lasting {ratio(over(dev, dev_full, 'matmul', 'thunk_ms_per_step'))} "
+    "× theirs for the same flops "
+    f"({ratio(rows_ratio['xla_flops_per_device'] * k / res['full_batch_device_rows']['xla_flops_per_device'])} ×). "
+    f"On the whole batch on one device ({plain['batch_size']:,} rows, "
+    f"{plain['batch_size'] // k}-row micro-batches) it takes "
+    f"{ratio(one['ratio_to_full'])} ×"
+    + (
+      ": what a loop costs is set by the size of its micro-batches, and the "
+      f"{mesh_devices(plain)}-device split makes them "
+      f"{mesh_devices(plain)} times smaller."
+      if rows_ratio["ratio_to_full"] > one["ratio_to_full"] + AA_TOLERANCE
+      else "."
+    ),
+  ]
+  if "jaxaccum_explicit" in prof:
+    expl = prof["jaxaccum_explicit"]
+    d = res["jaxaccum_explicit"]["data_axis"]
+    waits = over(expl, mesh, "collective", "thunk_ms_per_step") > 1 + AA_TOLERANCE
+    items.append(
+      "Plain `jit` on Explicit axes runs the same micro-batches, and its "
+      f"collective thunks, {expl['thunks_per_step']['collective']:,.0f} per step "
+      f"against `mesh=`'s {mesh['thunks_per_step']['collective']:,.0f}, last "
+      f"{ratio(over(expl, mesh, 'collective', 'thunk_ms_per_step'))} × "
+      "`mesh=`'s"
+      + (
+        ": the bias and loss all-reduce in its loop "
+        f"({d['in_loop_executions_per_step']} per step) holds every device at a "
+        "rendezvous each micro-batch, where `mesh=` lets the devices' loops run "
+        "apart until the one reduction after them."
+        if waits
+        else "."
+      )
+      + _same_instruction(mesh, expl)
+    )
+  return bullet_list(items)
+
+
+def _same_instruction(mesh: dict[str, Any], expl: dict[str, Any]) -> str:
+  """Where `mesh=`'s longest matmul has the same name and signature in the
+  Explicit step: how long it lasts in each, and what that says of the sums."""
+  for t in mesh["longest_thunks"]:
+    if t["kind"] != "matmul":
+      continue
+    twin = [
+      u
+      for u in expl["longest_thunks"]
+      if (u["instruction"], u["signature"]) == (t["instruction"], t["signature"])
+    ]
+    if not twin:
+      return ""
+    r = t["ms_per_step"] / max(twin[0]["ms_per_step"], 1e-9)
+    if abs(r - 1) <= AA_TOLERANCE:
+      return ""
+    return (
+      f" The same matmul, `{t['instruction']}` (`{t['signature']}`) in both "
+      f"programs, lasts {ms(t['ms_per_step'])} ms per step under `mesh=` and "
+      f"{ms(twin[0]['ms_per_step'])} ms on Explicit axes ({ratio(r)} ×): on "
+      "the 8-device split the sums say where the devices' threads were while "
+      "they shared the host's cores, not what each kind of work costs alone. "
+      "The one-device rows above, which run alone, measure the loop's own cost."
+    )
+  return ""
+
+
+def mesh_devices(plain: dict[str, Any]) -> int:
+  """The devices of part 2's mesh."""
+  return plain.get("mesh", {}).get("shape", [NUM_DEVICES])[0]
 
 
 #: The generated blocks this file writes from ``communication.json``, by name
@@ -961,7 +1814,9 @@ BLOCKS = {
   "communication machine": communication_machine,
   "communication bytes": communication_bytes,
   "communication summary": communication_summary,
+  "communication explicit": communication_explicit,
   "communication plain_jit": communication_plain_jit,
+  "communication profile": communication_profile,
 }
 
 
