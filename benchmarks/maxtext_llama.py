@@ -383,6 +383,9 @@ def measure_memory(
         if c.op.startswith("all-reduce") and axes & set(c.axes(mesh))
       ]
       row["in_loop_data_all_reduces"] = len(reductions)
+      row["in_loop_data_all_reduce_list"] = [
+        [c.bytes, ",".join(c.axes(mesh))] for c in reductions
+      ]
       row["in_loop_data_all_reduce_bytes"] = (
         sum(c.bytes * c.executions for c in reductions) // k
       )
@@ -397,23 +400,66 @@ def relative_difference(grads: Any, want: Any) -> float:
   )
 
 
+def kind(path: Any) -> str:
+  """A parameter's kind, from its path: the layers' matrices, the norm
+  scales, the embedding table or the unembedding (``logits_dense``)."""
+  name = jax.tree_util.keystr(path)
+  if "embedding" in name:
+    return "embedding"
+  if "logits_dense" in name:
+    return "logits"
+  return "norm scales" if "scale" in name else "layer matrices"
+
+
 def parameter_bytes(params: Any) -> dict[str, int]:
-  """The parameters' bytes by kind: the layers' matrices, the norm scales,
-  the embedding table and the unembedding (``logits_dense``)."""
+  """The parameters' bytes by :func:`kind`."""
   kinds: dict[str, int] = {}
   for path, x in jax.tree_util.tree_leaves_with_path(params):
-    name = jax.tree_util.keystr(path)
-    kind = (
-      "embedding"
-      if "embedding" in name
-      else "logits"
-      if "logits_dense" in name
-      else "norm scales"
-      if "scale" in name
-      else "layer matrices"
+    kinds[kind(path)] = (
+      kinds.get(kind(path), 0) + int(np.prod(x.shape)) * x.dtype.itemsize
     )
-    kinds[kind] = kinds.get(kind, 0) + int(np.prod(x.shape)) * x.dtype.itemsize
   return kinds
+
+
+def returned_by_remat(full: Setup) -> dict[str, list[int]]:
+  """Per kind of parameter (:func:`parameter_bytes`): how many of its
+  leaves a rematerialized call (``nnx.remat``, a ``checkpoint`` in the
+  loss's jaxpr) returns as it came in, and how many leaves there are."""
+  from flax import nnx  # noqa: PLC0415
+  from maxtext.trainers.pre_train import train  # noqa: PLC0415
+
+  def loss(params, batch, rest):
+    model = nnx.merge(full.graphdef, params, rest, copy=True)
+    return train.loss_fn(model, full.cfg, dict(batch), None, None, is_train=True)[0]
+
+  with jax.set_mesh(full.mesh), rules(full.cfg):
+    jaxpr = jax.make_jaxpr(loss)(full.params, full.batch, full.rest).jaxpr
+  paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(full.params)]
+  kinds = [kind(p) for p in paths]
+  returned: set[int] = set()
+
+  def visit(jaxpr: Any, leaves: dict[Any, int]) -> None:
+    for eqn in jaxpr.eqns:
+      body = eqn.params.get("jaxpr")
+      if body is None:
+        continue
+      body = getattr(body, "jaxpr", body)
+      inner = {
+        var: leaves[v]
+        for var, v in zip(body.invars, eqn.invars, strict=False)
+        if not hasattr(v, "val") and v in leaves  # a Literal carries its value
+      }
+      if eqn.primitive.name in ("checkpoint", "remat2"):
+        returned.update(inner[v] for v in body.outvars if v in inner)
+      visit(body, inner)
+
+  visit(jaxpr, {v: n for n, v in enumerate(jaxpr.invars[: len(paths)])})
+  counts: dict[str, list[int]] = {}
+  for n, name in enumerate(kinds):
+    counts.setdefault(name, [0, 0])
+    counts[name][0] += n in returned
+    counts[name][1] += 1
+  return counts
 
 
 def scanned_layers(size: Size, name: str, k: int) -> str:
@@ -444,6 +490,7 @@ def measure(size: Size, name: str, target: Any) -> tuple[dict[str, Any], dict]:
   explicit = jax.sharding.AxisType.Explicit in full.mesh.axis_types
   if explicit:
     row["parameter_bytes"] = parameter_bytes(full.params)
+    row["returned_by_remat"] = returned_by_remat(full)
   model = {
     "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full.params)),
     "global_batch": full.cfg.global_batch_size_to_train_on,
@@ -648,12 +695,33 @@ def explicit_table(results: dict[str, Any]) -> str:
     return f"{n:,} B matches no group of parameters"
 
   said = "; ".join(sorted({whose(n) for pair in seen for n in pair}))
+  remat = listing(
+    [
+      f"{kind} {n} of {of}"
+      for kind, (n, of) in run["rows"][0]["returned_by_remat"].items()
+    ]
+  )
   text = (
     f"\n\nThe parameters' bytes: {sizes} ({total:,} B in all). Per micro-batch, "
-    f"{said}. With MaxText's scanned layers (`scan_layers=true`), jaxaccum's "
-    f"plain-`jit` step raised `{run['scanned_layers']}` while tracing."
+    f"{said}. The leaves that a rematerialized call (a `checkpoint` in the "
+    f"loss's jaxpr: MaxText's `nnx.remat` of each layer) returns as they came "
+    f"in: {remat}. With MaxText's scanned layers (`scan_layers=true`), "
+    f"jaxaccum's plain-`jit` step raised `{run['scanned_layers']}` while "
+    "tracing.\n\njaxaccum's all-reduces over the batch's axes in the loop, each "
+    "one's bytes and axes:\n\n"
   )
-  return head + "\n\n" + "\n".join(lines) + text
+  each = [
+    f"- {r['mesh']}, k = {k}: "
+    + listing(
+      [
+        f"{n:,} B over {axes}"
+        for n, axes in c["jaxaccum"]["in_loop_data_all_reduce_list"]
+      ]
+    )
+    for r in run["rows"]
+    for k, c in sorted(r["ks"].items(), key=lambda item: int(item[0]))
+  ]
+  return head + "\n\n" + "\n".join(lines) + text + "\n".join(each)
 
 
 def h100_explicit_peaks(results: dict[str, Any]) -> str:
