@@ -740,7 +740,24 @@ def h100_explicit_peaks(results: dict[str, Any]) -> str:
     f"`jit`, compiled for {run['devices']} {run['device_kind']}s. Peak per "
     "device, as above."
   )
-  return peak_table(run["rows"], head, "GiB")
+  cells = [c for r in run["rows"] for c in r["ks"].values()]
+  below = sum(
+    c["jaxaccum"]["peak_bytes"] <= c["maxtext_ga"]["peak_bytes"] for c in cells
+  )
+  meshes = listing([r["mesh"] for r in run["rows"]])
+  none_inside = all(
+    c[a]["in_loop_collectives"] == 0 for c in cells for a in ("maxtext_ga", "jaxaccum")
+  )
+  summary = (
+    f"\n\njaxaccum's peak is at or below MaxText's accumulation on {below} of "
+    f"{len(cells)} rows (compiled: {meshes})."
+    + (
+      " Neither program has a collective inside its micro-batch loop on this target."
+      if none_inside
+      else ""
+    )
+  )
+  return peak_table(run["rows"], head, "GiB") + summary
 
 
 BLOCKS: dict[str, Callable[[dict[str, Any]], str]] = {
