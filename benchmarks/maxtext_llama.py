@@ -745,14 +745,21 @@ def h100_explicit_peaks(results: dict[str, Any]) -> str:
     c["jaxaccum"]["peak_bytes"] <= c["maxtext_ga"]["peak_bytes"] for c in cells
   )
   meshes = listing([r["mesh"] for r in run["rows"]])
-  none_inside = all(
-    c[a]["in_loop_collectives"] == 0 for c in cells for a in ("maxtext_ga", "jaxaccum")
-  )
+  none_inside = [
+    r["mesh"]
+    for r in run["rows"]
+    if all(
+      c[a]["in_loop_collectives"] == 0
+      for c in r["ks"].values()
+      for a in ("maxtext_ga", "jaxaccum")
+    )
+  ]
   summary = (
     f"\n\njaxaccum's peak is at or below MaxText's accumulation on {below} of "
     f"{len(cells)} rows (compiled: {meshes})."
     + (
-      " Neither program has a collective inside its micro-batch loop on this target."
+      f" Neither program has a collective inside its micro-batch loop on "
+      f"{listing(none_inside)}."
       if none_inside
       else ""
     )
