@@ -764,6 +764,23 @@ def h100_explicit_peaks(results: dict[str, Any]) -> str:
       else ""
     )
   )
+  norms = run["rows"][0]["parameter_bytes"]["norm scales"]
+  carried = {
+    r["mesh"]: {
+      n
+      for c in r["ks"].values()
+      for a in ("maxtext_ga", "jaxaccum")
+      for n, _ in c[a].get("in_loop_data_all_reduce_list") or []
+    }
+    for r in run["rows"]
+  }
+  only_norms = [mesh for mesh, sizes in carried.items() if sizes == {norms}]
+  if only_norms:
+    summary += (
+      f" On {listing(only_norms)} the one all-reduce over the batch's axes in "
+      f"each loop carries {norms:,} B per micro-batch, in both programs: the "
+      "norm scales' gradients."
+    )
   return peak_table(run["rows"], head, "GiB") + summary
 
 
