@@ -6,7 +6,12 @@ Usage (Python 3.12, in a venv of its own: MaxText needs it)::
 
   python3.12 -m venv /tmp/maxtext-venv && . /tmp/maxtext-venv/bin/activate
   pip install maxtext==0.2.5 -e .
+  # its wheel declares its dependencies under extras only; these suffice:
+  pip install omegaconf packaging pathwaysutils jinja2 aqtp qwix tokamax \
+    huggingface_hub transformers grain drjax pillow tiktoken sentencepiece \
+    sympy "jax==0.12.0.1" "jaxlib==0.12.0.1"
   python benchmarks/maxtext_llama.py            # tiny llama on 8 CPU devices
+  python benchmarks/maxtext_llama.py --explicit # its Explicit meshes, plain jit
   pip install "jax[cuda13-local]==0.12.0.1"     # XLA's GPU compiler, for:
   python benchmarks/maxtext_llama.py --config 1b  # 1.1B llama, 8 H100s
 
@@ -65,6 +70,18 @@ Per program and device, from the compiled program:
 
 MaxText's persistent compilation cache is off (``jax_cache_dir=""``), so
 that every program is compiled and dumped.
+
+``--explicit``: the same three programs on MaxText's own Explicit meshes
+(``shard_mode=explicit``, its model and loss unmodified), with jaxaccum
+through plain ``jit`` and no ``mesh=``:
+``jax.jit(jaxaccum.value_and_grad(summed_loss, k, normalize="weighted"))``,
+which reads the data axes from the batch's type. Its rows go to the
+results' ``explicit`` section; per program also the all-reduces over the
+batch's axes inside the micro-batch loop (their count and bytes per
+micro-batch) and, per mesh, the parameters' bytes by kind, so that the
+text can say whose gradients those are. The layers are unrolled
+(``scan_layers=false``): the run first tries jaxaccum on MaxText's scanned
+layers and records what it raised (``scanned_layers``).
 """
 
 from __future__ import annotations
@@ -88,6 +105,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _report import listing
 
 import jaxaccum
 from jaxaccum import testing
@@ -97,6 +115,9 @@ MESHES = {
   "fsdp (8)": {"ici_data_parallelism": 1, "ici_fsdp_parallelism": 8},
   "data (4) x fsdp (2)": {"ici_data_parallelism": 4, "ici_fsdp_parallelism": 2},
 }
+#: ``--explicit``: MaxText's Explicit meshes, its layers unrolled (see the
+#: module docstring for why).
+EXPLICIT = {"shard_mode": "explicit", "scan_layers": "false"}
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "maxtext_llama.json"
 #: Where XLA dumps each compiled program (``--xla_dump_to``, set in main()).
 DUMP = pathlib.Path(tempfile.gettempdir()) / "jaxaccum-maxtext-dump"
@@ -257,7 +278,8 @@ def rules(cfg: Any) -> Any:
 
 def programs(full: Setup, size: Size, parallelism: dict[str, int], k: int) -> dict:
   """The three programs of ``(params, batch, rest)`` -> ``(loss, grads)``
-  at ``k``, each jitted with the gradients in the parameters' shardings."""
+  at ``k``, each jitted with the gradients in the parameters' shardings.
+  On Explicit meshes jaxaccum's is plain ``jit``, without ``mesh=``."""
   from flax import nnx  # noqa: PLC0415
   from maxtext.trainers.pre_train import train  # noqa: PLC0415
   from maxtext.utils import gradient_accumulation  # noqa: PLC0415
@@ -282,7 +304,8 @@ def programs(full: Setup, size: Size, parallelism: dict[str, int], k: int) -> di
     aux = loss_fn(full, params, batch, rest)[1]
     return aux["xent_sum"], aux["total_weights"]
 
-  data_axes = tuple(a for a in ("data", "fsdp") if full.mesh.shape[a] > 1)
+  data_axes = batch_axes(full.mesh)
+  explicit = jax.sharding.AxisType.Explicit in full.mesh.axis_types
   accumulated = jaxaccum.value_and_grad(
     summed_loss,
     k,
@@ -292,6 +315,8 @@ def programs(full: Setup, size: Size, parallelism: dict[str, int], k: int) -> di
     view="global",
     param_specs=jax.tree.map(lambda s: s.spec, full.params_shardings),
   )
+  if explicit:  # the drop-in: the data axes read from the batch's type
+    accumulated = jaxaccum.value_and_grad(summed_loss, k, normalize="weighted")
   scalar = jax.sharding.NamedSharding(full.mesh, jax.sharding.PartitionSpec())
   out = (scalar, full.params_shardings)
   return {
@@ -301,17 +326,23 @@ def programs(full: Setup, size: Size, parallelism: dict[str, int], k: int) -> di
   }
 
 
+def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+  """The mesh axes the batch is split over (those of more than 1 device)."""
+  return tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+
+
 def micro_batch_loop(step: testing.CompiledStep, k: int) -> testing.Loop | None:
   """The micro-batch loop: the one loop outside every other loop that runs
-  ``k`` times and holds loops of its own (the layer scans). None if there
-  is not exactly one."""
+  ``k`` times and holds loops of its own (the layer scans), or with
+  unrolled layers the one such loop at all. None if there is not exactly
+  one."""
+  runs_k = [loop for loop in step.loops if not loop.outer and loop.trip_count == k]
   loops = [
     loop
-    for loop in step.loops
-    if not loop.outer
-    and loop.trip_count == k
-    and any(inner.outer[:1] == (loop.name,) for inner in step.loops)
+    for loop in runs_k
+    if any(inner.outer[:1] == (loop.name,) for inner in step.loops)
   ]
+  loops = loops or runs_k
   return loops[0] if len(loops) == 1 else None
 
 
@@ -325,9 +356,13 @@ def live_at_peak(hlo_text: str) -> int | None:
   return int(match.group(1).replace(" ", "")) if match else None
 
 
-def measure_memory(step: testing.CompiledStep, k: int | None) -> dict[str, Any]:
+def measure_memory(
+  step: testing.CompiledStep, k: int | None, mesh: jax.sharding.Mesh | None = None
+) -> dict[str, Any]:
   """Peak bytes per device, the bytes live at the peak and, with ``k``,
-  the collectives in the micro-batch loop."""
+  the collectives in the micro-batch loop; with ``mesh`` also the
+  all-reduces among them over the batch's axes, and their bytes per
+  micro-batch."""
   stats = step.memory
   assert stats is not None, "the backend reports no memory analysis"
   row: dict[str, Any] = {
@@ -340,6 +375,20 @@ def measure_memory(step: testing.CompiledStep, k: int | None) -> dict[str, Any]:
   if k is not None:
     loop = micro_batch_loop(step, k)
     row["in_loop_collectives"] = None if loop is None else len(step.inside(loop))
+    if mesh is not None and loop is not None:
+      axes = set(batch_axes(mesh))
+      reductions = [
+        c
+        for c in step.inside(loop)
+        if c.op.startswith("all-reduce") and axes & set(c.axes(mesh))
+      ]
+      row["in_loop_data_all_reduces"] = len(reductions)
+      row["in_loop_data_all_reduce_list"] = [
+        [c.bytes, ",".join(c.axes(mesh))] for c in reductions
+      ]
+      row["in_loop_data_all_reduce_bytes"] = (
+        sum(c.bytes * c.executions for c in reductions) // k
+      )
   return row
 
 
@@ -351,6 +400,84 @@ def relative_difference(grads: Any, want: Any) -> float:
   )
 
 
+def kind(path: Any) -> str:
+  """A parameter's kind, from its path: the layers' matrices, the norm
+  scales, the embedding table or the unembedding (``logits_dense``)."""
+  name = jax.tree_util.keystr(path)
+  if "embedding" in name:
+    return "embedding"
+  if "logits_dense" in name:
+    return "logits"
+  return "norm scales" if "scale" in name else "layer matrices"
+
+
+def parameter_bytes(params: Any) -> dict[str, int]:
+  """The parameters' bytes by :func:`kind`."""
+  kinds: dict[str, int] = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    kinds[kind(path)] = (
+      kinds.get(kind(path), 0) + int(np.prod(x.shape)) * x.dtype.itemsize
+    )
+  return kinds
+
+
+def returned_by_remat(full: Setup) -> dict[str, list[int]]:
+  """Per kind of parameter (:func:`parameter_bytes`): how many of its
+  leaves a rematerialized call (``nnx.remat``, a ``checkpoint`` in the
+  loss's jaxpr) returns as it came in, and how many leaves there are."""
+  from flax import nnx  # noqa: PLC0415
+  from maxtext.trainers.pre_train import train  # noqa: PLC0415
+
+  def loss(params, batch, rest):
+    model = nnx.merge(full.graphdef, params, rest, copy=True)
+    return train.loss_fn(model, full.cfg, dict(batch), None, None, is_train=True)[0]
+
+  with jax.set_mesh(full.mesh), rules(full.cfg):
+    jaxpr = jax.make_jaxpr(loss)(full.params, full.batch, full.rest).jaxpr
+  paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(full.params)]
+  kinds = [kind(p) for p in paths]
+  returned: set[int] = set()
+
+  def visit(jaxpr: Any, leaves: dict[Any, int]) -> None:
+    for eqn in jaxpr.eqns:
+      body = eqn.params.get("jaxpr")
+      if body is None:
+        continue
+      body = getattr(body, "jaxpr", body)
+      inner = {
+        var: leaves[v]
+        for var, v in zip(body.invars, eqn.invars, strict=False)
+        if not hasattr(v, "val") and v in leaves  # a Literal carries its value
+      }
+      if eqn.primitive.name in ("checkpoint", "remat2"):
+        returned.update(inner[v] for v in body.outvars if v in inner)
+      visit(body, inner)
+
+  visit(jaxpr, {v: n for n, v in enumerate(jaxpr.invars[: len(paths)])})
+  counts: dict[str, list[int]] = {}
+  for n, name in enumerate(kinds):
+    counts.setdefault(name, [0, 0])
+    counts[name][0] += n in returned
+    counts[name][1] += 1
+  return counts
+
+
+def scanned_layers(size: Size, name: str, k: int) -> str:
+  """What jaxaccum's plain-``jit`` step does with MaxText's scanned layers
+  (``scan_layers=true``) on ``name``'s Explicit mesh: ``"lowers"``, or the
+  exception it raises, its type and first line."""
+  scanned = size._replace(settings={**size.settings, "scan_layers": "true"})
+  parallelism = MESHES[name]
+  full = build(config(scanned, parallelism), jax.devices()[:8], concrete=False)
+  with jax.set_mesh(full.mesh), rules(full.cfg):
+    step = programs(full, scanned, parallelism, k)["jaxaccum"]
+    try:
+      step.lower(full.params, full.batch, full.rest)
+    except Exception as error:  # recorded, as raised
+      return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+  return "lowers"
+
+
 def measure(size: Size, name: str, target: Any) -> tuple[dict[str, Any], dict]:
   """One mesh: each program's peak and in-loop collectives per k; on CPU
   also each one's loss and gradient difference against the full batch.
@@ -360,6 +487,10 @@ def measure(size: Size, name: str, target: Any) -> tuple[dict[str, Any], dict]:
   full = build(config(size, parallelism), devices, concrete=target is None)
   args = (full.params, full.batch, full.rest)
   row: dict[str, Any] = {"mesh": name, "axes": dict(full.mesh.shape), "ks": {}}
+  explicit = jax.sharding.AxisType.Explicit in full.mesh.axis_types
+  if explicit:
+    row["parameter_bytes"] = parameter_bytes(full.params)
+    row["returned_by_remat"] = returned_by_remat(full)
   model = {
     "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full.params)),
     "global_batch": full.cfg.global_batch_size_to_train_on,
@@ -373,7 +504,11 @@ def measure(size: Size, name: str, target: Any) -> tuple[dict[str, Any], dict]:
           continue
         shutil.rmtree(DUMP, ignore_errors=True)
         step = testing.compile_step(fun, *args, target=target)
-        memory = measure_memory(step, None if approach == "full_batch" else k)
+        memory = measure_memory(
+          step,
+          None if approach == "full_batch" else k,
+          full.mesh if explicit else None,
+        )
         if target is None:
           value, grads = step.compiled(*args)
           if approach == "full_batch":
@@ -492,10 +627,169 @@ def h100_peaks(results: dict[str, Any]) -> str:
   return peak_table(run["rows"], head, "GiB")
 
 
+def explicit_table(results: dict[str, Any]) -> str:
+  """``--explicit``: per mesh and k, the loss and gradient difference of
+  jaxaccum's plain ``jit`` and of MaxText's accumulation against the full
+  batch, the all-reduces over the batch's axes in each one's micro-batch
+  loop, and the peaks; then whose gradients those all-reduces carry, and
+  what the scanned layers raised."""
+  run = results.get("explicit")
+  if run is None:
+    return "No `--explicit` run yet: `python benchmarks/maxtext_llama.py --explicit`."
+  v = run["versions"]
+  head = (
+    f"Run on {run['date']}, 8 CPU devices, Python {run['python']}, jax "
+    f"{v['jax']}, flax {v['flax']}, MaxText {v['maxtext']}: MaxText's tiny "
+    "float32 llama and loss on its own Explicit meshes (`shard_mode=explicit`, "
+    "layers unrolled: `scan_layers=false`), unmodified, through plain "
+    '`jax.jit(jaxaccum.value_and_grad(loss, k, normalize="weighted"))` with '
+    "no `mesh=` and through MaxText's own accumulation, against "
+    "`jax.value_and_grad` on the whole batch. Loss / the largest over the "
+    "parameters of max |a - b| / max |b|; the all-reduces over the batch's "
+    "axes inside the micro-batch loop: how many / their bytes per "
+    "micro-batch; the peak per device (KiB)."
+  )
+
+  def exact(c: dict[str, Any]) -> str:
+    return f"{c['loss']:.7f} / {c['grad_rel_diff']:.1e}"
+
+  def reductions(c: dict[str, Any]) -> str:
+    return f"{c['in_loop_data_all_reduces']} / {c['in_loop_data_all_reduce_bytes']:,} B"
+
+  lines = [
+    "| mesh | k | full batch loss | jaxaccum | MaxText GA "
+    "| in-loop data all-reduces: jaxaccum | MaxText GA "
+    "| peak: full batch / MaxText GA / jaxaccum (KiB) |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for r in run["rows"]:
+    full = r["full_batch"]["peak_bytes"]
+    for k, cell in sorted(r["ks"].items(), key=lambda item: int(item[0])):
+      ga, ours = cell["maxtext_ga"], cell["jaxaccum"]
+      peaks = " / ".join(
+        f"{n / 2**10:,.1f}" for n in (full, ga["peak_bytes"], ours["peak_bytes"])
+      )
+      lines.append(
+        f"| {r['mesh']} | {k} | {r['full_batch_loss']:.7f} | {exact(ours)} "
+        f"| {exact(ga)} | {reductions(ours)} | {reductions(ga)} | {peaks} |"
+      )
+  kinds = run["rows"][0]["parameter_bytes"]
+  total = sum(kinds.values())
+  sizes = listing([f"{kind} {n:,} B" for kind, n in kinds.items()])
+  seen = {
+    (
+      c["jaxaccum"]["in_loop_data_all_reduce_bytes"],
+      c["maxtext_ga"]["in_loop_data_all_reduce_bytes"],
+    )
+    for r in run["rows"]
+    for c in r["ks"].values()
+  }
+
+  def whose(n: int) -> str:
+    for name, whole in (
+      ("every parameter", total),
+      ("every parameter but the unembedding", total - kinds["logits"]),
+    ):
+      if 0 <= n - whole < 64:
+        return f"{n:,} B is the gradients of {name} ({whole:,} B) and {n - whole} B of scalars"
+    return f"{n:,} B matches no group of parameters"
+
+  said = "; ".join(sorted({whose(n) for pair in seen for n in pair}))
+  remat = listing(
+    [
+      f"{kind} {n} of {of}"
+      for kind, (n, of) in run["rows"][0]["returned_by_remat"].items()
+    ]
+  )
+  text = (
+    f"\n\nThe parameters' bytes: {sizes} ({total:,} B in all). Per micro-batch, "
+    f"{said}. The leaves that a rematerialized call (a `checkpoint` in the "
+    f"loss's jaxpr: MaxText's `nnx.remat` of each layer) returns as they came "
+    f"in: {remat}. With MaxText's scanned layers (`scan_layers=true`), "
+    f"jaxaccum's plain-`jit` step raised `{run['scanned_layers']}` while "
+    "tracing.\n\njaxaccum's all-reduces over the batch's axes in the loop, each "
+    "one's bytes and axes:\n\n"
+  )
+  each = [
+    f"- {r['mesh']}, k = {k}: "
+    + listing(
+      [
+        f"{n:,} B over {axes}"
+        for n, axes in c["jaxaccum"]["in_loop_data_all_reduce_list"]
+      ]
+    )
+    for r in run["rows"]
+    for k, c in sorted(r["ks"].items(), key=lambda item: int(item[0]))
+  ]
+  return head + "\n\n" + "\n".join(lines) + text + "\n".join(each)
+
+
+def h100_explicit_peaks(results: dict[str, Any]) -> str:
+  """``--config 1b --explicit``: the 1.1B llama's peaks on MaxText's
+  Explicit meshes, compiled for 8 H100s."""
+  run = results.get("h100_explicit")
+  if run is None:
+    return (
+      "No compile yet: `python benchmarks/maxtext_llama.py --config 1b --explicit`."
+    )
+  v = run["versions"]
+  head = (
+    f"Compile-only, {run['date']}, jax {v['jax']}, MaxText {v['maxtext']}: "
+    f"the same {run['parameters']:,}-parameter llama2 on MaxText's Explicit "
+    "meshes (`shard_mode=explicit`, layers unrolled), jaxaccum through plain "
+    f"`jit`, compiled for {run['devices']} {run['device_kind']}s. Peak per "
+    "device, as above."
+  )
+  cells = [c for r in run["rows"] for c in r["ks"].values()]
+  below = sum(
+    c["jaxaccum"]["peak_bytes"] <= c["maxtext_ga"]["peak_bytes"] for c in cells
+  )
+  meshes = listing([r["mesh"] for r in run["rows"]])
+  none_inside = [
+    r["mesh"]
+    for r in run["rows"]
+    if all(
+      c[a]["in_loop_collectives"] == 0
+      for c in r["ks"].values()
+      for a in ("maxtext_ga", "jaxaccum")
+    )
+  ]
+  summary = (
+    f"\n\njaxaccum's peak is at or below MaxText's accumulation on {below} of "
+    f"{len(cells)} rows (compiled: {meshes})."
+    + (
+      f" Neither program has a collective inside its micro-batch loop on "
+      f"{listing(none_inside)}."
+      if none_inside
+      else ""
+    )
+  )
+  norms = run["rows"][0]["parameter_bytes"]["norm scales"]
+  carried = {
+    r["mesh"]: {
+      n
+      for c in r["ks"].values()
+      for a in ("maxtext_ga", "jaxaccum")
+      for n, _ in c[a].get("in_loop_data_all_reduce_list") or []
+    }
+    for r in run["rows"]
+  }
+  only_norms = [mesh for mesh, sizes in carried.items() if sizes == {norms}]
+  if only_norms:
+    summary += (
+      f" On {listing(only_norms)} the one all-reduce over the batch's axes in "
+      f"each loop carries {norms:,} B per micro-batch, in both programs: the "
+      "norm scales' gradients."
+    )
+  return peak_table(run["rows"], head, "GiB") + summary
+
+
 BLOCKS: dict[str, Callable[[dict[str, Any]], str]] = {
   "maxtext_llama table": table,
   "maxtext_llama peak": cpu_peaks,
   "maxtext_llama h100": h100_peaks,
+  "maxtext_llama explicit": explicit_table,
+  "maxtext_llama h100_explicit": h100_explicit_peaks,
 }
 
 
@@ -527,10 +821,18 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
   parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated")
   parser.add_argument("--ks", help="comma-separated (default: the config's)")
+  parser.add_argument(
+    "--explicit",
+    action="store_true",
+    help="MaxText's shard_mode=explicit, jaxaccum through plain jit",
+  )
   args = parser.parse_args(argv)
   size = SIZES[args.config]
   if args.ks:
     size = size._replace(ks=tuple(int(k) for k in args.ks.split(",")))
+  if args.explicit:
+    section = "explicit" if size.section == "rows" else f"{size.section}_explicit"
+    size = size._replace(settings={**size.settings, **EXPLICIT}, section=section)
   testing.cpu_devices(8)  # before JAX starts its backend
   os.environ["XLA_FLAGS"] += f" --xla_dump_to={DUMP} --xla_gpu_dump_llvmir=false"
   target = None
@@ -538,8 +840,12 @@ def main(argv: list[str] | None = None) -> None:
   if size.target:
     target = jaxaccum.compile_target(size.target, topology="1x1x8")
     info = {"devices": len(target.devices), "device_kind": target.device_kind}
+  meshes = args.meshes.split(",")
+  if args.explicit and target is None:
+    info["scanned_layers"] = scanned_layers(size, meshes[0], size.ks[0])
+    print(f"scanned layers: {info['scanned_layers']}", flush=True)
   rows = []
-  for name in args.meshes.split(","):
+  for name in meshes:
     row, model = measure(size, name, target)
     rows.append(row)
     save(args.out, size, rows, {**info, **model})
