@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _aux, _normalize
+from jaxaccum import _aux, _ghost, _normalize
 
 PyTree = Any
 
@@ -100,6 +100,7 @@ class Options:
   noise_stats: bool = False
   value_checks: bool = False
   clip_per_example: float | None = None
+  clip_method: str = "vmap"
   tree_grads: bool = True
   names: ArgNames = ArgNames()
   example_mask: int | None = None
@@ -237,6 +238,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   clip = check_clip_norm("clip_per_example", get("clip_per_example"))
   if clip is not None:
     _check_clip_compatible(state_argnum, bool(get("noise_stats")))
+  clip_method = _check_clip_method(get("clip_method"), clip)
   if get("param_specs") is not None and mesh is None:
     raise ValueError("param_specs is for the data-parallel path; pass mesh= too.")
   if kwargs.get("view", "device") != "device" and mesh is None:
@@ -263,6 +265,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     noise_stats=bool(get("noise_stats")),
     value_checks=bool(get("value_checks")),
     clip_per_example=clip,
+    clip_method=clip_method,
     tree_grads=isinstance(argnums, numbers.Integral),
   )
   # Positions that are all counted from the front can be checked now.
@@ -313,6 +316,18 @@ def check_clip_norm(name: str, value: Any) -> float | None:
       f"gradient is clipped to, got {name}={value!r}. Pass e.g. {name}=1.0."
     )
   return float(value)
+
+
+def _check_clip_method(clip_method: Any, clip: float | None) -> str:
+  """``clip_method``, checked: one of the methods, and ``"ghost"`` only with
+  ``clip_per_example``."""
+  method = _ghost.check_method(clip_method)
+  if method != "vmap" and clip is None:
+    raise ValueError(
+      f"{clip_method=} says how each example's gradient is clipped; it needs "
+      "clip_per_example=C (the norm to clip to)."
+    )
+  return method
 
 
 def _check_clip_compatible(state_argnum: int | None, noise_stats: bool) -> None:

@@ -57,6 +57,7 @@ def value_and_grad(
   noise_stats: bool = False,
   value_checks: bool = False,
   clip_per_example: float | None = None,
+  clip_method: str = "vmap",
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -231,6 +232,15 @@ def value_and_grad(
       loss shows in the value.
       Row ``j`` of micro-batch ``i`` gets the key ``fold_in(key_i, j)``. Add
       the noise with :func:`jaxaccum.dp_noise`.
+    clip_method: how ``clip_per_example`` computes the clipped sum:
+      ``"vmap"`` (the default) takes each example's gradient (one ``vmap``
+      of ``grad``); ``"ghost"`` gives the same sum without them, from each
+      parameter's uses in the traced program and a second, per-example
+      weighted backward pass (ghost clipping). A leaf used other than by a
+      matrix product, a row gather (embedding) or an elementwise operation
+      gets its own per-example gradient, named in a
+      ``jaxaccum.GhostFallbackWarning`` at trace time. See
+      ``docs/privacy.md``.
 
   Returns:
     A function of the same arguments as ``fun`` that returns

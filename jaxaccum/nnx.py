@@ -92,6 +92,7 @@ def value_and_grad(
   noise_stats: bool = False,
   value_checks: bool = False,
   clip_per_example: float | None = None,
+  clip_method: str = "vmap",
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -133,6 +134,8 @@ def value_and_grad(
       example, and the function takes ``example_mask=``. The model may hold
       no variables besides its parameters (no BatchNorm, no stored RNG
       streams).
+    clip_method: ``"vmap"`` or ``"ghost"``, as in
+      :func:`jaxaccum.value_and_grad`.
 
   Returns:
     A function ``(*args, **kwargs) -> (value, grads)`` (or
