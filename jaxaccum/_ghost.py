@@ -32,10 +32,13 @@ instead of materializing the gradient, in three steps:
      that leaf only). Such leaves are named in a
      :class:`GhostFallbackWarning` at trace time.
 3. **Weigh.** The squared norms are summed over the leaves, and a second
-   backward pass of the same forward pass, with example ``i``'s loss
-   weighted by ``min(1, C / norm_i)`` (0 for a masked or non-finite row),
-   gives the clipped sum. A row whose norm is not finite is then taken out
-   of a pass of its own, so that it adds exactly zero.
+   forward and backward pass of ``fun`` over the rows, with example ``i``'s
+   loss weighted by ``min(1, C / norm_i)`` (0 for a masked or non-finite
+   row), gives the clipped sum. The first pass's activations are dead by
+   then, so the peak is one pass's (plus the taps' cotangents, as large as
+   the activations they meet), at the price of a second forward pass. In the
+   second pass each row that is not kept is replaced by a kept one, so that
+   its weight 0 multiplies finite numbers and it adds exactly zero.
 """
 
 from __future__ import annotations
@@ -514,28 +517,22 @@ def clipped_sum(
     for n, s in ((n, _tap_shape(traced.uses[n], k)) for n, k in traced.plan.items())
   }
   forward = _forward(traced)
-  losses, vjp_fn, (rest, saved) = jax.vjp(
-    lambda p, t: forward(p, t, batch_leaves), leaves, taps, has_aux=True
+  losses, tap_vjp, (rest, saved) = jax.vjp(
+    lambda t: forward(leaves, t, batch_leaves), taps, has_aux=True
   )
-  _, tap_grads = vjp_fn(jnp.ones_like(losses))
+  (tap_grads,) = tap_vjp(jnp.ones_like(losses))
   norm = jnp.sqrt(squared_norms(traced.uses, traced.plan, tap_grads, saved, rows))
   kept = present & jnp.isfinite(norm)
   clip = jnp.float32(clip_norm)
   factor = jnp.where(kept, clip / jnp.maximum(norm, clip), jnp.float32(0))
-  weights = factor.astype(losses.dtype)
-
-  def finite_rows():
-    return vjp_fn(weights)[0]
-
-  def without_nonfinite_rows():
-    # Each row not kept is replaced by a kept one, whose weight is 0 there.
-    first = jnp.argmax(kept)
-    index = jnp.where(kept, jnp.arange(rows), first)
-    batch = [jnp.take(x, index, axis=0) for x in batch_leaves]
-    _, again, _ = jax.vjp(lambda p: forward(p, taps, batch), leaves, has_aux=True)
-    return again(weights)[0]
-
-  grads = jax.lax.cond(jnp.all(jnp.isfinite(norm)), finite_rows, without_nonfinite_rows)
+  # The second pass runs fun again (the first pass's activations are dead by
+  # then: the peak is one pass's), on rows where each row not kept is
+  # replaced by a kept one: its weight 0 then multiplies finite numbers.
+  index = jnp.where(kept, jnp.arange(rows), jnp.argmax(kept))
+  batch = [jnp.take(x, index, axis=0) for x in batch_leaves]
+  weighted = jax.vmap(lambda p, b: per_example(p, b)[0], in_axes=(None, 0))
+  again, pull = jax.vjp(lambda p: weighted(p, batch), leaves)
+  (grads,) = pull(factor.astype(again.dtype))
   some = jnp.any(kept)
   grads = [
     jnp.where(some, g, jnp.zeros_like(g)).astype(
