@@ -284,6 +284,32 @@ def test_a_row_with_a_non_finite_gradient_adds_zero():
     assert relative_error(got, want) <= RTOL, method
 
 
+def test_dropout_keys_are_each_rows_in_both_passes():
+  """With rng_argnum, row j gets fold_in(key, j) (one micro-batch in all):
+  the norm pass and the weighted pass see the same dropout mask."""
+
+  def loss(p, example, key):
+    x, y = example
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    h = jnp.where(jax.random.bernoulli(key, 0.5, h.shape), h * 2, 0.0)
+    return jnp.sum((h @ p["w2"] + p["b2"] - y) ** 2)
+
+  params, batch, key = mlp_params(), mlp_batch(), jax.random.key(7)
+  keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(ROWS))
+  grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, batch, keys)
+  norms = jnp.sqrt(
+    sum(jnp.sum(g.reshape(ROWS, -1) ** 2, 1) for g in jax.tree.leaves(grads))
+  )
+  clip = float(jnp.median(norms))
+  factor = jnp.minimum(1.0, clip / norms)
+  want = jax.tree.map(lambda g: jnp.tensordot(factor, g, axes=(0, 0)), grads)
+  fun = jaxaccum.grad(
+    loss, 1, normalize="sum", rng_argnum=2, clip_per_example=clip, clip_method="ghost"
+  )
+  got = jax.jit(fun)(params, batch, key)
+  assert relative_error(got, want) <= RTOL
+
+
 def test_linen_model_unchanged():
   class Tagger(nn.Module):
     @nn.compact
