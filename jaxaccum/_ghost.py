@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from jaxaccum import _normalize
+from jaxaccum import _compat, _normalize
 
 PyTree = Any
 
@@ -513,7 +513,7 @@ def clipped_sum(
   traced = _trace(per_example, leaves, example)
   _warn_fallbacks(traced, diff)
   taps = {
-    n: jnp.zeros((rows, *s.shape), s.dtype)
+    n: _rows_like_batch(jnp.zeros((rows, *s.shape), s.dtype), batch_leaves)
     for n, s in ((n, _tap_shape(traced.uses[n], k)) for n, k in traced.plan.items())
   }
   forward = _forward(traced)
@@ -529,7 +529,7 @@ def clipped_sum(
   # then: the peak is one pass's), on rows where each row not kept is
   # replaced by a kept one: its weight 0 then multiplies finite numbers.
   index = jnp.where(kept, jnp.arange(rows), jnp.argmax(kept))
-  batch = [jnp.take(x, index, axis=0) for x in batch_leaves]
+  batch = [_take_rows(x, index) for x in batch_leaves]
   weighted = jax.vmap(lambda p, b: per_example(p, b)[0], in_axes=(None, 0))
   again, pull = jax.vjp(lambda p: weighted(p, batch), leaves)
   (grads,) = pull(factor.astype(again.dtype))
@@ -541,6 +541,25 @@ def clipped_sum(
     for g in grads
   ]
   return (losses, rest), tuple(jax.tree.unflatten(diff_def, grads))
+
+
+def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """``x[index]``, laid out as ``x`` on an Explicit mesh."""
+  spec = _compat.explicit_spec(x)
+  if spec is None:
+    return jnp.take(x, index, axis=0)
+  return x.at[index].get(out_sharding=spec)
+
+
+def _rows_like_batch(x: jax.Array, batch_leaves: list[Any]) -> jax.Array:
+  """``x`` with its rows sharded as the batch's, on an Explicit mesh (where
+  ``vmap``'s mapped inputs must agree)."""
+  for leaf in batch_leaves:
+    spec = _compat.explicit_spec(leaf)
+    if spec is not None and len(spec) and spec[0] is not None:
+      row = jax.sharding.PartitionSpec(spec[0], *([None] * (x.ndim - 1)))
+      return jax.sharding.reshard(x, row)
+  return x
 
 
 def _forward(traced: _Traced) -> Callable[..., Any]:

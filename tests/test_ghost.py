@@ -362,10 +362,12 @@ def test_nnx_model_unchanged():
   assert relative_error(jax.tree.leaves(got), jax.tree.leaves(want)) <= RTOL
 
 
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_mesh_ghost_equals_reference(fsdp):
+@pytest.mark.parametrize(
+  "fsdp, view", [(False, "device"), (True, "device"), (True, "global")]
+)
+def test_mesh_ghost_equals_reference(fsdp, view):
   """On an 8-device mesh=, with the MLP's hidden units sharded over "fsdp"
-  or replicated, each device's ghost clipping equals the reference."""
+  or replicated, in either view, ghost clipping equals the reference."""
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
   axes = ("data", "fsdp")
   params, batch = (
@@ -390,6 +392,7 @@ def test_mesh_ghost_equals_reference(fsdp):
     clip_method="ghost",
     mesh=mesh,
     data_axis=axes,
+    view=view,
   )
   got = jax.jit(fun)(params, put(batch, P(axes)))
   assert relative_error(got, want) <= RTOL
