@@ -336,21 +336,24 @@ def test_linen_model_unchanged():
   assert caught == []
 
 
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(5, 7, rngs=rngs)
+    self.norm = nnx.LayerNorm(7, rngs=rngs)
+    self.b = nnx.Linear(7, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(jnp.tanh(self.norm(self.a(x))))
+
+
+def nnx_loss(model, example):
+  x, y = example
+  return jnp.sum((model(x) - y) ** 2)
+
+
 def test_nnx_model_unchanged():
-  class Net(nnx.Module):
-    def __init__(self, rngs):
-      self.a = nnx.Linear(5, 7, rngs=rngs)
-      self.norm = nnx.LayerNorm(7, rngs=rngs)
-      self.b = nnx.Linear(7, 3, rngs=rngs)
-
-    def __call__(self, x):
-      return self.b(jnp.tanh(self.norm(self.a(x))))
-
-  def loss(model, example):
-    x, y = example
-    return jnp.sum((model(x) - y) ** 2)
-
-  model = Net(nnx.Rngs(0))
+  loss = nnx_loss
+  model = NnxNet(nnx.Rngs(0))
   batch = mlp_batch()
   graphdef, state = nnx.split(model, nnx.Param)
   clip = median_clip(lambda s, e: loss(nnx.merge(graphdef, s), e), state, batch)
@@ -360,6 +363,24 @@ def test_nnx_model_unchanged():
   )
   got = nnx.jit(fun)(model, batch)
   assert relative_error(jax.tree.leaves(got), jax.tree.leaves(want)) <= RTOL
+
+
+def test_nnx_train_step_with_noise_equals_vmap():
+  """jaxaccum.nnx.make_train_step with dp_noise and a mask: the model after
+  one ghost step equals the model after one vmap step."""
+  batch = mlp_batch()
+  mask = (jnp.arange(ROWS) < 13).astype(jnp.float32)
+  after = {}
+  for method in ("vmap", "ghost"):
+    model = NnxNet(nnx.Rngs(0))
+    noise = jaxaccum.dp_noise(1.0, 0.5, jax.random.key(1), normalize="fixed")
+    optimizer = nnx.Optimizer(model, optax.chain(noise, optax.sgd(0.1)), wrt=nnx.Param)
+    step = jaxaccum.nnx.make_train_step(
+      nnx_loss, optimizer, 4, clip_per_example=0.5, clip_method=method
+    )
+    step(model, batch, example_mask=mask)
+    after[method] = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert relative_error(after["ghost"], after["vmap"]) <= RTOL
 
 
 @pytest.mark.parametrize(
