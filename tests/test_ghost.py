@@ -248,6 +248,24 @@ def test_parameter_used_twice_elementwise_sums_before_the_norm():
   assert relative_error(got, want) <= RTOL
 
 
+def test_dot_with_batch_dimensions_on_the_parameter():
+  """A per-head weight (``einsum("thd,hdk->thk")``: the head is a batch
+  dimension of the dot_general) and a token sequence: the norm is taken
+  per head and summed, exact."""
+
+  def loss(p, x):  # x: (T, HEADS, D)
+    return jnp.sum(jnp.tanh(jnp.einsum("thd,hdk->thk", x, p["w"])) ** 2)
+
+  r = np.random.default_rng(5)
+  params = {"w": jnp.asarray(r.normal(size=(HEADS, D, 3)), jnp.float32)}
+  batch = jnp.asarray(r.normal(size=(ROWS, T, HEADS, D)), jnp.float32)
+  clip = median_clip(loss, params, batch)
+  want, _ = reference(loss, params, batch, clip)
+  got, caught = ghost_sum(loss, params, batch, 2, clip)
+  assert relative_error(got, want) <= RTOL
+  assert caught == []
+
+
 # ---------------------------------------------------------------- composition
 
 
