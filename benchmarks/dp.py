@@ -2,7 +2,7 @@
 
 Usage::
 
-  python benchmarks/dp.py            # both parts; writes benchmarks/results/dp.json
+  python benchmarks/dp.py            # every part; writes benchmarks/results/dp.json
   python benchmarks/dp.py --quick    # small sizes, writes <tmp>/dp_quick.json
 
 Part 1, memory (compiled for an H100 that is not there, never run; the
@@ -18,6 +18,12 @@ on the whole batch) by bisection over the batch size, and with jaxaccum at a
 fixed micro-batch size (the peak is then the fixed step plus the batch's
 tokens, so the batch is found by a line through two compiled sizes and the
 answer compiled to check).
+
+Part 1b, ghost clipping's memory (``--part ghost``; compiled only, for the
+same H100 and transformer): one micro-batch of m = 8, 32 and 128 sequences
+(k = 1), the DP step's peak by ``clip_method="vmap"`` (``peak``) and by
+``"ghost"`` (``peak_ghost``), and the peak of the same step without privacy
+(a batch loss and Adam: ``peak_non_private``), in ``results["ghost"]``.
 
 Part 2, step time on this CPU, side by side: the same DP-SGD step (clipped
 sum, Gaussian noise, Adam) at equal logical batch, with jaxaccum
@@ -55,6 +61,7 @@ import pathlib
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -92,28 +99,69 @@ def dp_tx(expected: float) -> optax.GradientTransformation:
 
 
 def step_peak(
-  cfg: _models.TransformerConfig, target: Any, batch: int, k: int
+  cfg: _models.TransformerConfig,
+  target: Any,
+  batch: int,
+  k: int,
+  clip_method: str | None = "vmap",
 ) -> int | None:
   """Per-device peak of jaxaccum's DP step for ``batch`` sequences in ``k``
-  micro-batches on ``target``; None if XLA refuses it."""
+  micro-batches on ``target`` (``clip_method=None``: the same step without
+  privacy: a batch loss, Adam, no clipping, no noise); None if XLA refuses
+  it."""
   params = jax.eval_shape(lambda: _models.transformer_init(jax.random.key(0), cfg))
-  tx = dp_tx(float(batch))
+  tx = dp_tx(float(batch)) if clip_method else optax.adam(1e-4)
   opt_state = jax.eval_shape(tx.init, params)
   tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), jnp.int32)
   mask = jax.ShapeDtypeStruct((batch,), jnp.float32)
-  step = jaxaccum.make_train_step(example_loss(cfg), tx, k, clip_per_example=CLIP)
+  if clip_method is None:
+    step = jaxaccum.make_train_step(_models.make_transformer_loss(cfg), tx, k)
+    jitted = jax.jit(lambda p, s, t, m: step(p, s, t), donate_argnums=(0, 1))
+    return _peak(jitted, (params, opt_state, tokens, mask), target, batch, k)
+  step = jaxaccum.make_train_step(
+    example_loss(cfg), tx, k, clip_per_example=CLIP, clip_method=clip_method
+  )
   # The mask by position: a keyword ShapeDtypeStruct would be a static value.
   jitted = jax.jit(
     lambda p, s, t, m: step(p, s, t, example_mask=m), donate_argnums=(0, 1)
   )
+  return _peak(jitted, (params, opt_state, tokens, mask), target, batch, k)
+
+
+def _peak(
+  jitted: Any, args: tuple[Any, ...], target: Any, batch: int, k: int
+) -> int | None:
   try:
-    stats = jaxaccum.compiled_memory(
-      jitted, params, opt_state, tokens, mask, target=target
-    )
+    with warnings.catch_warnings():  # which leaves fall back is not a result
+      warnings.simplefilter("ignore", jaxaccum.GhostFallbackWarning)
+      stats = jaxaccum.compiled_memory(jitted, *args, target=target)
   except Exception as error:  # XLA's out-of-memory refusal, for one
     print(f"  batch {batch}, k={k}: not compiled ({str(error).splitlines()[0]})")
     return None
   return int(stats.peak_bytes)
+
+
+def ghost_part(preset: str, sizes: tuple[int, ...]) -> dict[str, Any]:
+  """One micro-batch of ``m`` sequences (k = 1) on the compile-only H100:
+  the DP step's peak by ``clip_method="vmap"`` (``peak``) and ``"ghost"``,
+  and the non-private step's."""
+  target = jaxaccum.compile_target("h100")
+  cfg = dataclasses.replace(_models.PRESETS[preset]["transformer"], dtype="float32")
+  assert isinstance(cfg, _models.TransformerConfig)
+  rows = []
+  for m in sizes:
+    row: dict[str, Any] = {"micro_batch_size": m}
+    for key, method in (
+      ("peak", "vmap"),
+      ("peak_ghost", "ghost"),
+      ("peak_non_private", None),
+    ):
+      start = time.perf_counter()
+      row[key] = step_peak(cfg, target, m, 1, method)
+      shown = "-" if row[key] is None else f"{row[key] / GB:.2f} GB"
+      print(f"  H100, m={m:>3}, {key}: {shown} ({time.perf_counter() - start:.0f} s)")
+    rows.append(row)
+  return {"target": target.title, "model": cfg.describe(), "rows": rows}
 
 
 def largest_whole_batch(
@@ -416,7 +464,40 @@ def time_table(results: dict[str, Any]) -> str:
 
 #: The generated blocks this file writes from ``dp.json``, by name
 #: (``_report.py`` puts each on its page).
-BLOCKS = {"dp memory": memory_table, "dp time": time_table}
+def ghost_table(results: dict[str, Any]) -> str:
+  ghost = results["ghost"]
+  budget = results["memory"]["memory_bytes"]
+  lines = [
+    f'Ghost clipping (`clip_method="ghost"`) against per-example gradients '
+    f'(`"vmap"`, the default) and the step without privacy: one micro-batch of '
+    f"m sequences (k = 1), the same transformer, compiled for {ghost['target']}, "
+    "per-device peak. A peak marked * is above the "
+    f"{_report.gib(budget, 0)} GiB the device has: compiled, it would not run. "
+    "A dash: XLA refused it.",
+    "",
+  ]
+
+  def gib(b):
+    return "–" if b is None else _report.gib(b, 1) + ("*" if b > budget else "")
+
+  rows = [
+    (
+      r["micro_batch_size"],
+      gib(r["peak"]),
+      gib(r["peak_ghost"]),
+      gib(r["peak_non_private"]),
+      "–"
+      if r["peak_ghost"] is None or r["peak_non_private"] is None
+      else f"{r['peak_ghost'] / r['peak_non_private']:.2f}×",
+    )
+    for r in ghost["rows"]
+  ]
+  header = ("m", "vmap, GiB", "ghost, GiB", "non-private, GiB", "ghost / non-private")
+  lines.append(_report.table(header, rows))
+  return "\n".join(lines)
+
+
+BLOCKS = {"dp memory": memory_table, "dp ghost": ghost_table, "dp time": time_table}
 
 
 # ---------------------------------------------------------------- main
@@ -428,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", type=pathlib.Path, default=None)
   parser.add_argument(
     "--part",
-    choices=("both", "time", "memory"),
+    choices=("both", "time", "memory", "ghost"),
     default="both",
     help="measure one part and keep the other from the existing JSON",
   )
@@ -444,9 +525,10 @@ def main(argv: list[str] | None = None) -> int:
   name = "dp_quick.json" if quick else "dp.json"
   path = out / name
   results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+  if args.part in ("both", "time"):  # the machine the times come from
+    results["machine"] = f"{os.cpu_count()}-core {_report.cpu_model()}"
   results.update(
     date=datetime.date.today().isoformat(),
-    machine=f"{os.cpu_count()}-core {_report.cpu_model()}",
     versions={
       p: importlib.metadata.version(p) for p in ("jax", "jax-privacy", "optax")
     },
@@ -465,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
       "gpu-quick" if quick else "gpu",
       (1, 4) if quick else (1, 2, 4, 8, 16, 64),
       search=not quick,
+    )
+  if args.part in ("both", "ghost"):
+    print("Part 1b: ghost clipping's memory on a compile-only H100")
+    results["ghost"] = ghost_part(
+      "gpu-quick" if quick else "gpu", (8,) if quick else (8, 32, 128)
     )
   path.write_text(json.dumps(results, indent=1) + "\n")
   print(f"wrote {path}")

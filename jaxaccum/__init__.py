@@ -27,7 +27,9 @@ The public surface:
   :func:`critical_batch_size`: is the larger effective batch worth it?
 - :func:`dynamic_loss_scale`: float16 loss scaling, adjusted per window.
 - Differentially private training (DP-SGD): ``clip_per_example=`` of
-  :func:`value_and_grad` clips each example's gradient; :func:`dp_noise`
+  :func:`value_and_grad` clips each example's gradient (``clip_method=
+  "ghost"`` without per-example gradients, :class:`GhostFallbackWarning`
+  naming the leaves that still need one); :func:`dp_noise`
   adds the noise once per logical batch; :class:`PoissonSampler` draws
   batches at one padded size; :func:`dp_epsilon` accounts with
   ``dp-accounting``.
@@ -43,6 +45,7 @@ from jaxaccum._aux import merge_micro_batches as merge_micro_batches
 from jaxaccum._checks import SharedArgumentWarning as SharedArgumentWarning
 from jaxaccum._equivalence import Deviation as Deviation
 from jaxaccum._equivalence import verify_equivalence as verify_equivalence
+from jaxaccum._ghost import GhostFallbackWarning as GhostFallbackWarning
 from jaxaccum._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxaccum._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from jaxaccum._memory import MemoryStats as MemoryStats
@@ -87,6 +90,7 @@ __all__ = [
   "DPNoiseState",
   "Deviation",
   "DynamicLossScale",
+  "GhostFallbackWarning",
   "GradientNoise",
   "MemoryStats",
   "MicroBatchPlan",

@@ -249,6 +249,7 @@ class Engine:
         rng_argnum=o.rng_argnum,
         state_argnum=o.state_argnum,
         mask_argnum=o.example_mask,
+        clip_method=o.clip_method,
       )
       assemble = self._call_args(args, total)
 

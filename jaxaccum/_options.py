@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _aux, _normalize
+from jaxaccum import _aux, _ghost, _normalize
 
 PyTree = Any
 
@@ -103,6 +103,7 @@ class Options:
   clip_per_example: float | None = None
   public_argnums: tuple[int, ...] = ()
   clip_record: bool = False
+  clip_method: str = "vmap"
   tree_grads: bool = True
   names: ArgNames = ArgNames()
   example_mask: int | None = None
@@ -243,6 +244,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     _check_clip_compatible(state_argnum, bool(get("noise_stats")))
   clip_record = bool(get("clip_record"))
   _check_clip_record(clip_record, clip, argnums)
+  clip_method = _check_clip_method(get("clip_method"), clip)
   if get("param_specs") is not None and mesh is None:
     raise ValueError("param_specs is for the data-parallel path; pass mesh= too.")
   if kwargs.get("view", "device") != "device" and mesh is None:
@@ -271,6 +273,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     clip_per_example=clip,
     public_argnums=public,
     clip_record=clip_record,
+    clip_method=clip_method,
     tree_grads=isinstance(argnums, numbers.Integral),
   )
   # Positions that are all counted from the front can be checked now.
@@ -334,6 +337,18 @@ def check_clip_norm(name: str, value: Any) -> float | None:
       "the examples' gradient norms (e.g. their median), such as 1.0."
     )
   return float(value)
+
+
+def _check_clip_method(clip_method: Any, clip: float | None) -> str:
+  """``clip_method``, checked: one of the methods, and ``"ghost"`` only with
+  ``clip_per_example``."""
+  method = _ghost.check_method(clip_method)
+  if method != "vmap" and clip is None:
+    raise ValueError(
+      f"{clip_method=} says how each example's gradient is clipped; it needs "
+      "clip_per_example=C (the norm to clip to)."
+    )
+  return method
 
 
 def _check_clip_compatible(state_argnum: int | None, noise_stats: bool) -> None:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum import _compat, _normalize, _split, _tree
+from jaxaccum import _compat, _ghost, _normalize, _split, _tree
 
 PyTree = Any
 
@@ -77,6 +77,7 @@ def clipped_value_and_grad(
   rng_argnum: int | None = None,
   state_argnum: int | None = None,
   mask_argnum: int | None = None,
+  clip_method: str = "vmap",
 ) -> Callable[..., Any]:
   """``jax.value_and_grad(loss_fn, argnums, has_aux=True)`` over a
   micro-batch, with each example's gradient clipped to L2 norm
@@ -90,7 +91,8 @@ def clipped_value_and_grad(
   aux stacked over the rows, the state unchanged, and the sum of the kept
   rows' clipped gradients in (at least) ``accum_dtype``. A row is kept when
   its mask is non-zero and its gradient is finite; row ``j`` gets the key
-  ``fold_in(key, j)``.
+  ``fold_in(key, j)``. ``clip_method="ghost"`` computes the same sum
+  without per-example gradients (:func:`jaxaccum._ghost.clipped_sum`).
   """
   changed: list[int] = []
 
@@ -124,10 +126,21 @@ def clipped_value_and_grad(
         for a, axis in zip(args, in_axes, strict=True)
       ]
     changed.clear()
-    (loss, (weight, aux, _)), grads = jax.vmap(grad_fn, in_axes=tuple(in_axes))(*args)
-    _check_state_kept(sum(changed), len(jax.tree.leaves(state)))
     present = jnp.ones((rows,), bool) if mask is None else mask != 0
-    clipped, _ = clip_and_sum(grads, clip_norm, present, accum_dtype)
+    if clip_method == "ghost":
+      (loss, (weight, aux, _)), clipped = _ghost.clipped_sum(
+        per_example_loss,
+        args,
+        argnums=argnums,
+        in_axes=in_axes,
+        present=present,
+        clip_norm=clip_norm,
+        accum_dtype=accum_dtype,
+      )
+    else:
+      (loss, (weight, aux, _)), grads = jax.vmap(grad_fn, in_axes=tuple(in_axes))(*args)
+      clipped, _ = clip_and_sum(grads, clip_norm, present, accum_dtype)
+    _check_state_kept(sum(changed), len(jax.tree.leaves(state)))
 
     def kept_sum(v):
       which = _rows_like(present, v)

@@ -59,6 +59,7 @@ def value_and_grad(
   clip_per_example: float | None = None,
   public_argnums: int | Sequence[int] = (),
   clip_record: bool = False,
+  clip_method: str = "vmap",
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -249,6 +250,15 @@ def value_and_grad(
       examples, the clip norm and ``normalize``), which
       :func:`jaxaccum.accumulate` takes in place of the gradient and needs
       when its inner optimizer holds :func:`jaxaccum.dp_noise`.
+    clip_method: how ``clip_per_example`` computes the clipped sum:
+      ``"vmap"`` (the default) takes each example's gradient (one ``vmap``
+      of ``grad``); ``"ghost"`` gives the same sum without them, from each
+      parameter's uses in the traced program and a second, per-example
+      weighted backward pass (ghost clipping). A leaf used other than by a
+      matrix product, a row gather (embedding) or an elementwise operation
+      gets its own per-example gradient, named in a
+      ``jaxaccum.GhostFallbackWarning`` at trace time. See
+      ``docs/privacy.md``.
 
   Returns:
     A function of the same arguments as ``fun`` that returns

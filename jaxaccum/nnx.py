@@ -94,6 +94,7 @@ def value_and_grad(
   clip_per_example: float | None = None,
   public_argnums: int | Sequence[int] = (),
   clip_record: bool = False,
+  clip_method: str = "vmap",
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -145,6 +146,8 @@ def value_and_grad(
       for a loop of your own, ``optimizer.update(model, record.grads,
       clip_record=record)`` with :func:`jaxaccum.dp_noise` first in the
       optimizer (or :func:`jaxaccum.nnx.make_train_step`, which does it).
+    clip_method: ``"vmap"`` or ``"ghost"``, as in
+      :func:`jaxaccum.value_and_grad`.
 
   Returns:
     A function ``(*args, **kwargs) -> (value, grads)`` (or

@@ -1,0 +1,578 @@
+"""Ghost clipping: DP-SGD's clipped sum without per-example gradients.
+
+``clip_method="ghost"`` computes the same thing as the default
+``clip_method="vmap"`` (:func:`jaxaccum._privacy.clipped_value_and_grad`):
+the sum over a micro-batch of each example's gradient scaled to L2 norm at
+most ``C``. It reads each example's gradient *norm* from the traced program
+instead of materializing the gradient, in three steps:
+
+1. **Trace.** ``fun`` on one example is traced to a jaxpr; each
+   differentiated leaf is followed through the operations that only view it
+   (reshape, transpose, cast, broadcast, nested ``jit``), and each other
+   operation that reads it is a *use*.
+2. **Tap.** The jaxpr is evaluated for every example (``vmap``) with a zero
+   *tap* added at each use, and one backward pass gives each tap's
+   cotangent per example:
+
+   - a ``dot_general`` between the leaf and an activation ``a`` (a dense
+     layer, an attention projection): the tap is on the product's output,
+     whose cotangent ``g`` gives the norm of ``a``'s and ``g``'s product,
+     ``sum_{s,t} <a_s, a_t><g_s, g_t>`` over the example's tokens (the Gram
+     form), or that product itself where it is smaller (``2 S^2 > C F``,
+     chosen per use as Bu et al. 2022's book-keeping does);
+   - a ``gather`` of whole rows (an embedding lookup): the tap is on the
+     rows gathered, ``sum_{s,t} [row_s = row_t] <g_s, g_t>``;
+   - any other use (a bias add, a LayerNorm scale, a convolution kernel), and
+     every use of a leaf used more than once: the tap is on the operand the
+     use reads, whose cotangent is that use's per-example gradient, summed
+     back to the leaf's shape. For an elementwise use it is as large as the
+     activation it meets; for another use (a convolution, a ``scan``), or a
+     leaf used more than once with a ``dot_general`` or a ``gather`` among its
+     uses, it is the leaf's per-example gradient (the ``"vmap"`` cost, for
+     that leaf only). Such leaves are named in a
+     :class:`GhostFallbackWarning` at trace time.
+3. **Weigh.** The squared norms are summed over the leaves, and a second
+   forward and backward pass of ``fun`` over the rows, with example ``i``'s
+   loss weighted by ``min(1, C / norm_i)`` (0 for a masked or non-finite
+   row), gives the clipped sum. The first pass's activations are dead by
+   then, so the peak is one pass's (plus the taps' cotangents, as large as
+   the activations they meet), at the price of a second forward pass. In the
+   second pass each row that is not kept is replaced by a kept one, so that
+   its weight 0 multiplies finite numbers and it adds exactly zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+from jaxaccum import _compat, _normalize
+
+PyTree = Any
+
+#: Operations that only move, cast or repeat a parameter's entries: a
+#: parameter seen through them is still that parameter.
+VIEWS = frozenset(
+  {
+    "reshape",
+    "transpose",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "squeeze",
+    "expand_dims",
+    "broadcast_in_dim",
+    "sharding_constraint",
+  }
+)
+
+#: Views whose gradient has the parameter's norm (no broadcast: a broadcast
+#: sums its gradient back, which changes the norm).
+_NORM_KEEPING = VIEWS - {"broadcast_in_dim"}
+
+#: Calls whose body is evaluated inline, so that a parameter passed in is
+#: followed to its uses.
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"}
+
+#: Uses whose per-example gradient is as large as the activation they meet.
+ELEMENTWISE = frozenset(
+  {"add", "add_any", "sub", "mul", "div", "max", "min", "neg", "select_n"}
+)
+
+METHODS = ("vmap", "ghost")
+
+
+class GhostFallbackWarning(UserWarning):
+  """``clip_method="ghost"`` computes a per-example gradient for some leaves:
+  each is used by an operation other than a ``dot_general``, a ``gather`` of
+  rows or an elementwise operation (a convolution, a ``scan``), or is used
+  more than once with a ``dot_general`` or ``gather`` among its uses. The
+  result is exact; those leaves cost what ``clip_method="vmap"`` costs."""
+
+
+class View(NamedTuple):
+  """One view of a parameter: the operation and its input's shape."""
+
+  primitive: str
+  params: dict[str, Any]
+  in_shape: tuple[int, ...]
+
+
+class Tag(NamedTuple):
+  """A value that views the differentiated leaf ``leaf`` through ``chain``."""
+
+  leaf: int
+  chain: tuple[View, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+  """One operation that reads a parameter (through views).
+
+  Attributes:
+    leaf: the index of the differentiated leaf.
+    kind: ``"dot"``, ``"gather"`` or ``"input"`` (see the module docstring).
+    eqn: the jaxpr equation.
+    position: which operand of ``eqn`` views the leaf.
+    tag: the leaf and its views.
+    aval: the per-example shape and dtype of the operand (or output) that
+      views the leaf.
+  """
+
+  leaf: int
+  kind: str
+  eqn: Any
+  position: int
+  tag: Tag
+  aval: jax.ShapeDtypeStruct
+
+  @property
+  def primitive(self) -> str:
+    return self.eqn.primitive.name if self.eqn is not None else "output"
+
+
+def check_method(clip_method: Any) -> str:
+  """``clip_method``, checked.
+
+  >>> check_method("ghosts")
+  Traceback (most recent call last):
+  ValueError: Unknown clip_method='ghosts'; choose one of ['vmap', 'ghost'].
+  """
+  if not isinstance(clip_method, str) or clip_method not in METHODS:
+    raise ValueError(f"Unknown {clip_method=}; choose one of {list(METHODS)}.")
+  return clip_method
+
+
+# ---------------------------------------------------------------- the walk
+
+
+class _Walk:
+  """Evaluates a per-example jaxpr, following the parameters to their uses.
+
+  With ``plan=None`` it only records the uses (``values`` are not computed);
+  with a plan (use number -> kind) it adds ``taps[n]`` at use ``n`` and keeps
+  what the norms need in ``saved``.
+  """
+
+  def __init__(self, plan: dict[int, str] | None = None, taps: Any = None):
+    self.plan = plan
+    self.taps = taps
+    self.uses: list[Use] = []
+    self.saved: dict[int, jax.Array] = {}
+
+  def run(
+    self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tags: Sequence[Any]
+  ):
+    env: dict[Any, Any] = {}
+    tag_env: dict[Any, Tag] = {}
+
+    def read(v):
+      return v.val if isinstance(v, jex_core.Literal) else env.get(v)
+
+    def read_tag(v):
+      return None if isinstance(v, jex_core.Literal) else tag_env.get(v)
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+      env[v] = x
+    for v, x, t in zip(jaxpr.invars, args, tags, strict=True):
+      env[v] = x
+      if t is not None:
+        tag_env[v] = t
+    for eqn in jaxpr.eqns:
+      outs, out_tags = self.eqn(
+        eqn, [read(v) for v in eqn.invars], [read_tag(v) for v in eqn.invars]
+      )
+      for v, x, t in zip(eqn.outvars, outs, out_tags, strict=True):
+        env[v] = x
+        if t is not None:
+          tag_env[v] = t
+    return [read(v) for v in jaxpr.outvars], [read_tag(v) for v in jaxpr.outvars]
+
+  def bind(self, eqn: Any, invals: list[Any]) -> list[Any]:
+    if self.plan is None:
+      return [None] * len(eqn.outvars)
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+  def eqn(self, eqn: Any, invals: list[Any], intags: list[Tag | None]):
+    name = eqn.primitive.name
+    if all(t is None for t in intags):
+      return self.bind(eqn, invals), [None] * len(eqn.outvars)
+    if name in VIEWS and intags[0] is not None and all(t is None for t in intags[1:]):
+      view = View(name, dict(eqn.params), tuple(eqn.invars[0].aval.shape))
+      tag = Tag(intags[0].leaf, (*intags[0].chain, view))
+      return self.bind(eqn, invals), [tag]
+    if name in _CALLS:
+      inner = eqn.params[_CALLS[name]]
+      return self.run(inner.jaxpr, inner.consts, invals, intags)
+    return self.use(eqn, invals, intags)
+
+  def use(self, eqn: Any, invals: list[Any], intags: list[Tag | None]):
+    kind = _kind(eqn, intags)
+    numbers = []
+    for position, tag in enumerate(intags):
+      if tag is not None:
+        numbers.append(len(self.uses))
+        aval = eqn.invars[position].aval
+        shape = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        self.uses.append(Use(tag.leaf, kind, eqn, position, tag, shape))
+    if self.plan is None:
+      return self.bind(eqn, invals), [None] * len(eqn.outvars)
+    invals = list(invals)
+    for n in numbers:
+      if self.plan[n] == "input":
+        p = self.uses[n].position
+        invals[p] = jax.lax.add(
+          invals[p], self.taps[n].astype(jnp.result_type(invals[p]))
+        )
+    outs = self.bind(eqn, invals)
+    if kind != "input" and self.plan[numbers[0]] != "input":
+      (n,) = numbers
+      outs[0] = jax.lax.add(outs[0], self.taps[n].astype(outs[0].dtype))
+      self.saved[n] = _saved(self.uses[n], invals)
+    return outs, [None] * len(eqn.outvars)
+
+  def output(self, value: Any, tag: Tag, aval: Any) -> Any:
+    """A parameter (view) that is itself ``fun``'s loss."""
+    n = len(self.uses)
+    shape = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    self.uses.append(Use(tag.leaf, "input", None, 0, tag, shape))
+    if self.plan is None:
+      return value
+    return jax.lax.add(value, self.taps[n].astype(jnp.result_type(value)))
+
+
+def _kind(eqn: Any, intags: list[Tag | None]) -> str:
+  """``"dot"``, ``"gather"`` or ``"input"`` for a use of a parameter."""
+  tagged = [p for p, t in enumerate(intags) if t is not None]
+  if len(tagged) != 1:
+    return "input"
+  tag = intags[tagged[0]]
+  assert tag is not None
+  if not all(v.primitive in _NORM_KEEPING for v in tag.chain):
+    return "input"
+  name = eqn.primitive.name
+  if name == "dot_general" and tagged[0] in (0, 1):
+    return "dot"
+  if name == "gather" and tagged == [0] and _is_row_gather(eqn):
+    return "gather"
+  return "input"
+
+
+def _is_row_gather(eqn: Any) -> bool:
+  """The gather takes whole rows of its operand (an embedding lookup)."""
+  dims = eqn.params["dimension_numbers"]
+  shape = eqn.invars[0].aval.shape
+  return (
+    tuple(dims.collapsed_slice_dims) == (0,)
+    and tuple(dims.start_index_map) == (0,)
+    and not tuple(dims.operand_batching_dims)
+    and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
+  )
+
+
+def _saved(use: Use, invals: list[Any]) -> jax.Array:
+  """What the norm of a tapped ``dot`` or ``gather`` needs besides the
+  output's cotangent: the activation, or the row each output slice took."""
+  if use.kind == "dot":
+    return invals[1 - use.position]
+  operand = use.eqn.invars[0].aval
+  rows = jax.lax.broadcasted_iota(jnp.float32, operand.shape, 0)
+  params = use.eqn.primitive.get_bind_params(use.eqn.params)
+  params = {**params, "fill_value": None}
+  return use.eqn.primitive.bind(rows, invals[1], **params)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def plan_uses(uses: list[Use], num_leaves: int) -> dict[int, str]:
+  """Each use's tap: its own kind for a leaf used once, ``"input"`` for
+  every use of a leaf used more than once (their gradients add up before
+  the norm)."""
+  count = [0] * num_leaves
+  for u in uses:
+    count[u.leaf] += 1
+  return {n: (u.kind if count[u.leaf] == 1 else "input") for n, u in enumerate(uses)}
+
+
+def fallbacks(uses: list[Use], plan: dict[int, str]) -> dict[int, str]:
+  """The leaves whose per-example gradient is computed, with the reason."""
+  out: dict[int, str] = {}
+  for n, u in enumerate(uses):
+    if plan[n] != "input":
+      continue
+    if u.kind != "input":
+      used = sum(1 for v in uses if v.leaf == u.leaf)
+      out.setdefault(u.leaf, f"used {used} times, by {u.primitive} among others")
+    elif u.primitive not in ELEMENTWISE:
+      out.setdefault(u.leaf, f"used by {u.primitive}")
+  return out
+
+
+def _tap_shape(use: Use, kind: str) -> jax.ShapeDtypeStruct:
+  """The per-example shape and dtype of a use's tap: the operand's for an
+  ``"input"`` tap, the output's for the others."""
+  if kind == "input":
+    return use.aval
+  aval = use.eqn.outvars[0].aval
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+# ---------------------------------------------------------------- the norms
+
+
+def _dot_sq(use: Use, a: jax.Array, g: jax.Array) -> jax.Array:
+  """Per-example squared norm of a ``dot_general``'s parameter gradient,
+  from the activation ``a`` and the output's cotangent ``g`` (each with a
+  leading example axis)."""
+  (lc, rc), (lb, rb) = use.eqn.params["dimension_numbers"]
+  a_is_lhs = use.position == 1
+  ac, ab = (lc, lb) if a_is_lhs else (rc, rb)
+  wc, wb = (rc, rb) if a_is_lhs else (lc, lb)
+  a_free = [d for d in range(a.ndim - 1) if d not in ac and d not in ab]
+  w_ndim = use.eqn.invars[use.position].aval.ndim
+  w_free = [d for d in range(w_ndim) if d not in wc and d not in wb]
+  nb, ns, nf = len(ab), len(a_free), len(w_free)
+  # The output is (batch, lhs free, rhs free).
+  batch = list(range(nb))
+  s_out = list(range(nb, nb + ns)) if a_is_lhs else list(range(nb + nf, nb + nf + ns))
+  f_out = list(range(nb + ns, nb + ns + nf)) if a_is_lhs else list(range(nb, nb + nf))
+  m = a.shape[0]
+  size = lambda dims, shape: math.prod(shape[d] for d in dims)  # noqa: E731
+  a_shape, g_shape = a.shape[1:], g.shape[1:]
+  B, S = size(ab, a_shape), size(a_free, a_shape)
+  C, F = size(ac, a_shape), size(f_out, g_shape)
+  perm_a = [0] + [1 + d for d in (*ab, *a_free, *ac)]
+  perm_g = [0] + [1 + d for d in (*batch, *s_out, *f_out)]
+  a = jnp.transpose(a, perm_a).reshape(m, B, S, C).astype(jnp.float32)
+  g = jnp.transpose(g, perm_g).reshape(m, B, S, F).astype(jnp.float32)
+  hi = jax.lax.Precision.HIGHEST
+  if 2 * S * S <= C * F:  # the Gram form
+    gram_a = jnp.einsum("mbsc,mbtc->mbst", a, a, precision=hi)
+    gram_g = jnp.einsum("mbsf,mbtf->mbst", g, g, precision=hi)
+    return jnp.sum(gram_a * gram_g, axis=(1, 2, 3))
+  grad = jnp.einsum("mbsc,mbsf->mbcf", a, g, precision=hi)
+  return jnp.sum(jnp.square(grad), axis=(1, 2, 3))
+
+
+def _gather_sq(use: Use, rows: jax.Array, g: jax.Array) -> jax.Array:
+  """Per-example squared norm of an embedding table's gradient, from the
+  row each output slice took and the output's cotangent ``g``."""
+  offset = tuple(use.eqn.params["dimension_numbers"].offset_dims)
+  m = g.shape[0]
+  index_dims = [d for d in range(g.ndim - 1) if d not in offset]
+  perm = [0] + [1 + d for d in (*index_dims, *offset)]
+  g = jnp.transpose(g, perm).astype(jnp.float32)
+  rows = jnp.transpose(rows, perm)
+  S = math.prod(g.shape[1 : 1 + len(index_dims)])
+  g = g.reshape(m, S, -1)
+  rows = rows.reshape(m, S, -1)[:, :, 0]
+  same = rows[:, :, None] == rows[:, None, :]
+  gram = jnp.einsum("msd,mtd->mst", g, g, precision=jax.lax.Precision.HIGHEST)
+  return jnp.sum(jnp.where(same, gram, jnp.zeros_like(gram)), axis=(1, 2))
+
+
+def _to_leaf(chain: tuple[View, ...], g: jax.Array) -> jax.Array:
+  """One example's gradient with respect to a view of a leaf, as the
+  gradient with respect to the leaf: each view undone, last first."""
+  g = g.astype(jnp.float32)
+  for view in reversed(chain):
+    if view.primitive == "transpose":
+      perm = view.params["permutation"]
+      g = jnp.transpose(g, [perm.index(d) for d in range(len(perm))])
+    elif view.primitive == "broadcast_in_dim":
+      kept = tuple(view.params["broadcast_dimensions"])
+      g = jnp.sum(g, axis=tuple(d for d in range(g.ndim) if d not in kept))
+      ones = tuple(j for j, n in enumerate(view.in_shape) if n == 1 and g.shape[j] != 1)
+      g = jnp.sum(g, axis=ones, keepdims=True)
+    g = g.reshape(view.in_shape)
+  return g
+
+
+def squared_norms(
+  uses: list[Use],
+  plan: dict[int, str],
+  tap_grads: dict[int, Any],
+  saved: dict[int, Any],
+  rows: int,
+) -> jax.Array:
+  """Each example's squared gradient norm over every differentiated leaf."""
+  total = jnp.zeros((rows,), jnp.float32)
+  by_leaf: dict[int, jax.Array] = {}
+  for n, u in enumerate(uses):
+    if plan[n] == "dot":
+      total = total + _dot_sq(u, saved[n], tap_grads[n])
+    elif plan[n] == "gather":
+      total = total + _gather_sq(u, saved[n], tap_grads[n])
+    else:
+      g = jax.vmap(lambda x, chain=u.tag.chain: _to_leaf(chain, x))(tap_grads[n])
+      by_leaf[u.leaf] = g if u.leaf not in by_leaf else by_leaf[u.leaf] + g
+  for g in by_leaf.values():
+    total = total + jnp.sum(jnp.square(g).reshape(rows, -1), axis=1)
+  return total
+
+
+# ---------------------------------------------------------------- the step
+
+
+class _Traced(NamedTuple):
+  """``fun`` on one example, traced, and what the walk found in it."""
+
+  jaxpr: Any  # a ClosedJaxpr of (parameter leaves, example leaves)
+  out_def: Any  # the treedef of (loss, (weight, aux, state))
+  tags: list[Tag | None]
+  uses: list[Use]
+  plan: dict[int, str]
+
+
+def _trace(
+  per_example: Callable[..., Any], leaves: list[Any], example: list[Any]
+) -> _Traced:
+  closed, out_shape = jax.make_jaxpr(per_example, return_shape=True)(leaves, example)
+  tags: list[Tag | None] = [Tag(i, ()) for i in range(len(leaves))]
+  tags += [None] * len(example)
+  walk = _Walk()
+  _run_top(walk, closed, [None] * len(tags), tags)
+  plan = plan_uses(walk.uses, len(leaves))
+  return _Traced(closed, jax.tree.structure(out_shape), tags, walk.uses, plan)
+
+
+def _run_top(
+  walk: _Walk, closed: Any, args: list[Any], tags: list[Tag | None]
+) -> list[Any]:
+  outs, out_tags = walk.run(closed.jaxpr, closed.consts, args, tags)
+  if out_tags and out_tags[0] is not None:  # the loss is a parameter
+    outs[0] = walk.output(outs[0], out_tags[0], closed.jaxpr.outvars[0].aval)
+  return outs
+
+
+def _warn_fallbacks(traced: _Traced, diff: Any) -> None:
+  """A :class:`GhostFallbackWarning` naming the leaves whose per-example
+  gradient is computed."""
+  found = fallbacks(traced.uses, traced.plan)
+  if not found:
+    return
+  paths = [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]
+  ]
+  named = "; ".join(f"args{paths[i]} ({why})" for i, why in sorted(found.items()))
+  warnings.warn(
+    f'clip_method="ghost" computes a per-example gradient for {len(found)} '
+    f'leaves, as clip_method="vmap" does: {named}. The result is exact; '
+    "only dot_general, gather (embedding) and elementwise uses of a leaf used "
+    "once are computed without one.",
+    GhostFallbackWarning,
+    stacklevel=2,
+  )
+
+
+def clipped_sum(
+  loss_fn: Callable[..., Any],
+  args: list[Any],
+  *,
+  argnums: tuple[int, ...],
+  in_axes: list[int | None],
+  present: jax.Array,
+  clip_norm: float,
+  accum_dtype: Any,
+) -> tuple[tuple[jax.Array, Any], tuple[PyTree, ...]]:
+  """The sum of the kept rows' clipped gradients, by ghost clipping.
+
+  ``loss_fn(*args)`` is ``fun`` on one example, returning ``(loss, rest)``;
+  the arguments with ``in_axes`` 0 hold one row per example, the others are
+  shared. Returns ``((losses, rest), grads)``: each row's loss and rest
+  (stacked), and a tuple (one per ``argnums``) of the clipped sums, in (at
+  least) ``accum_dtype``. A row is kept when ``present`` and its norm is
+  finite; the others add exactly zero.
+  """
+  diff = tuple(args[n] for n in argnums)
+  leaves, diff_def = jax.tree.flatten(diff)
+  batched = [n for n, axis in enumerate(in_axes) if axis == 0]
+  batch_leaves, batch_def = jax.tree.flatten([args[n] for n in batched])
+  rows = present.shape[0]
+
+  def per_example(param_leaves, example_leaves):
+    call = list(args)
+    for n, d in zip(argnums, jax.tree.unflatten(diff_def, param_leaves), strict=True):
+      call[n] = d
+    for n, b in zip(
+      batched, jax.tree.unflatten(batch_def, example_leaves), strict=True
+    ):
+      call[n] = b
+    return loss_fn(*call)
+
+  example = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in batch_leaves]
+  traced = _trace(per_example, leaves, example)
+  _warn_fallbacks(traced, diff)
+  taps = {
+    n: _rows_like_batch(jnp.zeros((rows, *s.shape), s.dtype), batch_leaves)
+    for n, s in ((n, _tap_shape(traced.uses[n], k)) for n, k in traced.plan.items())
+  }
+  forward = _forward(traced)
+  losses, tap_vjp, (rest, saved) = jax.vjp(
+    lambda t: forward(leaves, t, batch_leaves), taps, has_aux=True
+  )
+  (tap_grads,) = tap_vjp(jnp.ones_like(losses))
+  norm = jnp.sqrt(squared_norms(traced.uses, traced.plan, tap_grads, saved, rows))
+  kept = present & jnp.isfinite(norm)
+  clip = jnp.float32(clip_norm)
+  factor = jnp.where(kept, clip / jnp.maximum(norm, clip), jnp.float32(0))
+  # The second pass runs fun again (the first pass's activations are dead by
+  # then: the peak is one pass's), on rows where each row not kept is
+  # replaced by a kept one: its weight 0 then multiplies finite numbers.
+  index = jnp.where(kept, jnp.arange(rows), jnp.argmax(kept))
+  batch = [_take_rows(x, index) for x in batch_leaves]
+  weighted = jax.vmap(lambda p, b: per_example(p, b)[0], in_axes=(None, 0))
+  again, pull = jax.vjp(lambda p: weighted(p, batch), leaves)
+  (grads,) = pull(factor.astype(again.dtype))
+  some = jnp.any(kept)
+  grads = [
+    jnp.where(some, g, jnp.zeros_like(g)).astype(
+      _normalize.accumulator_dtype(accum_dtype, g)
+    )
+    for g in grads
+  ]
+  return (losses, rest), tuple(jax.tree.unflatten(diff_def, grads))
+
+
+def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """``x[index]``, laid out as ``x`` on an Explicit mesh."""
+  spec = _compat.explicit_spec(x)
+  if spec is None:
+    return jnp.take(x, index, axis=0)
+  return x.at[index].get(out_sharding=spec)
+
+
+def _rows_like_batch(x: jax.Array, batch_leaves: list[Any]) -> jax.Array:
+  """``x`` with its rows sharded as the batch's, on an Explicit mesh (where
+  ``vmap``'s mapped inputs must agree)."""
+  for leaf in batch_leaves:
+    spec = _compat.explicit_spec(leaf)
+    if spec is not None and len(spec) and spec[0] is not None:
+      row = jax.sharding.PartitionSpec(spec[0], *([None] * (x.ndim - 1)))
+      return jax.sharding.reshard(x, row)
+  return x
+
+
+def _forward(traced: _Traced) -> Callable[..., Any]:
+  """``(param_leaves, taps, batch_leaves) -> (losses, (rest, saved))`` over
+  every row: the tapped walk of the traced jaxpr, under ``vmap``."""
+
+  def one(param_leaves, example_leaves, example_taps):
+    walk = _Walk(traced.plan, example_taps)
+    outs = _run_top(walk, traced.jaxpr, [*param_leaves, *example_leaves], traced.tags)
+    loss, rest = jax.tree.unflatten(traced.out_def, outs)
+    return loss, (rest, walk.saved)
+
+  def forward(param_leaves, taps, batch_leaves):
+    return jax.vmap(one, in_axes=(None, 0, 0))(param_leaves, batch_leaves, taps)
+
+  return forward
