@@ -232,6 +232,7 @@ SCRIPTS = {
   "meshes": "meshes",
   "fsdp": "fsdp",
   "accelerator_memory": "accelerator_memory",
+  "accelerator_causes": "accelerator_memory",
   "input_pipeline": "_example_blocks",
   "autopilot": "_example_blocks",
   "readme_commands": "readme_commands",
@@ -245,6 +246,10 @@ MULTI_SOURCES = {
     "device": "input_pipeline_device",
     "pinned_host": "input_pipeline_pinned_host",
   },
+  "accelerator_causes": {
+    "sweep": "accelerator_memory",
+    "causes": "accelerator_memory_causes",
+  },
 }
 COMMANDS = {
   "step_time": "python benchmarks/step_time.py",
@@ -253,6 +258,7 @@ COMMANDS = {
   "meshes": "python benchmarks/meshes.py",
   "fsdp": "python benchmarks/fsdp.py",
   "accelerator_memory": "python benchmarks/accelerator_memory.py",
+  "accelerator_causes": "python benchmarks/accelerator_memory.py --causes",
   "input_pipeline": "python examples/input_pipeline.py",
   "autopilot": "python examples/autopilot.py --write-results",
   "readme_commands": "python benchmarks/readme_commands.py",

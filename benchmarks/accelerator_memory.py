@@ -41,6 +41,12 @@ script never fails on them):
 
 The last lines of the output are one JSON object per row. The results go to
 ``<out>/accelerator_memory[_quick].json`` and ``.png``.
+
+``--causes`` compiles instead the control steps that say why rows miss the
+first target, into ``<out>/accelerator_memory_causes.json``: on the TPU
+v5e, jaxaccum at ``k = 1`` with and without its finite check
+(``skip_nonfinite``) against the full-batch step, and the large MLP's
+jaxaccum step against a ``lax.scan`` written without jaxaccum.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -58,6 +64,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import dataclasses
 import datetime
+import functools
+import itertools
 import json
 import pathlib
 import platform
@@ -146,6 +154,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="the transformer's parameter and compute dtype (the MLPs stay float32)",
   )
   parser.add_argument("--no-plots", action="store_true")
+  parser.add_argument(
+    "--causes",
+    action="store_true",
+    help="compile the control steps of the rows that miss (see above) instead",
+  )
   return parser.parse_args(argv)
 
 
@@ -380,6 +393,99 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+# ---------------------------------------------------------------- the causes
+
+CAUSE_MODELS = ("dispatch_mlp", "compute_mlp")
+
+
+def hand_scan_step(loss: Any, tx: optax.GradientTransformation, k: int) -> Any:
+  """One Adam step over ``k`` micro-batches in a ``lax.scan`` written without
+  jaxaccum: the batch reshaped to ``(k, m, ...)``, a float32 accumulator, the
+  parameters closed over; jitted and donated like the other steps."""
+
+  def step(params, opt_state, batch):
+    micro = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+
+    def body(acc, mb):
+      value, grads = jax.value_and_grad(loss)(params, mb)
+      return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), value
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    acc, values = jax.lax.scan(body, zeros, micro)
+    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jnp.mean(values)
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def selected_step(loss: Any, tx: optax.GradientTransformation) -> Any:
+  """The full-batch step that keeps its update only if the loss and the
+  gradients are finite (``jnp.where``, as ``make_train_step`` does), written
+  without jaxaccum and without an optimization barrier."""
+
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    leaves = [value, *jax.tree.leaves(grads)]
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = functools.partial(jax.tree.map, lambda n, o: jnp.where(ok, n, o))
+    return keep(new_params, params), keep(new_state, opt_state), value
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def measure_causes(preset: str, dtype: str, ks: Sequence[int]) -> dict[str, Any]:
+  """The control steps on the TPU v5e (see the module's docstring)."""
+  tpu = jaxaccum.compile_target("tpu-v5e")
+  tx = optax.adam(1e-3)
+  k1 = []
+  for model_preset in dict.fromkeys(("cpu-quick", preset)):
+    for name in CAUSE_MODELS:
+      model = abstract_model(name, model_preset, dtype)
+      args = (model.params, jax.eval_shape(tx.init, model.params), model.batch)
+      steps = {
+        "full_peak": _approaches.full_batch_step(model.loss, tx),
+        "jaxaccum_peak": _approaches.JaxAccum(model, tx, 1).fn,
+        "no_skip_peak": _approaches.JaxAccumNoSkip(model, tx, 1).fn,
+        "select_peak": selected_step(model.loss, tx),
+      }
+      row = {"preset": model_preset, "model": name}
+      row |= {key: measure(step, args, tpu)["peak"] for key, step in steps.items()}
+      k1.append(row)
+      print(json.dumps(row), file=sys.stderr, flush=True)
+  model = abstract_model("compute_mlp", preset, dtype)
+  state = jax.eval_shape(tx.init, model.params)
+  scan = []
+  for k in ks:
+    if k < 2 or model.batch_size % k:
+      continue
+    steps = {
+      "jaxaccum_peak": _approaches.JaxAccum(model, tx, k).fn,
+      "no_skip_peak": _approaches.JaxAccumNoSkip(model, tx, k).fn,
+      "scan_peak": hand_scan_step(model.loss, tx, k),
+    }
+    row = {"k": k}
+    row |= {
+      key: measure(step, (model.params, state, model.batch), tpu)["peak"]
+      for key, step in steps.items()
+    }
+    scan.append(row)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+  return {
+    "target": {"name": tpu.name, "title": tpu.title},
+    "preset": preset,
+    "model": model.config.describe(),
+    "param_bytes": _approaches.tree_bytes(model.params),
+    "batch_bytes": {
+      key: _approaches.tree_bytes(leaf) for key, leaf in model.batch.items()
+    },
+    "k1": k1,
+    "scan": scan,
+  }
 
 
 # ---------------------------------------------------------------- the manual's blocks
@@ -618,13 +724,234 @@ def _accelerator_checks_bullet(results: dict[str, Any]) -> str:
   )
 
 
-#: The generated blocks this file writes from ``accelerator_memory.json``, by name
-#: (``_report.py`` puts each on its page).
+def kib(n: float) -> str:
+  return f"{n / 2**10:,.0f}"
+
+
+def size(n: float) -> str:
+  """``n`` bytes in KiB, or in MiB from 16 MiB on."""
+  return f"{mib(n)} MiB" if abs(n) >= 16 * 2**20 else f"{kib(n)} KiB"
+
+
+def _sweep_row(sweep: dict[str, Any], target: str, model: str, k: int) -> Any:
+  return next(
+    (
+      r
+      for r in sweep["rows"]
+      if (r["target"], r["model"], r["k"]) == (target, model, k)
+    ),
+    None,
+  )
+
+
+def accelerator_causes_rows(results: dict[str, Any]) -> str:
+  """Why rows miss the targets: the control steps of ``--causes`` and the
+  sweep's own columns, one bullet per cause."""
+  sweep, causes = results.get("sweep"), results.get("causes")
+  bullets = []
+  if causes:
+    bullets += [_k1_bullet(causes), _hoisting_bullet(causes, sweep)]
+  if sweep:
+    bullets += [
+      _activation_bullet(sweep),
+      _tpu_streaming_bullet(sweep),
+      _small_batch_bullet(sweep),
+    ]
+  return bullet_list(b for b in bullets if b)
+
+
+def _k1_bullet(causes: dict[str, Any]) -> str:
+  rows = [r for r in causes["k1"] if None not in (r["jaxaccum_peak"], r["full_peak"])]
+  same = sum(r["no_skip_peak"] == r["full_peak"] for r in rows)
+  below = sum(r["select_peak"] <= r["full_peak"] for r in rows)
+  described = [
+    f"the {ACCELERATOR_MODELS[r['model']]} of `{r['preset']}` "
+    f"{size(r['jaxaccum_peak'] - r['full_peak'])} "
+    f"({ratio(r['jaxaccum_peak'] / r['full_peak'])} × its peak)"
+    for r in rows
+  ]
+  return (
+    f"**k = 1 on the {causes['target']['title']}.** With one micro-batch "
+    "jaxaccum's step is the full-batch step plus `make_train_step`'s finite "
+    "check (`skip_nonfinite=True`: the update is kept only if the loss and "
+    "the gradients are finite). It compiles to more than the full-batch "
+    "step: "
+    + listing(described)
+    + ". With `skip_nonfinite=False` it compiles to the full-batch step's "
+    f"peak to the byte in {same} of {len(rows)} of these steps, and the same "
+    "select written by hand (`jnp.where(finite, new, old)` over the "
+    "parameters and the optimizer state, jitted and donated) stays at or "
+    f"below that peak in {below} of {len(rows)}. So no fixed buffer explains "
+    "the `--quick` small MLP's excess over its bound. The cause is "
+    "jaxaccum's: at k = 1, `make_train_step` puts the updated parameters and "
+    "optimizer state behind an optimization barrier before the select (so "
+    "that no gradient matmul waits for the all-finite flag; "
+    "`jaxaccum/_train_step.py`), which makes XLA materialize them next to "
+    "the old ones instead of updating the donated buffers in place. It grows "
+    "with the parameters and the optimizer state, not with the batch. "
+    "Not changed here: the barrier was added for a 1B Llama on 8 H100s, "
+    "where its absence cost more."
+  )
+
+
+def _hoisting_bullet(causes: dict[str, Any], sweep: dict[str, Any] | None) -> str:
+  rows = [r for r in causes["scan"] if r["jaxaccum_peak"] and r["scan_peak"]]
+  if not rows:
+    return ""
+  widths = causes["model"]["widths"]
+  weights = sum(a * b for a, b in itertools.pairwise(widths)) * 4
+  copies = weights // 2 + causes["batch_bytes"]["x"] // 2
+  text = (
+    f"**The large MLP on the {causes['target']['title']}, above its bound.** "
+    "Against a `lax.scan` written without jaxaccum (the same loss, a float32 "
+    "accumulator, Adam), jaxaccum's step holds (MiB) "
+    + by_k({r["k"]: r["no_skip_peak"] - r["scan_peak"] for r in rows}, mib)
+    + " more without its finite check (`skip_nonfinite=False`), and "
+    + by_k({r["k"]: r["jaxaccum_peak"] - r["scan_peak"] for r in rows}, mib)
+    + " more with it (at large k the peak moves after the loop, to the "
+    "update and its select)"
+  )
+  bounds = {}
+  for r in rows:
+    row = sweep and _sweep_row(sweep, "tpu-v5e", "compute_mlp", r["k"])
+    if row and row["bound"]:
+      bounds[r["k"]] = r["jaxaccum_peak"] - row["bound"]
+  if bounds:
+    text += "; it is (MiB) " + by_k(bounds, mib) + " above its bound"
+  return text + (
+    ". XLA's buffer assignment names the excess (at k = 4): a float32 matmul "
+    "at default precision runs in bfloat16 on the TPU, and in a loop XLA "
+    "hoists the conversions out of it, so that bfloat16 copies of the three "
+    "weight matrices and of the whole batch's inputs are carried through the "
+    f"loop: {mib(weights // 2)} + {mib(causes['batch_bytes']['x'] // 2)} = "
+    f"{mib(copies)} MiB. In one step the conversions fuse into the matmuls. "
+    "The cause is XLA's, not jaxaccum's; bfloat16 parameters leave nothing "
+    "to convert."
+  )
+
+
+def _activation(sweep: dict[str, Any], r: dict[str, Any]) -> int:
+  """One float32 activation of the widest hidden layer, for one micro-batch."""
+  widths = sweep["models"][r["model"]]["widths"]
+  return r["micro_batch_size"] * max(widths[1:-1]) * 4
+
+
+def _activation_bullet(sweep: dict[str, Any]) -> str:
+  rows = [
+    r
+    for r in sweep["rows"]
+    if r["target"] == "h100"
+    and r["model"] == "compute_mlp"
+    and r["k"] >= 2
+    and None not in (r["jaxaccum_peak"], r["streamed_peak"])
+  ]
+  if not rows:
+    return ""
+  saved = {r["k"]: r["jaxaccum_peak"] - r["streamed_peak"] for r in rows}
+  account = {
+    r["k"]: r["batch_bytes"] - r["micro_batch_bytes"] - _activation(sweep, r)
+    for r in rows
+  }
+  tolerance = 0.01 * rows[0]["batch_bytes"]
+  exact = sum(abs(saved[k] - account[k]) <= tolerance for k in saved)
+  return (
+    "**Streaming the large MLP on the H100, short of 0.9 × (batch − one "
+    "micro-batch).** The streamed step saves (MiB) "
+    + by_k(saved, mib)
+    + ". The batch less one micro-batch less one float32 activation of the "
+    "widest layer (micro-batch rows × "
+    f"{max(sweep['models']['compute_mlp']['widths'][1:-1]):,} × 4 bytes) is "
+    + by_k(account, mib)
+    + f": equal within 1% of the batch in {exact} of {len(rows)} rows. XLA's "
+    "buffer assignment (at k = 4) shows the streaming itself within its "
+    "budget: two micro-batches in device memory, the loop's carry and the "
+    "landing buffer of the asynchronous copy of the next one (the copy into "
+    "the carry reuses the carry's buffer; no host slice is copied whole and "
+    "no device copy of the batch is kept). The rest is the schedule: to "
+    "overlap the copy, XLA's GPU scheduler computes the last layer's weight "
+    "gradient at the end of the loop body instead of first, so the second "
+    "hidden activation stays live while the first one's gradient is written, "
+    "and the body needs one activation buffer more than the in-device step "
+    "(the large MLP's activation is two micro-batches wide at this width). "
+    "Tying the copy to the end of the backward pass keeps every "
+    "gradient alive at once and costs more. The fix is the scheduler's "
+    "(memory-aware scheduling below the device's capacity), not jaxaccum's."
+  )
+
+
+def _tpu_streaming_bullet(sweep: dict[str, Any]) -> str:
+  short = [
+    r
+    for r in sweep["rows"]
+    if r["target"] == "tpu-v5e"
+    and r["model"] == "compute_mlp"
+    and r["checks"]["streamed saves 0.9 x (batch - micro)"]["pass"] is False
+    and None not in (r["jaxaccum_peak"], r["streamed_peak"])
+  ]
+  if not short:
+    return ""
+  where = listing(
+    [
+      f"k = {r['k']}: {mib(r['jaxaccum_peak'] - r['streamed_peak'])} of "
+      f"{mib(0.9 * (r['batch_bytes'] - r['micro_batch_bytes']))} MiB"
+      for r in short
+    ]
+  )
+  return (
+    "**Streaming the large MLP on the TPU v5e, short of 0.9 ×** (saved of "
+    f"needed: {where}). Read at k = 2: no device copy of the batch; the "
+    "streamed step's peak falls where the TPU compiler's memory-space "
+    "assignment has copies between HBM and on-chip memory in flight "
+    "(`copy-start`: a micro-batch's logits and a buffer the size of the last "
+    "weight matrix), besides the two micro-batches; the in-device step's "
+    "peak holds no such copy. Not a jaxaccum buffer; not changed."
+  )
+
+
+def _small_batch_bullet(sweep: dict[str, Any]) -> str:
+  rows = [
+    r
+    for r in sweep["rows"]
+    if r["model"] != "compute_mlp"
+    and r["k"] >= 2
+    and None not in (r["jaxaccum_peak"], r["streamed_peak"])
+  ]
+  short = [
+    r for r in rows if not r["checks"]["streamed saves 0.9 x (batch - micro)"]["pass"]
+  ]
+  if not short:
+    return ""
+  need = max(r["batch_bytes"] - r["micro_batch_bytes"] for r in short)
+  diff = [r["streamed_peak"] - r["jaxaccum_peak"] for r in short]
+  where = listing(
+    [
+      f"the {ACCELERATOR_MODELS[r['model']]} at k = {r['k']} on the "
+      f"{sweep['targets'][r['target']]['title']}"
+      for r in short
+    ]
+  )
+  return (
+    "**Streaming the transformer and the small MLP.** Their batches are "
+    f"small: the batch less one micro-batch is at most {kib(need)} KiB in "
+    f"the rows short of 0.9 × ({where}), where the streamed step's peak is "
+    f"{span(diff, kib)} KiB above the in-device step's (negative: below). "
+    "The rescheduling around the asynchronous copy moves buffers of that "
+    "size or more (on the H100, read in the `--quick` transformer at k = 4: "
+    "the split-K partial sums of the attention and feed-forward matmuls), so "
+    "there the ratio measures the schedule, not the batch."
+  )
+
+
+#: The generated blocks this file writes from ``accelerator_memory.json``
+#: (and, for ``accelerator_causes``, from it and
+#: ``accelerator_memory_causes.json``), by name (``_report.py`` puts each on
+#: its page).
 BLOCKS = {
   "accelerator_memory machine": accelerator_memory_machine,
   "accelerator_memory h100": accelerator_memory_h100,
   "accelerator_memory tpu-v5e": accelerator_memory_tpu,
   "accelerator_memory summary": accelerator_memory_summary,
+  "accelerator_causes rows": accelerator_causes_rows,
 }
 
 
@@ -638,6 +965,37 @@ def _git(*args: str) -> str:
   return out.stdout.strip()
 
 
+def machine(argv: Sequence[str], wall: float) -> dict[str, Any]:
+  """The versions and the commit a run measured, and how long it took."""
+  return {
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "optax": optax.__version__,
+    "jaxaccum": jaxaccum.__version__,
+    "git_commit": _git("rev-parse", "HEAD"),
+    "jaxaccum_uncommitted_changes": _git("status", "--porcelain", "jaxaccum"),
+    "python": platform.python_version(),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "argv": list(argv),
+    "wall_s": round(wall, 1),
+  }
+
+
+def write_causes(
+  args: argparse.Namespace, preset: str, ks: Sequence[int]
+) -> dict[str, Any]:
+  """``--causes``: measures the control steps and writes their JSON."""
+  start = time.perf_counter()
+  results = measure_causes(preset, args.dtype, ks)
+  results["machine"] = machine(sys.argv[1:], time.perf_counter() - start)
+  out = _paths.output_folder(args.out, args.quick)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / "accelerator_memory_causes.json"
+  path.write_text(json.dumps(results, indent=1))
+  print(f"wrote {path}")
+  return results
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   """Runs the sweep; prints and writes the rows."""
   args = parse_args(argv)
@@ -647,6 +1005,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   ks = ks or list(QUICK_KS if args.quick else DEFAULT_KS)
   names = [n for n in args.models.split(",") if n]
   tx = optax.adam(1e-3)
+  if args.causes:
+    return [write_causes(args, preset, ks)]
 
   start = time.perf_counter()
   targets = []
@@ -681,18 +1041,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   print(text_table(rows))
   print(summary(rows))
   results = {
-    "machine": {
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "optax": optax.__version__,
-      "jaxaccum": jaxaccum.__version__,
-      "git_commit": _git("rev-parse", "HEAD"),
-      "jaxaccum_uncommitted_changes": _git("status", "--porcelain", "jaxaccum"),
-      "python": platform.python_version(),
-      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-      "argv": sys.argv[1:],
-      "wall_s": round(wall, 1),
-    },
+    "machine": machine(sys.argv[1:], wall),
     "settings": {"preset": preset, "dtype": args.dtype, "ks": ks},
     "targets": {
       t.name: {

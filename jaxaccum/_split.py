@@ -331,8 +331,16 @@ class MicroBatches:
     self._per_block = per_block
     self._axis = 1 if self._blocked else 0
     shape = (s, k, m // s) if self._blocked else (k, m)
-    self._leaves = [_reshape_leading(x, shape, split) for x in leaves]
     self._host = tuple(in_host_memory(x) for x in leaves)
+    # A host leaf in one block stays ``(B, ...)``: its micro-batch is a slice
+    # of rows, copied as it is. Reshaping it to ``(k, m, ...)`` would be a
+    # relayout in host memory (a TPU compiler refuses it for a leaf narrower
+    # than its tile).
+    self._leaves = [
+      x if host and not self._blocked else _reshape_leading(x, shape, split)
+      for x, host in zip(leaves, self._host, strict=True)
+    ]
+    self._rows = m
     self.num_micro_batches = k
 
   @property
@@ -351,9 +359,20 @@ class MicroBatches:
   def fetch(self, index: jax.Array | int) -> tuple[Any, ...]:
     """Micro-batch ``index`` of the host leaves, copied to device memory."""
     return tuple(
-      jax.device_put(self._slice(x, index), jax.memory.Space.Device) if host else None
+      jax.device_put(self._host_slice(x, index), jax.memory.Space.Device)
+      if host
+      else None
       for x, host in zip(self._leaves, self._host, strict=True)
     )
+
+  def _host_slice(self, x: jax.Array, index: jax.Array | int) -> jax.Array:
+    """Micro-batch ``index`` of a host leaf, still in host memory: rows
+    ``index * m .. (index + 1) * m - 1`` of a ``(B, ...)`` leaf, or the
+    ``index``-th slice of every block."""
+    if self._blocked:
+      return self._slice(x, index)
+    m = self._rows
+    return jax.lax.dynamic_slice_in_dim(x, index * m, m, axis=0)
 
   def take(
     self, scanned: tuple[Any, ...], fetched: tuple[Any, ...], index: jax.Array | int

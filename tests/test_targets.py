@@ -305,6 +305,32 @@ def test_device_peak_does_not_grow_with_a_host_batch(any_target):
   assert saved >= 0.9 * (2048 - 64) * 128 * 4, (in_device, large)
 
 
+def test_a_host_batch_narrower_than_a_tile_streams(any_target):
+  """A host batch of 32 features and integer labels (narrower than a TPU
+  tile of 128 lanes) compiles, and streaming it saves the batch less one
+  micro-batch. Reshaping the host leaves to ``(k, m, ...)`` before slicing
+  made XLA's TPU compiler refuse the step ("Only handling bitcasts with
+  majormost dimension of size 1")."""
+  w = any_target.place(sds((32, 32)))
+
+  def loss(w, batch):
+    x, y = batch
+    logits = jnp.tanh(x @ w)
+    return jnp.mean((logits - y[:, None].astype(jnp.float32)) ** 2)
+
+  batch = (sds((1024, 32)), sds((1024,), jnp.int32))
+  step = jaxaccum.value_and_grad(loss, 16)
+  on_host = any_target.place(batch, memory_kind="pinned_host")
+  streamed = jaxaccum.compiled_memory(step, w, on_host, target=any_target)
+  in_device = jaxaccum.compiled_memory(
+    step, w, any_target.place(batch), target=any_target
+  )
+  batch_bytes = 1024 * (32 + 1) * 4
+  assert streamed.host_bytes >= batch_bytes, streamed
+  saved = in_device.peak_bytes - streamed.peak_bytes
+  assert saved >= 0.9 * batch_bytes * (1 - 1 / 16), (in_device, streamed)
+
+
 def test_each_chip_streams_its_own_host_shard():
   """On a TPU v5e slice under mesh=: every chip holds its share of the batch
   on the host and its device peak does not grow with the batch (plain jit
