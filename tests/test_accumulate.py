@@ -32,6 +32,7 @@ def micro(x, y, i):
   return x[i * M : (i + 1) * M], y[i * M : (i + 1) * M]
 
 
+@pytest.mark.slow
 def test_k_calls_equal_one_accumulated_step_then_inner_update():
   params, x, y = data()
   inner = optax.adam(1e-2)
@@ -265,6 +266,7 @@ PARAM_READERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PARAM_READERS)
 def test_inner_optimizer_sees_the_params(name):
   """accumulate() passes ``params`` to an inner optimizer that reads them

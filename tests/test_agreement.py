@@ -145,6 +145,7 @@ MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "axis_type", [AxisType.Auto, AxisType.Explicit], ids=["Auto", "Explicit"]
 )

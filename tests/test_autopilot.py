@@ -101,6 +101,7 @@ def test_min_k_and_max_k_are_respected(min_k, max_k):
   assert sizes.min() == min_k and sizes.max() == max_k
 
 
+@pytest.mark.slow
 def test_growth_per_window_is_capped_and_warmup_holds_the_first_windows():
   auto = jaxaccum.auto_k(max_k=64, growth=1.5, warmup=3)
   tx = jaxaccum.accumulate(optax.sgd(0.0), auto)
@@ -157,6 +158,7 @@ def test_one_trace_serves_every_window_length():
   assert len(traces) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("rule", "power"), [("sqrt", 0.5), ("linear", 1.0), (None, 0.0)]
 )
@@ -209,6 +211,7 @@ def test_under_weight_the_window_is_in_micro_batches():
   assert abs(float(state.window_size) - want) <= 0.25 * want
 
 
+@pytest.mark.slow
 def test_a_resume_mid_window_is_bit_identical(tmp_path):
   tx = jaxaccum.accumulate(
     optax.adam(0.05), jaxaccum.auto_k(max_k=16, warmup=1, lr_rule="sqrt")
@@ -241,6 +244,7 @@ def test_a_resume_mid_window_is_bit_identical(tmp_path):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow
 def test_every_device_of_a_mesh_picks_the_same_window():
   """Gradients from mesh= are global arrays: the noise statistics, and so the
   window length, are one value, the same on every device."""

@@ -214,6 +214,7 @@ def test_nnx_aux_is_the_full_batchs():
   chex.assert_trees_all_close(aux, want, rtol=RTOL, atol=RTOL)
 
 
+@pytest.mark.slow
 def test_a_per_leaf_spec_sets_each_leafs_type():
   w, batch = problem()
   spec = {

@@ -34,6 +34,7 @@ def ragged(rows, seed=0):
   return w, x, np.asarray(np.sin(x[:, 0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rows", "k"), [(13, 4), (16, 4), (1, 8), (30, 7)])
 def test_weighted_by_the_mask_equals_the_mean_over_the_real_rows(rows, k):
   w, x, y = ragged(rows)

@@ -68,6 +68,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("case", CASES)
 def test_accumulate_windows_and_the_noise_tracker(case, jit):

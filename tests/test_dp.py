@@ -89,6 +89,7 @@ def record(grads, divided_by, clip=C, normalize="mean"):
 # ---------------------------------------------------------------- clipping
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_the_clipped_sum_equals_the_full_batch_vmap_for_every_k(k):
   params, batch = params0(), data()
@@ -191,6 +192,7 @@ def test_each_example_gets_its_own_key_folded_from_its_micro_batchs():
   np.testing.assert_allclose(grads, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_linen_model_clipped_sum_equals_the_full_batch_vmap():
   class Net(nn.Module):
     @nn.compact
@@ -265,6 +267,7 @@ def test_nnx_model_with_an_rng_stream_is_refused_by_name():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "k, shape, fsdp, view",
   [
@@ -351,6 +354,7 @@ def full_batch_dp_sgd(params, batch, mask, key, *, sigma, divide_by, loss=exampl
   return jax.tree.map(lambda p, g: p - g, params, jax.tree.unflatten(treedef, noisy))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("k", "normalize", "how"),
   [(1, "poisson", "mean"), (4, "poisson", "sum"), (8, "fixed", "mean")],
@@ -491,6 +495,7 @@ def test_accumulate_draws_noise_once_per_window_across_calls(monkeypatch):
   assert int(state.inner_state[0].draws) == 3
 
 
+@pytest.mark.slow
 def test_the_update_variance_over_2000_seeds_is_one_draw_per_window():
   """Noise per micro-batch instead of per window has k times the variance."""
   params, batch = params0(), data()

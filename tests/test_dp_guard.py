@@ -452,6 +452,7 @@ def bn_loss(model, example):
   return (model(x) - y) ** 2
 
 
+@pytest.mark.slow
 def test_eval_mode_batchnorm_is_per_example_and_allowed():
   model = BatchNormNet(nnx.Rngs(0), train=False)
   model.norm.mean[...] = jnp.array([0.1, -0.2, 0.3, 0.0])

@@ -54,6 +54,7 @@ def mlp_problem():
   return model, x, y
 
 
+@pytest.mark.slow
 def test_mlp_value_aux_and_grads_equal_eqx_filter_value_and_grad():
   model, x, y = mlp_problem()
   fun = jaxaccum.value_and_grad(mlp_loss, 4, has_aux=True, batch_argnums=(1, 2))
@@ -220,6 +221,7 @@ def eqx_micro_batches(model, state, batch, key, k):
   return (sum(losses) / k, (jnp.concatenate(logits), state)), mean
 
 
+@pytest.mark.slow
 def test_cnn_with_batchnorm_state_and_dropout_keys_equals_eqx_micro_batch_by_micro_batch():
   model, state, batch = cnn_problem()
   key = jax.random.key(3)
@@ -232,6 +234,7 @@ def test_cnn_with_batchnorm_state_and_dropout_keys_equals_eqx_micro_batch_by_mic
   assert int(final_state.get(model.norm.batch_counter)) == 4
 
 
+@pytest.mark.slow
 def test_cnn_at_one_micro_batch_is_eqx_on_the_full_batch():
   model, state, batch = cnn_problem()
   key = jax.random.key(3)
@@ -252,6 +255,7 @@ def test_cnn_in_inference_mode_equals_eqx_on_the_full_batch():
   assert_trees_close(got, want, CNN_TERMS)
 
 
+@pytest.mark.slow
 def test_make_train_step_threads_eqx_state_and_keys():
   model, state, batch = cnn_problem()
   key = jax.random.key(3)

@@ -83,6 +83,7 @@ def test_cross_step_adam_runs_once_per_window(tmp_path):
   assert pathlib.Path(result["png"]).is_file()
 
 
+@pytest.mark.slow
 def test_cross_step_without_flush_steps_every_k_micro_batches(tmp_path):
   result = load_example("cross_step").main(
     epochs=1,

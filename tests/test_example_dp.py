@@ -7,6 +7,7 @@ from examples_util import load_example
 import jaxaccum
 
 
+@pytest.mark.slow
 def test_dp_digits_serves_every_draw_from_one_compiled_step(capsys):
   result = load_example("dp_digits").main(
     steps=4, expected_batch_size=64, num_micro_batches=2, hidden=16, progress=False

@@ -33,6 +33,7 @@ def check(result, steps):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_pipelined_training_follows_the_unpipelined_run(example, tmp_path):
   steps = 12
   result = example.main(

@@ -18,6 +18,7 @@ from examples_util import load_example
 CHANCE = 0.1  # ten digit classes
 
 
+@pytest.mark.slow
 def test_noise_scale_tracks_a_finite_positive_b_simple(tmp_path):
   steps = 40
   result = load_example("noise_scale").main(
@@ -108,6 +109,7 @@ def capture_gradients():
   )
 
 
+@pytest.mark.slow
 def test_convnet_batchnorm_step_equals_a_python_loop_over_micro_batches():
   """examples/convnet_batchnorm.py's ``train_step`` (its model, its loss, its
   ``rng_argnum`` and ``state_argnum``) against an eager Python loop of

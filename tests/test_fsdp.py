@@ -81,6 +81,7 @@ def abstract(tree):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather", ["per_micro_batch", "once"])
 @pytest.mark.parametrize("name", sorted(MESHES))
 @pytest.mark.parametrize(
@@ -186,6 +187,7 @@ def train_step_peaks(name, mode, ks, gather="per_micro_batch"):
   return full.peak_bytes, peaks, hand
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MESHES))
 @pytest.mark.parametrize(
   "mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
@@ -209,6 +211,7 @@ def test_per_micro_batch_fsdp_is_at_or_below_a_hand_written_scan(name, mode):
     assert peaks[2] < 0.7 * once[2], (peaks[2] / 2**20, once[2] / 2**20)
 
 
+@pytest.mark.slow
 def test_nnx_fsdp_with_partitioning_trains_like_the_full_batch():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
 
@@ -305,6 +308,7 @@ def planner_problem():
   return mesh, data_axis, abstract(params), abstract(batch), loss
 
 
+@pytest.mark.slow
 def test_the_planner_picks_the_mode_that_fits_when_one_does():
   mesh, data_axis, params, batch, loss = planner_problem()
   peaks = {}
@@ -380,6 +384,7 @@ def bf16_loss(loss):
   return cast_first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MESHES))
 @pytest.mark.parametrize(
   "mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
@@ -411,6 +416,7 @@ def test_cast_once_equals_the_full_batch_of_a_bfloat16_model(name, mode):
     assert g.sharding.is_equivalent_to(p.sharding, 2), (g.sharding, p.sharding)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather", ["per_micro_batch", "cast_once"])
 @pytest.mark.parametrize("name", sorted(MESHES))
 @pytest.mark.parametrize(
@@ -445,6 +451,7 @@ def test_the_global_view_equals_the_full_batch(name, mode, gather):
     assert g.sharding.is_equivalent_to(p.sharding, 2), (g.sharding, p.sharding)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather", ["per_micro_batch", "once", "cast_once"])
 @pytest.mark.parametrize("name", ["fsdp", "hsdp"])
 @pytest.mark.parametrize(
@@ -513,6 +520,7 @@ PADDED_MESHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("gather", "view"),
   [

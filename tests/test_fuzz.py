@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxaccum
 
@@ -245,6 +246,7 @@ def low_precision_example(dtype, weights):
   }  # fmt: skip
 
 
+@pytest.mark.slow
 @SETTINGS
 @hypothesis.given(engine_cases())
 @hypothesis.example(low_precision_example(jnp.bfloat16, "zero_micro_batch"))
@@ -321,6 +323,7 @@ def sgd_accumulate(every_k):
   return tx, jax.jit(tx.update)
 
 
+@pytest.mark.slow
 @SETTINGS
 @hypothesis.given(stream_cases())
 def test_accumulate_never_lets_a_nan_reach_the_parameters(case):

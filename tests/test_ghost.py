@@ -189,6 +189,7 @@ MODELS = {
 # ---------------------------------------------------------------- exactness
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_ghost_equals_per_example_clipping(model, k):
@@ -214,6 +215,7 @@ def test_only_the_convolution_kernel_falls_back():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_dense_embedding_attention_and_layer_norm_do_not_fall_back(model):
   loss, params_fn, batch_fn = MODELS[model]
@@ -221,6 +223,7 @@ def test_dense_embedding_attention_and_layer_norm_do_not_fall_back(model):
   assert caught == []
 
 
+@pytest.mark.slow
 def test_tied_embedding_used_twice_is_exact_and_named():
   """An embedding table that is also the output head (a gather and a
   dot_general): its per-example gradient is the sum of both uses, so it
@@ -269,6 +272,7 @@ def test_dot_with_batch_dimensions_on_the_parameter():
 # ---------------------------------------------------------------- composition
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4])
 def test_masked_rows_add_exactly_zero(k):
   """Poisson padding: rows whose mask is 0 add nothing, and the mean
@@ -328,6 +332,7 @@ def test_dropout_keys_are_each_rows_in_both_passes():
   assert relative_error(got, want) <= RTOL
 
 
+@pytest.mark.slow
 def test_linen_model_unchanged():
   class Tagger(nn.Module):
     @nn.compact
@@ -369,6 +374,7 @@ def nnx_loss(model, example):
   return jnp.sum((model(x) - y) ** 2)
 
 
+@pytest.mark.slow
 def test_nnx_model_unchanged():
   loss = nnx_loss
   model = NnxNet(nnx.Rngs(0))
@@ -383,6 +389,7 @@ def test_nnx_model_unchanged():
   assert relative_error(jax.tree.leaves(got), jax.tree.leaves(want)) <= RTOL
 
 
+@pytest.mark.slow
 def test_nnx_train_step_with_noise_equals_vmap():
   """jaxaccum.nnx.make_train_step with dp_noise and a mask: the model after
   one ghost step equals the model after one vmap step."""
@@ -401,6 +408,7 @@ def test_nnx_train_step_with_noise_equals_vmap():
   assert relative_error(after["ghost"], after["vmap"]) <= RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "fsdp, view", [(False, "device"), (True, "device"), (True, "global")]
 )
@@ -437,6 +445,7 @@ def test_mesh_ghost_equals_reference(fsdp, view):
   assert relative_error(got, want) <= RTOL
 
 
+@pytest.mark.slow
 def test_train_step_with_noise_equals_vmap():
   """make_train_step with dp_noise: one step by ghost equals one by vmap."""
   batch = lm_batch()

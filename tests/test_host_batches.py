@@ -50,6 +50,7 @@ def close(got, want):
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
 def test_host_batch_gives_the_full_batch(k, under_jit):
@@ -133,6 +134,7 @@ def test_make_train_step_and_nnx_take_host_batches():
   close((got[0], nnx.to_pure_dict(got[1])), (want[0], nnx.to_pure_dict(want[1])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(8,), (4, 2)], ids=["data", "data_model"])
 @pytest.mark.parametrize(
   "mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]

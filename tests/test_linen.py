@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxaccum
 
@@ -95,6 +96,7 @@ def reference(params, batch, key, batch_stats, *, fold=True, thread=True):
   )
 
 
+@pytest.mark.slow
 def test_linen_recipe_matches_python_loop():
   params, batch, key, batch_stats = problem()
   (value, (aux, final_stats)), grads = accumulated(params, batch, key, batch_stats)

@@ -100,6 +100,7 @@ def guide_block(heading: str) -> str:
   return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2, 4])
 def test_the_guide_mesh_block_runs_as_written_on_few_devices(devices, tmp_path):
   """The guide's mesh example runs on any machine; pytest-markdown-docs

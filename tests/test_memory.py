@@ -126,6 +126,7 @@ def meta_objective(remat, k):
   return jax.grad(objective)
 
 
+@pytest.mark.slow
 def test_remat_lowers_peak_memory_when_differentiating_through_accumulation():
   params, batch = deep_problem(depth=12)
   plain = jaxaccum.compiled_memory(meta_objective(False, 8), params, batch)

@@ -163,6 +163,7 @@ def assert_sharded_like(grads, params):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
 def test_full_batch_value_and_grads_sharded_like_the_parameters(
   layout, mode, under_jit
@@ -194,6 +195,7 @@ def data_collectives(layout, mesh, mode, k, fsdp_gather="once"):
   return colls, over_data
 
 
+@pytest.mark.slow
 def test_no_data_axis_collective_inside_the_loop_when_gathered_once(layout, mode):
   mesh = layout.mesh(mode)
   counts = {}
@@ -214,6 +216,7 @@ def test_no_data_axis_collective_inside_the_loop_when_gathered_once(layout, mode
   assert all(n == 1 for _, n in counts[2])
 
 
+@pytest.mark.slow
 def test_per_micro_batch_fsdp_reduces_over_its_fsdp_axes_in_the_loop_only(layout, mode):
   """The default: each micro-batch gathers the FSDP weights it uses (as the
   full-batch step does) and reduces its FSDP gradients inside the loop, k
@@ -244,6 +247,7 @@ def _names(entry):
   return entry if isinstance(entry, tuple) else (entry,)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 8])
 def test_peak_per_device_below_the_full_batch_step(layout, mode, k):
   mesh = layout.mesh(mode)
@@ -379,6 +383,7 @@ def param_shardings(model):
   return jax.tree.map(lambda x: x.sharding, nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES, ids=["auto", "explicit"])
 def test_nnx_tensor_parallel_training_stays_sharded_and_equals_the_full_batch(mode):
   mesh = LAYOUTS[1].mesh(mode)
@@ -458,6 +463,7 @@ def test_a_raw_uint32_key_in_the_state_draws_alike_on_every_device():
 # -- Small meshes and flax's own annotations (issue 18) ----------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_size", [2, 4])
 def test_a_data_axis_of_size_one_equals_the_full_batch(model_size, mode):
   """A (1, n) data x model mesh, the README's layout on a 2-device machine:
@@ -519,6 +525,7 @@ def embed_loss(model, tokens):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   "out_sharding" not in inspect.signature(nnx.Embed.__call__).parameters,
   reason="this flax's nnx.Embed takes no out_sharding= (flax 0.12.2 does not)",

@@ -42,6 +42,7 @@ def make_grads(n, dtype, seed=0):
 # The four combinations that crashed lax.cond in accumulate() (issue 14):
 # adam's state changes dtype on its first update. A donated state whose dtypes
 # changed would also leave buffers unusable (a warning) and recompile.
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("grad_dtype", "param_dtype"),
   [("f32", "f16"), ("f32", "bf16"), ("f16", "bf16"), ("bf16", "f16")],
@@ -160,6 +161,7 @@ def references(inner, params0, grads, info):
   return out, params, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("param_dtype", DTYPES)
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 def test_accumulate_dtypes_and_values_match_the_inner_optimizer(
@@ -290,6 +292,7 @@ def subtrees(tree):
       yield (kind, *key.split("_")), sub
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_dtype", ["float32", "float64"])
 def test_value_and_grad_and_make_train_step_in_every_dtype_combination(accum_dtype):
   """k + 1 steps of make_train_step against value_and_grad then tx.update;

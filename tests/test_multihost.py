@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
 
@@ -24,6 +26,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
   port = str(free_port())
   env = dict(os.environ)

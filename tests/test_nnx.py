@@ -218,6 +218,7 @@ def distill(student, teacher, x):
   return jnp.mean(optax.softmax_cross_entropy(student(x), targets))
 
 
+@pytest.mark.slow
 def test_distillation_with_a_teacher_equals_the_full_batch():
   student, teacher = Student(nnx.Rngs(0)), Teacher(nnx.Rngs(1))
   x = batch_data()[0]
@@ -232,6 +233,7 @@ def test_distillation_with_a_teacher_equals_the_full_batch():
   assert jax.tree.structure(grads) == jax.tree.structure(nnx.state(student, nnx.Param))
 
 
+@pytest.mark.slow
 def test_rngs_argument_is_threaded_and_written_back():
   """An nnx.Rngs passed next to the model advances once per micro-batch,
   as in K eager calls, and every micro-batch draws its own mask."""
@@ -509,6 +511,7 @@ def test_verify_equivalence_passes_in_eval_mode_and_leaves_the_model():
   chex.assert_trees_all_equal(arrays(model), state)
 
 
+@pytest.mark.slow
 def test_verify_equivalence_on_a_mesh_passes_and_catches_interacting_examples():
   """Through mesh=, each device's micro-batches against the full batch: a
   per-example loss passes, and one that mixes the examples of a batch (the

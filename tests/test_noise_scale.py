@@ -151,6 +151,7 @@ def test_a_measurement_without_an_estimate_is_left_out():
   assert float(jaxaccum.critical_batch_size(state)) == np.inf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_data_parallel_equals_single_device(axis_type):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))

@@ -156,6 +156,7 @@ def apply_gradients(state, grads, **kwargs):
   )
 
 
+@pytest.mark.slow
 def test_train_state_recipe_passes_weight_through():
   """A Linen/TrainState loop with token weights: each window's update is
   the inner optimizer run on that window's exact token mean."""

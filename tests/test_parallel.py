@@ -83,6 +83,7 @@ def python_loop(fun, num_micro_batches, params, batch, *args, key=None, **kwargs
   return (mean(*values), jnp.stack(auxes)), jax.tree.map(mean, *grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_mean_equals_single_device_full_batch(mesh, k):
   params, batch = problem()
@@ -127,6 +128,7 @@ def test_weighted_divides_by_the_global_token_count(mesh):
   )
 
 
+@pytest.mark.slow
 def test_rng_equals_single_device_with_global_micro_batch_numbering(mesh):
   """Device d's micro-batch i is the global micro-batch d*k+i, key included."""
   params, batch = problem()
@@ -378,6 +380,7 @@ class Net(nnx.Module):
     return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))[:, 0]
 
 
+@pytest.mark.slow
 def test_nnx_data_parallel(mesh):
   _, batch = problem()
   model = Net(nnx.Rngs(0, dropout=1))
@@ -470,6 +473,7 @@ class _Unhashable:
     self.power = power
 
 
+@pytest.mark.slow
 def test_keyword_arguments_of_any_kind(mesh):
   """Python values in keyword arguments (in dicts and lists, unhashable
   objects, None) stay Python values in ``fun``; arrays, even sharded along

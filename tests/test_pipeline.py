@@ -205,6 +205,7 @@ def pipelined_value_and_grads(pipe, mesh, repeats):
   return value, by_layer(grads[0], repeats), grads[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("S", "m", "r"), CONFIGS)
 def test_values_and_grads_equal_the_unpipelined_scan(S, m, r):
   pipe = jaxaccum.pipeline(layer, num_stages=S, num_micro_batches=m, repeats=r)
@@ -314,6 +315,7 @@ def test_layer_l_on_micro_batch_j_gets_fold_in_fold_in_key_j_l():
   assert_close((value, by_layer(d_stacked, 2), dx), (want[0], *want[1]), terms(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 @pytest.mark.parametrize(
   ("shape", "names", "data"),
@@ -347,6 +349,7 @@ def test_each_data_shard_draws_its_own_keys(shape, names, data, axis_type):
   assert_close((value, d_stacked, dx), (want[0], *want[1]), terms(4))
 
 
+@pytest.mark.slow
 def test_static_arguments_reach_the_layers_as_they_are():
   """A Python bool and a float among pipe's arguments are static, as the
   docstring says, with remat and without, on a stage mesh and on one
@@ -410,6 +413,7 @@ def data_stage_mesh(axis_type):
   return jax.make_mesh((2, 4), ("data", "stage"), (axis_type, axis_type))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_data_and_stage_axes_under_plain_jit_equal_the_scan(axis_type):
   """A 2 data x 4 stage mesh: each data row of devices pipelines its own
@@ -429,6 +433,7 @@ def test_data_and_stage_axes_under_plain_jit_equal_the_scan(axis_type):
   assert_close((value, by_layer(grads, 2)), mean_reference(), terms(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("shape", "names"),
   [((1, 4), ("other", "stage")), ((2, 4, 1), ("data", "stage", "tensor"))],
@@ -455,6 +460,7 @@ def test_explicit_meshes_with_axes_the_pipeline_leaves_alone(shape, names):
   assert_close((value, grads), mean_reference(), terms(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_data_and_stage_axes_under_the_mesh_path_equal_the_scan(axis_type):
   """jaxaccum's ``mesh=`` runs the loss per device of the data axis, k = 2
@@ -478,6 +484,7 @@ def replicated_out(w, h):
   return jax.sharding.reshard(layer(w, h), P())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 @pytest.mark.parametrize("within", ["fsdp", "tensor"])
 def test_fsdp_or_tensor_parallelism_inside_a_stage_equal_the_scan(within, axis_type):
@@ -594,6 +601,7 @@ def test_inside_the_loop_only_one_micro_batch_moves_between_stages(step_of):
   }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("r", "m", "trips"), [(1, 4, 7), (2, 4, 11), (2, 8, 19)])
 def test_the_loop_runs_r_m_plus_s_minus_1_iterations(r, m, trips):
   compiled, _ = compiled_step(plain_jit_step, r=r, m=m)
@@ -631,6 +639,7 @@ def pipeline_scan_length(jaxpr):
   return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("S", "m", "r", "trips"), TRIPS)
 def test_the_traced_loop_has_r_minus_1_max_m_s_plus_m_plus_s_minus_1_iterations(
   S, m, r, trips
@@ -673,6 +682,7 @@ def test_no_stage_holds_another_stages_weights(step_of):
       assert c.bytes <= rows, c  # activations of a shard at most, never weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step_of", [plain_jit_step, mesh_path_step])
 def test_with_data_parallelism_one_gradient_reduction_over_data_per_step(step_of):
   compiled, sizes = compiled_step(step_of)
@@ -836,6 +846,7 @@ def test_layers_not_on_the_stage_axis_of_explicit_axes_are_named(repeats, spec, 
       jax.jit(pipe).trace(w, x)
 
 
+@pytest.mark.slow
 def test_replicated_layers_on_auto_axes_warn_where_their_sharding_shows():
   """On Auto axes replicated layers run (each stage slices its own out), but
   every device holds the whole stack: a warning naming the fix, where the
@@ -1009,6 +1020,7 @@ class LinenBlock(nn.Module):
     return h + jnp.tanh(nn.Dense(WIDTH)(nn.LayerNorm()(h))), None
 
 
+@pytest.mark.slow
 def test_linen_layers_stacked_by_nn_scan_equal_the_scanned_model():
   """The recipe: the params of an ``nn.scan``-ned block are stacked on a
   leading axis; ``layer_fn`` applies one block."""
@@ -1066,6 +1078,7 @@ def nnx_loss(run):
   return loss
 
 
+@pytest.mark.slow
 def test_nnx_layers_stacked_by_nnx_vmap_equal_the_scan():
   _, x = make_problem()
   model = NnxStack(nnx.Rngs(4))
@@ -1093,6 +1106,7 @@ def regression_loss(forward):
   return loss
 
 
+@pytest.mark.slow
 def test_twenty_train_steps_equal_the_unpipelined_steps():
   """make_train_step (Adam, k = 2 outer micro-batches) with the pipeline,
   against the same step with the scan, from the same start, over 20 steps:

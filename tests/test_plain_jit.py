@@ -46,6 +46,7 @@ def run_and_compile(fun, mesh, *args):
     return fun(*args), fun.lower(*args).compile().as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
 )
@@ -141,6 +142,7 @@ def test_a_micro_batch_smaller_than_the_devices_share_is_a_clear_error_on_explic
   )
 
 
+@pytest.mark.slow
 def test_a_leaf_sharded_along_more_axes_keeps_them_and_moves_no_rows():
   """A (batch, time, features) leaf on a (4, 2) Explicit mesh, rows over
   "data" and time over "model": each micro-batch keeps both shardings

@@ -32,6 +32,7 @@ def one_bf16_rounding(value):
   return 2.0**-7 * np.abs(value)
 
 
+@pytest.mark.slow
 def test_bf16_accumulates_in_float32():
   w, x = bf16_problem()
   grads = jax.jit(jaxaccum.grad(loss, K))(w, x)

@@ -448,6 +448,7 @@ def gpu_hand_scan(loss, k, specs, mesh):
   return jax.jit(grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_gpu_fsdp_against_the_full_batch_and_a_hand_written_scan(k):
   """On 8 H100s: the default view's peak is about half the full batch's
@@ -470,6 +471,7 @@ def test_gpu_fsdp_against_the_full_batch_and_a_hand_written_scan(k):
   assert moved(glob.as_text()) <= moved(hand.as_text())
 
 
+@pytest.mark.slow
 def test_the_planner_picks_the_fsdp_mode_that_moves_fewest_bytes_within_budget():
   """On 8 H100s, per micro-batch, cast once and once: with a budget between
   the modes' peaks the planner takes the one that moves the fewest bytes

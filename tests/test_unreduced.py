@@ -107,6 +107,7 @@ MESHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["plain", "mesh_global"])
 @pytest.mark.parametrize("name", list(MESHES))
 def test_replicated_and_tensor_parallel_gradients_are_reduced_once_after_the_loop(
@@ -292,6 +293,7 @@ def test_state_keys_and_aux_are_the_partitioners_step():
   assert sum(c.bytes for c in in_loop) < grad_bytes, in_loop
 
 
+@pytest.mark.slow
 def test_make_train_step_and_nnx_take_the_same_path():
   """make_train_step and jaxaccum.nnx build the same step: one data-axis
   reduction of the gradient, after the loop, equal to the full batch."""

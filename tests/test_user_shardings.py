@@ -55,6 +55,7 @@ def tp_problem(mode):
   return mesh, params, batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("param_specs", [False, True], ids=["hidden", "param_specs"])
 @pytest.mark.parametrize("path", ["plain", "mesh", "mesh_global"])
 @pytest.mark.parametrize("mode", list(MODES))

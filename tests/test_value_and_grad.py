@@ -77,6 +77,7 @@ def assert_close(got, want, terms):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
 def test_matches_full_batch(k):
   params, batch = make_problem(batch_size=16)
@@ -184,6 +185,7 @@ def test_order_is_contiguous_rows():
   np.testing.assert_array_equal(aux, [[0.0, 2.0], [4.0, 6.0], [8.0, 10.0]])
 
 
+@pytest.mark.slow
 @hypothesis.settings(deadline=None, max_examples=10, derandomize=True)
 @hypothesis.given(
   m=st.integers(1, 5),
@@ -250,6 +252,7 @@ def meta_gradient(remat, k=4):
 
 
 # mutmut: _engine.Engine.micro_step
+@pytest.mark.slow
 def test_a_remat_policy_decides_what_is_saved_for_the_outer_backward_pass():
   """The policy dropped (remat=policy treated as remat=True), or remat
   ignored: a policy that saves everything then compiles to the memory of

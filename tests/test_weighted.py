@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxaccum
 
@@ -41,6 +42,7 @@ def full_batch_token_mean(params, batch):
   return loss_sum / tokens
 
 
+@pytest.mark.slow
 def test_weighted_equals_full_batch_token_mean():
   params, batch = token_problem()
   got = jax.jit(jaxaccum.value_and_grad(loss_sum_and_tokens, 4, normalize="weighted"))(

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 
 import jaxaccum
 
@@ -28,6 +29,7 @@ def init_params():
   return {"a": jnp.linspace(-1.0, 1.0, F), "b": jnp.array(0.1)}
 
 
+@pytest.mark.slow
 def test_flush_ends_an_incomplete_window_at_epoch_end():
   """10 micro-batches, every_k=4: updates after 4, 8, and 10 (over 2)."""
   batches = stream(10)
@@ -63,6 +65,7 @@ def run(tx, params, state, batches):
   return params, state
 
 
+@pytest.mark.slow
 def test_resume_mid_window_from_an_orbax_checkpoint_is_bit_identical(tmp_path):
   batches = stream(16, seed=3)
   tx = jaxaccum.accumulate(optax.adam(0.05), 8, noise_stats=True)
