@@ -177,6 +177,7 @@ def test_no_train_step_decision_depends_on_one_device(layout, mode, axis_type):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "every_k",
   [

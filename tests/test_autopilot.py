@@ -92,6 +92,7 @@ def test_the_window_grows_as_the_parameters_approach_the_optimum():
   assert abs(float(state.autopilot.b_simple) - want) <= 0.5 * want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("min_k", "max_k"), [(2, 3), (5, 7)])
 def test_min_k_and_max_k_are_respected(min_k, max_k):
   tx = jaxaccum.accumulate(optax.sgd(0.0), jaxaccum.auto_k(min_k=min_k, max_k=max_k))

@@ -131,6 +131,7 @@ def test_verify_equivalence_keeps_its_bfloat16_tolerance_under_weighted():
     jaxaccum.verify_equivalence(max_row, (w, (x, mask)), 4, normalize="weighted")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto]
 )

@@ -153,6 +153,7 @@ def check_noise(noise):
   no_nan((tracker, jaxaccum.critical_batch_size(tracker)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
 def test_value_and_grad(k):
   batch = big_batch(k)
@@ -168,6 +169,7 @@ def test_value_and_grad(k):
   check_noise(noise)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
 def test_make_train_step(k):
   tx = jaxaccum.accumulate(optax.adam(1e-2), 1, noise_stats=True)

@@ -118,6 +118,7 @@ def test_mean_divides_the_clipped_sum_by_the_real_examples_not_by_k(k):
   np.testing.assert_allclose(value, jnp.sum(losses * mask) / n, rtol=B * EPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_weighted_divides_by_the_total_weight_of_real_examples(k):
   params, (x, y) = params0(), data()
@@ -233,6 +234,7 @@ def nnx_loss(model, example):
   return (model(x) - y) ** 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_nnx_model_clipped_sum_equals_the_full_batch_vmap(k):
   model, batch = NnxNet(nnx.Rngs(0)), data()
@@ -377,6 +379,7 @@ def test_train_step_update_equals_full_batch_dp_sgd_with_the_same_key(
   assert opt_state[0].draws.dtype == jnp.int32  # mutmut: _privacy.dp_noise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("normalize", "divide_by"), [("poisson", B), ("fixed", 27)])
 def test_nnx_train_step_update_equals_full_batch_dp_sgd_with_the_same_key(
   normalize, divide_by

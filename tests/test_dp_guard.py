@@ -101,6 +101,7 @@ def test_dp_noise_anywhere_but_first_in_make_train_step_is_an_error(where):
   assert "first" in message(error)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "tx",
   [

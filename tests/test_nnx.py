@@ -467,6 +467,7 @@ def test_a_zero_total_weight_is_skipped():
   assert int(optimizer.step[...]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("donate", [True, False])
 def test_donation_deletes_arrays_taken_out_before_the_step_only(donate):
   (model, optimizer), _ = pair()

@@ -168,6 +168,7 @@ def test_rng_equals_single_device_with_global_micro_batch_numbering(mesh):
   assert not np.array_equal(masks[0], masks[k])  # devices 0 and 1 differ
 
 
+@pytest.mark.slow
 def test_state_is_threaded_per_device_and_averaged(mesh):
   """BatchNorm-style running statistics: an EMA of micro-batch means.
 
@@ -216,6 +217,7 @@ def test_state_is_threaded_per_device_and_averaged(mesh):
   assert_close(final["mean"], jnp.mean(jnp.stack(chains), axis=0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_fsdp_per_micro_batch_reduces_each_micro_batch_into_a_sharded_accumulator(k):
   """The default FSDP mode: every micro-batch's gradient is reduced over the
@@ -422,6 +424,7 @@ def test_nnx_dropout_differs_across_devices():
   assert int(model.drop.rngs.count[...]) == 2
 
 
+@pytest.mark.slow
 def test_eager_calls_trace_once_and_keep_array_kwargs_dynamic(mesh):
   """Called eagerly in a loop, the data-parallel step compiles once per
   configuration; array keyword arguments stay inputs, Python ones static."""
@@ -444,6 +447,7 @@ def test_eager_calls_trace_once_and_keep_array_kwargs_dynamic(mesh):
   assert traces == [False, True]
 
 
+@pytest.mark.slow
 def test_a_key_that_fun_advances_in_the_state_moves_on(mesh):
   """A key carried in the state and split by ``fun`` comes back advanced
   (device 0's chain), never reset to the key that came in."""
@@ -544,6 +548,7 @@ def test_batched_keys_in_the_state():
   np.testing.assert_array_equal(jax.random.key_data(final), jax.random.key_data(keys))
 
 
+@pytest.mark.slow
 def test_train_step_skip_keeps_a_sharded_state(mesh):
   params, (x, y) = problem()
   tx = optax.sgd(0.1)

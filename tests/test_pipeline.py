@@ -584,6 +584,7 @@ def permute_pairs(text):
   return pairs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step_of", [plain_jit_step, mesh_path_step])
 def test_inside_the_loop_only_one_micro_batch_moves_between_stages(step_of):
   """Every collective over the stage axis inside a loop is a

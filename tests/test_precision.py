@@ -65,6 +65,7 @@ def running_sum(grads, dtype):
   return np.asarray(total, np.float64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_dtype", [jnp.float32, jnp.bfloat16])
 def test_accum_dtype_is_never_narrower_than_the_gradient(accum_dtype):
   """float32 gradients are summed in float32 even if accum_dtype is bf16.

@@ -106,6 +106,7 @@ def token_loss_and_aux(w, batch):
 
 
 # mutmut: _train_step.make_train_step
+@pytest.mark.slow
 @pytest.mark.parametrize("has_aux", [False, True])
 @pytest.mark.parametrize("normalize", ["mean", "weighted"])
 def test_loss_scaled_train_step_reports_the_unscaled_loss_and_its_aux(

@@ -37,6 +37,7 @@ def where_loss(p, batch):
   return jnp.mean((x @ p["w"] - y) ** 2) + jnp.sum(safe)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_fn", [sqrt_loss, where_loss])
 @pytest.mark.parametrize(
   "tx",

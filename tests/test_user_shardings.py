@@ -81,6 +81,7 @@ def test_tensor_parallel_gradients_keep_their_shards(mode, path, param_specs):
     assert g.addressable_shards[0].data.shape == p.addressable_shards[0].data.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [P(), P(None, None)], ids=["P()", "P(None, None)"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_constraint_on_the_concrete_mesh_in_the_per_device_view(mode, spec):

@@ -85,6 +85,7 @@ def test_matches_full_batch(k):
   assert_close(got, jax.value_and_grad(mlp_loss)(params, batch), summed_terms(16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [1, 3, 6, 12])
 def test_micro_batch_size_path(m):
   params, batch = make_problem(batch_size=12)
