@@ -9,6 +9,9 @@ of behaviour elsewhere:
 - :func:`explicit_spec`: the ``PartitionSpec`` in a value's type on Explicit
   mesh axes (the public ``jax.typeof(x).sharding``, read with the rule for
   which meshes make it a promise);
+- :data:`SHARDING_TYPE_ERRORS`: what JAX raises for an operation its
+  sharding types refuse (``ShardingTypeError``, not exported) or have no
+  rule for yet (``NotImplementedError``);
 - :func:`names_spmd_axis`: whether an error is JAX's refusal of a sharding
   annotation that names a ``vmap``'s ``spmd_axis_name``, which has no API of
   its own, so its text is matched here and nowhere else;
@@ -48,6 +51,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxlib import xla_client
+
+with contextlib.suppress(ImportError):  # jax 0.10.2 to 0.12: jax._src.core
+  from jax._src.core import ShardingTypeError
+
+#: What JAX raises for a ``reduced`` or ``unreduced`` operand an operation
+#: refuses, or has no rule for.
+SHARDING_TYPE_ERRORS: tuple[type[Exception], ...] = (
+  NotImplementedError,
+  *((ShardingTypeError,) if "ShardingTypeError" in globals() else ()),
+)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,14 @@ say what the step needs:
   cotangent comes back ``unreduced``, each device holding its own rows'
   share. The float32 accumulator is ``unreduced`` too, so each micro-batch
   is added where it was computed, and one reshard into the parameter's own
-  sharding after the loop is the step's one reduction.
+  sharding after the loop is the step's one reduction. ``fun`` is
+  evaluated from its jaxpr with each use of such a leaf rewritten into one
+  JAX types (:mod:`jaxaccum._reduced`): a bias or a norm's scale is
+  broadcast into the activations' rows, an embedding table gathered by
+  them, and a use that has no rows (a penalty on the weights alone) takes
+  the leaf made plain.
+- **The loss**, a sum over the rows, is left ``unreduced`` too and reduced
+  with the gradients, after the loop (:meth:`_reduced._Walk.value`).
 - **A leaf sharded over a data axis** (FSDP) keeps its modes
   (``fsdp_gather``): ``"per_micro_batch"`` leaves it as it is, so that each
   micro-batch's gradient is reduce-scattered where plain ``jit`` would,
@@ -28,15 +35,17 @@ say what the step needs:
 
 ``fun`` runs on the user's mesh with its own axis types, as under
 ``jax.value_and_grad``: its constraints and ``out_sharding``\\ s work as
-written. An unreduced value is only ever added to: the normalization, the
-skip of a non-finite step and every other decision read the reduced
-gradients after the loop. Steps that need a statistic of each micro-batch's
+written, and every rewrite is JAX's own typing of the same sums. An
+unreduced value is only ever added to or scaled by a replicated factor: the
+normalization, the skip of a non-finite step and every other decision read
+the reduced gradients and loss after the loop. Steps that need a statistic of each micro-batch's
 whole gradient (``noise_stats``, ``clip_per_example``) and one-micro-batch
 steps keep plain ``jit``'s reductions (:func:`applies`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -46,7 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat, _engine, _normalize, _split
+from jaxaccum import _compat, _engine, _normalize, _reduced, _split
 from jaxaccum._engine import Engine
 
 PyTree = Any
@@ -109,8 +118,8 @@ class Leaf(NamedTuple):
 
 def plan_leaf(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Leaf:
   """The :class:`Leaf` for ``x`` with the batch on data ``axes`` under
-  ``fsdp_gather=mode``; ``reducible`` says whether each of its uses in
-  ``fun`` takes a ``reduced`` operand (:func:`reducible_leaves`)."""
+  ``fsdp_gather=mode``; ``reducible`` says whether some use of it in
+  ``fun`` keeps it ``reduced`` (:meth:`jaxaccum._reduced.Evaluated.probe`)."""
   spec = _compat.explicit_spec(x)
   if spec is None:
     return Leaf(None, frozenset(), "as_is", None)
@@ -130,128 +139,6 @@ def plan_leaf(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Leaf
   return Leaf(spec, reduced | spec.reduced, gather, _typed(inside, unreduced=reduced))
 
 
-# The primitives whose one operand may be ``reduced`` and whose result is
-# too, and those that take a ``reduced`` operand among others (jax 0.10 to
-# 0.12; an elementwise op with a data-sharded operand, a gather or a
-# convolution refuses one).
-_KEEPS_REDUCED = frozenset(
-  {
-    "broadcast_in_dim",
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "expand_dims",
-    "reduce_precision",
-    "reshape",
-    "squeeze",
-    "transpose",
-  }
-)
-_TAKES_REDUCED = frozenset({"dot_general"})
-
-
-def reducible_leaves(jaxpr: Any, count: int | None = None) -> list[bool]:
-  """For each of the first ``count`` inputs of ``jaxpr`` (a ``ClosedJaxpr``
-  of the loss of one micro-batch; those inputs are the differentiated
-  leaves, the rest its batch and other arguments), whether every use of
-  it takes a ``reduced`` operand: matrix products, through casts, reshapes
-  and transposes, and inside ``jit``, ``checkpoint``, ``scan`` (as a
-  constant or a scanned input) and ``cond``. A leaf used any other way
-  (added to activations, as a bias; gathered, as an embedding table;
-  convolved) has its gradient reduced each micro-batch by the partitioner.
-
-  >>> import jax, jax.numpy as jnp
-  >>> j = jax.make_jaxpr(lambda w, b: jnp.sum(jnp.ones((2, 3)) @ w + b))
-  >>> reducible_leaves(j(jnp.ones((3, 4)), jnp.ones((1, 4))))
-  [True, False]
-  """
-  leaves = jaxpr.jaxpr.invars[:count]
-  bad, through = _refused(jaxpr.jaxpr, {v: n for n, v in enumerate(leaves)})
-  bad |= set(through.values())  # a leaf returned (in the aux) is refused
-  return [n not in bad for n in range(len(leaves))]
-
-
-def _refused(jaxpr: Any, tracked: dict[Any, int]) -> tuple[set[int], dict[int, int]]:
-  """The leaves (values of ``tracked``, which maps ``jaxpr``'s variables to
-  them) that some use in ``jaxpr`` would refuse as ``reduced``, and the
-  outputs of ``jaxpr`` that are a leaf passed through (output position ->
-  leaf)."""
-  tracked = dict(tracked)
-  bad: set[int] = set()
-  for eqn in jaxpr.eqns:
-    leaves = {tracked[v] for v in eqn.invars if _is_var(v) and v in tracked}
-    if not leaves:
-      continue
-    name = eqn.primitive.name
-    if name in _KEEPS_REDUCED and len(eqn.invars) == 1:
-      tracked[eqn.outvars[0]] = leaves.pop()
-    elif name in _TAKES_REDUCED:
-      # a product of two leaves is reduced itself, and meets the loss's
-      # replicated values later: refused
-      if all(_is_var(v) and v in tracked for v in eqn.invars):
-        bad |= leaves
-    elif name in _CALLS:
-      inner_bad, through = _refused_inside(eqn, tracked)
-      bad |= inner_bad
-      for position, leaf in through.items():  # e.g. nnx.remat's weights
-        tracked[eqn.outvars[position]] = leaf
-    else:
-      bad |= leaves
-  through = {
-    position: tracked[v]
-    for position, v in enumerate(jaxpr.outvars)
-    if _is_var(v) and v in tracked
-  }
-  return bad, through
-
-
-# Primitives that call jaxprs: a leaf passed in is followed inside; one that
-# a call to a jaxpr (jit, checkpoint) returns as it is is followed after it.
-_CALLS = frozenset(
-  {"pjit", "jit", "closed_call", "remat2", "checkpoint", "scan", "cond"}
-)
-
-
-def _refused_inside(
-  eqn: Any, tracked: dict[Any, int]
-) -> tuple[set[int], dict[int, int]]:
-  """``_refused`` for the leaves an ``eqn`` that calls jaxprs passes in; a
-  leaf that a ``scan`` or ``cond`` returns is refused."""
-  params, args = eqn.params, list(eqn.invars)
-  name = eqn.primitive.name
-  if name == "cond":
-    bodies, args = list(params["branches"]), args[1:]
-  elif name == "scan":
-    bodies = [params["jaxpr"]]
-    first, count = _compat.scan_operand_counts(params, len(args))
-    carried = {
-      tracked[v] for v in args[first : first + count] if _is_var(v) and v in tracked
-    }
-    if carried:
-      return carried, {}  # a carried leaf comes back out: refused
-  else:
-    bodies = [params["jaxpr"]]
-  bad: set[int] = set()
-  through: dict[int, int] = {}
-  for body in bodies:
-    inner = getattr(body, "jaxpr", body)
-    inside = {
-      var: tracked[v]
-      for var, v in zip(inner.invars, args, strict=True)
-      if _is_var(v) and v in tracked
-    }
-    inner_bad, inner_through = _refused(inner, inside)
-    bad |= inner_bad
-    through.update(inner_through)
-  if name in {"scan", "cond"}:
-    return bad | set(through.values()), {}
-  return bad, through
-
-
-def _is_var(v: Any) -> bool:
-  return not hasattr(v, "val")  # a Literal carries its value
-
-
 class UnreducedStep:
   """The step of the module docstring, for an :class:`Engine` whose batch
   lies on data ``axes`` of an Explicit mesh."""
@@ -267,7 +154,7 @@ class UnreducedStep:
     o = self.options
     diff_args = tuple(args[n] for n in o.argnums)
     flat = jax.tree.leaves(diff_args)
-    reducible = self._reducible(args, kwargs, split, len(flat))
+    engine, reducible = self._reducible(args, kwargs, split, flat)
     leaves = [
       plan_leaf(x, self.axes, o.fsdp_gather, r)
       for x, r in zip(flat, reducible, strict=True)
@@ -276,7 +163,7 @@ class UnreducedStep:
     entered = self._map(self._enter, leaves, diff_args)
     for n, placed in zip(o.argnums, entered, strict=True):
       call_args[n] = placed
-    base = self.engine.micro_step(
+    base = engine.micro_step(
       tuple(call_args), kwargs, split, split.num_micro_batches, split.micro_batch_size
     )
     held = [leaf.barrier for leaf in leaves]
@@ -284,22 +171,28 @@ class UnreducedStep:
     def step(diff, micro, index, state):
       return base(barrier(diff, held, index), micro, index, state)
 
-    sums = self.engine.sums(
+    sums = engine.sums(
       tuple(call_args), kwargs, split, step=step, accumulator=self._accumulator(leaves)
     )
+    if jax.typeof(sums.loss).sharding.spec.unreduced:  # the losses' one sum
+      sums = sums._replace(loss=all_reduce(sums.loss), losses=all_reduce(sums.losses))
     grads = self._map(self._reduce, leaves, sums.grads)
     return self.engine.finish(sums._replace(grads=grads), diff_args)
 
   def _reducible(
-    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, count: int
-  ) -> list[bool]:
-    """:func:`reducible_leaves` of the loss of one micro-batch, traced on
-    its shapes (nothing of it is computed)."""
+    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, flat: list[Any]
+  ) -> tuple[Engine, list[bool]]:
+    """The engine whose ``fun`` takes ``reduced`` leaves
+    (:class:`jaxaccum._reduced.Evaluated`), and which leaves some use of
+    ``fun``'s keeps reduced: those enter the loop reduced. Probed on the
+    shapes of one micro-batch (nothing of it is computed)."""
     o = self.options
     # the split's own checks first (a micro-batch that does not divide over
     # the devices of its rows), as the loop would meet them
     _split.MicroBatches(tuple(args[n] for n in o.batch_argnums), split)
-    loss = self.engine.micro_loss(args, kwargs, split, split.num_micro_batches)
+    fun = _reduced.Evaluated(self.engine.fun, self.axes)
+    engine = dataclasses.replace(self.engine, fun=fun)
+    loss = engine.micro_loss(args, kwargs, split, split.num_micro_batches)
     m = split.micro_batch_size
 
     def probe(x):
@@ -310,17 +203,25 @@ class UnreducedStep:
     state = None if o.state_argnum is None else args[o.state_argnum]
     index = jax.ShapeDtypeStruct((), jnp.int32)
     diff_args = tuple(args[n] for n in o.argnums)
-    jaxpr = jax.make_jaxpr(lambda *a: loss(*a)[0])(diff_args, micro, index, state)
+    entry = [plan_leaf(x, self.axes, o.fsdp_gather, True) for x in flat]
     try:
-      return reducible_leaves(jaxpr, count)
-    except Exception as error:  # a program this reader does not know: refuse all
+      kept = fun.probe(
+        lambda *a: loss(*a)[0],
+        lambda diff: self._map(self._enter, entry, diff),
+        diff_args,
+        micro,
+        index,
+        state,
+      )
+    except Exception as error:  # a program the walk does not know
       warnings.warn(
         "jaxaccum could not read fun's uses of its parameters, so this step "
         "reduces every micro-batch's gradient, as plain jit does. Please "
-        f"report it. The reader said: {type(error).__name__}: {error}",
+        f"report it. The walk said: {type(error).__name__}: {error}",
         stacklevel=4,
       )
-      return [False] * count
+      return self.engine, [False] * len(flat)
+    return (engine if any(kept) else self.engine), kept
 
   # -- the leaves in the loop, their accumulators, the one reduction --------
 
@@ -473,7 +374,7 @@ def run_or_fall_back(
   fallback: Callable[[tuple[Any, ...], dict[str, Any]], _engine.Result],
 ) -> _engine.Result:
   """:class:`UnreducedStep`; where JAX refuses a ``reduced`` leaf in a use
-  :func:`reducible_leaves` let through, a warning and ``fallback`` (the
+  :mod:`jaxaccum._reduced` let through, a warning and ``fallback`` (the
   partitioner's step, which reduces every micro-batch)."""
   try:
     return UnreducedStep(engine, axes)(args, kwargs, split)

@@ -1,0 +1,517 @@
+"""``fun`` run with its parameters typed ``reduced``, each use rewritten into
+one that JAX takes.
+
+Plain ``jit``'s step (:mod:`jaxaccum._unreduced`) types each leaf that is
+replicated over the batch's axes ``reduced`` over them: no data moves, and
+its cotangent comes back ``unreduced``, each device holding its own rows'
+share, to be reduced once after the loop. JAX takes a ``reduced`` operand
+in a matrix product with activations sharded over those axes, and in views
+and casts; it refuses one added to those activations (a bias), multiplied
+into them (a norm's scale) or gathered by them (an embedding table).
+:class:`Evaluated` traces ``fun`` on the leaves' plain types, then evaluates
+its jaxpr on the ``reduced`` leaves, rewriting each use of a reduced value:
+
+- **an elementwise operation with an operand sharded over the reduced
+  axes** (a bias, a scale): the reduced operand is broadcast straight into
+  that operand's sharding, each device taking its own rows of it (no data
+  moves). The broadcast's transpose sums each device's rows of the
+  cotangent, ``unreduced``, where the partitioner would all-reduce them;
+- **a matrix product with such an operand**, sharded over them on a free
+  dimension: as it is;
+- **a view or a cast, or an elementwise operation whose other operands
+  are replicated** (a constant, another reduced value): as it is, the
+  result reduced, if JAX takes it;
+- **a call** (``jit``, ``checkpoint``, ``scan``, ``cond``): evaluated
+  inside, rebuilt as the same call (a ``jit`` inlined);
+- **any other use** (a gather, a convolution, a custom derivative, a use
+  JAX refuses, an output): the operand is made plain first, so that this
+  use's cotangent is reduced in the loop by the partitioner, as under plain
+  ``jit``, and comes back typed ``unreduced`` (JAX's transpose of the
+  conversion), to add to the others.
+
+Each rewrite is exact: it changes where the sum over devices happens, never
+what is summed. :meth:`Evaluated.probe` runs the walk on shapes and says
+which leaves some use keeps ``reduced``; a leaf whose every use is made
+plain gains nothing from entering the loop reduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.sharding import PartitionSpec as P
+
+from jaxaccum import _compat
+
+PyTree = Any
+
+#: Elementwise operations of several operands (with size-1 and scalar
+#: operands broadcast): a reduced operand meeting one sharded over its
+#: reduced axes is broadcast into that one's sharding.
+ELEMENTWISE = frozenset(
+  {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "max",
+    "min",
+    "pow",
+    "atan2",
+    "rem",
+    "select_n",
+    "clamp",
+    "nextafter",
+  }
+)
+
+#: Operations whose reduced operand JAX may type itself: a gather of a
+#: reduced table by sharded indices (an embedding lookup), whose transpose
+#: is an ``unreduced`` scatter-add.
+TYPED = frozenset({"gather"})
+
+_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call"})
+_REMAT = frozenset({"remat2", "checkpoint"})
+
+
+class Evaluated:
+  """``fun``, taking arguments typed ``reduced`` over the data ``axes``:
+  traced on their plain types, its jaxpr evaluated on theirs (module
+  docstring). Its outputs are never reduced.
+
+  >>> import jax, jax.numpy as jnp
+  >>> f = Evaluated(lambda w, x: jnp.sum(x @ w + w[0]), ("data",))
+  >>> float(f(jnp.ones((2, 2)), jnp.ones((3, 2))))
+  18.0
+  """
+
+  def __init__(self, fun: Callable[..., Any], axes: Sequence[str]):
+    self.fun = fun
+    self.axes = frozenset(axes)
+    self._tracked: list[Any] | None = None
+    self._kept: set[int] = set()
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    closed, out_tree, arrays = _trace(self.fun, args, kwargs)
+    origins = None
+    if self._tracked is not None:  # probing: each tracked leaf's uses
+      where = {id(x): n for n, x in enumerate(self._tracked)}
+      origins = [frozenset({where[id(x)]}) if id(x) in where else None for x in arrays]
+    walk = _Walk(self.axes)
+    outs, _ = walk.run(closed.jaxpr, closed.consts, arrays, origins)
+    self._kept |= walk.kept
+    # the loss (the first leaf) may stay a sum over rows, unreduced
+    loss = outs[0] if outs and not walk.reduced(outs[0]) else _plain(outs[0])
+    return jax.tree.unflatten(out_tree, [loss, *map(_plain, outs[1:])])
+
+  def probe(
+    self,
+    loss: Callable[..., Any],
+    enter: Callable[[PyTree], PyTree],
+    diff_args: PyTree,
+    *rest: Any,
+  ) -> list[bool]:
+    """For each leaf of ``diff_args``, whether some use in
+    ``loss(enter(diff_args), *rest)`` (which calls this ``fun``) keeps it
+    ``reduced``; on shapes only, nothing computed. ``enter`` types the
+    leaves as the loop will."""
+
+    def run(diff_args: PyTree, *rest: Any) -> Any:
+      entered = enter(diff_args)
+      self._tracked, self._kept = jax.tree.leaves(entered), set()
+      try:
+        return loss(entered, *rest)
+      finally:
+        self._tracked = None
+
+    jax.eval_shape(run, diff_args, *rest)
+    return [n in self._kept for n in range(len(jax.tree.leaves(diff_args)))]
+
+
+def _trace(
+  fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, list[Any]]:
+  """``fun(*args, **kwargs)``'s jaxpr over its array leaves, traced on
+  their types without ``reduced`` axes; its output tree; those leaves."""
+  flat, tree = jax.tree.flatten((args, kwargs))
+  where = [n for n, x in enumerate(flat) if isinstance(x, jax.Array)]
+  arrays = [flat[n] for n in where]
+
+  def traced(*xs: Any) -> Any:
+    full = list(flat)
+    for n, x in zip(where, xs, strict=True):
+      full[n] = x
+    a, k = jax.tree.unflatten(tree, full)
+    return fun(*a, **k)
+
+  closed, shape = jax.make_jaxpr(traced, return_shape=True)(*map(_plain_type, arrays))
+  return closed, jax.tree.structure(shape), arrays
+
+
+@dataclasses.dataclass
+class _Walk:
+  """Evaluates a jaxpr on values some of which are reduced over ``axes``,
+  rewriting their uses (module docstring). ``kept`` collects the leaves
+  (the origins the top-level inputs carry) that some use kept reduced."""
+
+  axes: frozenset[str]
+  kept: set[int] = dataclasses.field(default_factory=set)
+
+  def run(
+    self,
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    origins: Sequence[frozenset[int] | None] | None = None,
+  ) -> tuple[list[Any], list[frozenset[int] | None]]:
+    env: dict[Any, Any] = {}
+    origin: dict[Any, frozenset[int]] = {}
+
+    def read(v: Any) -> Any:
+      return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+      env[v] = x
+    origins = [None] * len(args) if origins is None else origins
+    for v, x, o in zip(jaxpr.invars, args, origins, strict=True):
+      env[v] = x
+      if o:
+        origin[v] = o
+    for eqn in jaxpr.eqns:
+      invals = [read(v) for v in eqn.invars]
+      sources = [
+        None if isinstance(v, jex_core.Literal) else origin.get(v) for v in eqn.invars
+      ]
+      with eqn.ctx.manager:
+        if any(self.reduced(x) for x in invals):
+          outs, out_origins = self.use(eqn, invals, sources)
+        else:
+          outs, out_origins = self.value(eqn, invals), [None] * len(eqn.outvars)
+      for v, x, o in zip(eqn.outvars, outs, out_origins, strict=True):
+        env[v] = x
+        if o:
+          origin[v] = o
+    outvars = jaxpr.outvars
+    return [read(v) for v in outvars], [
+      None if isinstance(v, jex_core.Literal) else origin.get(v) for v in outvars
+    ]
+
+  def reduced(self, x: Any) -> frozenset[str]:
+    """The axes of ``self.axes`` that ``x`` is reduced over."""
+    spec = _spec(x)
+    return frozenset() if spec is None else frozenset(spec.reduced) & self.axes
+
+  def partial(self, x: Any) -> frozenset[str]:
+    """The axes of ``self.axes`` that ``x`` is ``unreduced`` over: a sum
+    over rows whose reduction is put off."""
+    spec = _spec(x)
+    return frozenset() if spec is None else frozenset(spec.unreduced) & self.axes
+
+  def value(self, eqn: Any, invals: list[Any]) -> list[Any]:
+    """``eqn`` on values none of which is reduced: a sum of rows to a
+    scalar (a loss, a count) is left ``unreduced`` over the data axes, and
+    an operation on such sums is written as one JAX types on them
+    (:meth:`on_partial`); the rest as it is."""
+    name = eqn.primitive.name
+    if any(self.partial(x) for x in invals):
+      return self.on_partial(eqn, invals)
+    if name == "reduce_sum" and not eqn.outvars[0].aval.shape:
+      parts = _spec_or_empty(invals[0]).partitions
+      axes = frozenset().union(*map(_names, parts)) & self.axes
+      spec = _aval_spec(eqn.outvars[0].aval)
+      if axes and spec is not None and not spec.unreduced:
+        out = eqn.outvars[0].aval.sharding.update(spec=P(unreduced=axes))
+        params = {**eqn.params, "out_sharding": out}
+        return [eqn.primitive.bind(*invals, **params)]
+    return _bind(eqn, invals)
+
+  def on_partial(self, eqn: Any, invals: list[Any]) -> list[Any]:
+    """``eqn`` on sums ``unreduced`` over data axes: added to one another,
+    cast, scaled or divided by a replicated value, negated, it stays
+    unreduced (a replicated addend is made unreduced, a factor reduced);
+    any other use reduces it first (an all-reduce here, where plain
+    ``jit`` would have had it)."""
+    name = eqn.primitive.name
+    at = [n for n, x in enumerate(invals) if self.partial(x)]
+    axes = frozenset().union(*(self.partial(invals[n]) for n in at))
+    others = [x for n, x in enumerate(invals) if n not in at]
+    if not any(_shards(_spec_or_empty(x), axes) for x in others):
+      ref = invals[at[0]]
+      try:
+        if name in {"add", "add_any", "sub"}:
+          return _bind(
+            eqn,
+            [
+              x if n in at else _retyped(x, ref, "unreduced", axes)
+              for n, x in enumerate(invals)
+            ],
+          )
+        if name == "mul" and len(at) == 1:
+          return _bind(
+            eqn,
+            [
+              x if n in at else _retyped(x, ref, "reduced", axes)
+              for n, x in enumerate(invals)
+            ],
+          )
+        if name == "div" and at == [0]:
+          one = jax.lax.div(jnp.ones((), ref.dtype), jnp.asarray(invals[1], ref.dtype))
+          return [ref * _retyped(one, ref, "reduced", axes)]
+        if name == "neg":
+          return [ref * _retyped(jnp.asarray(-1, ref.dtype), ref, "reduced", axes)]
+        if len(invals) == 1 and name in {"convert_element_type", "copy", "reduce_sum"}:
+          return _bind(eqn, invals)
+      except _compat.SHARDING_TYPE_ERRORS:
+        pass  # reduced below
+    return _bind(eqn, [_plain(x) if n in at else x for n, x in enumerate(invals)])
+
+  def use(
+    self, eqn: Any, invals: list[Any], sources: list[frozenset[int] | None]
+  ) -> tuple[list[Any], list[frozenset[int] | None]]:
+    """``eqn`` on ``invals``, some reduced, rewritten to a use JAX takes:
+    the first of :meth:`rewrites` that it types."""
+    name = eqn.primitive.name
+    leaves = frozenset().union(*(s for s in sources if s))
+    if name in _INLINED:
+      inner = eqn.params["jaxpr"]
+      return self.run(inner.jaxpr, inner.consts, invals, sources)
+    if name in _REMAT or name in {"scan", "cond"}:
+      return self.call(eqn, invals, sources)
+    at = [n for n, x in enumerate(invals) if self.reduced(x)]
+    axes = frozenset().union(*(self.reduced(invals[n]) for n in at))
+    if name == "reshard":
+      return self.reshard(eqn, invals, axes, leaves)
+    for rewritten, outcome in self.rewrites(eqn, invals, at, axes):
+      try:
+        outs = _bind(eqn, rewritten)
+      except _compat.SHARDING_TYPE_ERRORS:
+        if outcome == "plain":
+          raise
+        continue  # JAX has no rule for it: the next form
+      if outcome == "kept":
+        self.kept |= leaves
+      return outs, [(leaves or None) if outcome == "reduced" else None] * len(outs)
+    raise AssertionError("unreachable: the plain form is always the last")
+
+  def rewrites(
+    self, eqn: Any, invals: list[Any], at: list[int], axes: frozenset[str]
+  ) -> Iterator[tuple[list[Any], str]]:
+    """The forms of ``eqn`` to try, with what each makes of the reduced
+    operands (at positions ``at``, reduced over ``axes``): ``"kept"`` (the
+    use contracts or broadcasts them into rows: their cotangent comes back
+    unreduced), ``"reduced"`` (the result is reduced too) or ``"plain"``
+    (made plain first; always the last)."""
+    name = eqn.primitive.name
+    others = [_spec(x) for n, x in enumerate(invals) if n not in at]
+    out = eqn.outvars[0].aval
+    if name == "dot_general" and _contracts_rows(eqn, invals, at, axes):
+      yield invals, "kept"
+    elif (
+      name in ELEMENTWISE
+      and _covers(_aval_spec(out), axes)
+      and any(_covers(s, axes) for s in others)
+    ):  # broadcast into the sharded operand's rows
+      yield [_broadcast(x, out) if n in at else x for n, x in enumerate(invals)], "kept"
+    elif name in TYPED:  # JAX's own rule, where it has one
+      yield invals, "kept"
+    elif (name in ELEMENTWISE or len(invals) == 1) and not (
+      _has_jaxpr(eqn) or any(s is not None and _shards(s, axes) for s in others)
+    ):  # a view, a cast, an op of reduced and replicated values
+      yield (
+        [
+          x if n in at or not isinstance(x, jax.Array) else _typed(x, axes)
+          for n, x in enumerate(invals)
+        ],
+        "reduced",
+      )
+    yield [_plain(x) if n in at else x for n, x in enumerate(invals)], "plain"
+
+  def reshard(
+    self, eqn: Any, invals: list[Any], axes: frozenset[str], leaves: frozenset[int]
+  ) -> tuple[list[Any], list[frozenset[int] | None]]:
+    """A ``reshard`` of a reduced value: one that keeps it replicated over
+    the reduced axes keeps it reduced; one that shards it over them takes
+    each device's part (no data moves), and one onto Auto axes leaves it
+    to the partitioner (``.at[].get(out_sharding=)``'s own reshard of a
+    gathered table): either way its cotangent comes back ``unreduced``."""
+    dst = eqn.params["dst_sharding"]
+    explicit = {
+      a
+      for a, t in zip(dst.mesh.axis_names, dst.mesh.axis_types, strict=True)
+      if t == jax.sharding.AxisType.Explicit
+    }
+    if axes <= explicit and not _shards(dst.spec, axes):
+      spec = P(*dst.spec.partitions, reduced=set(dst.spec.reduced) | axes)
+      params = {**eqn.params, "dst_sharding": dst.update(spec=spec)}
+      out = eqn.primitive.bind(*invals, **params)
+      return [out], [leaves or None]
+    self.kept |= leaves
+    return _bind(eqn, invals), [None]
+
+  def call(
+    self, eqn: Any, invals: list[Any], sources: list[frozenset[int] | None]
+  ) -> tuple[list[Any], list[frozenset[int] | None]]:
+    """A ``checkpoint``, ``scan`` or ``cond`` rebuilt around the walk of its
+    jaxprs. A scan's carry and a scan's or a cond's outputs are made plain:
+    their types must match across iterations and branches."""
+    p = eqn.params
+    name = eqn.primitive.name
+    if name in _REMAT:
+      found: list[Any] = []
+
+      def inner(*args: Any) -> list[Any]:
+        outs, origins = self.run(p["jaxpr"], (), args, sources)
+        found[:] = origins
+        return outs
+
+      remat = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])
+      return remat(*invals), found
+    if name == "cond":
+      body = p["branches"]
+
+      def branch(closed: Any) -> Callable[..., list[Any]]:
+        def run(*ops: Any) -> list[Any]:
+          outs, _ = self.run(closed.jaxpr, closed.consts, ops, sources[1:])
+          return [_plain(x) for x in outs]
+
+        return run
+
+      outs = jax.lax.switch(invals[0], [branch(b) for b in body], *invals[1:])
+      return list(outs), [None] * len(outs)
+    consts, carried = _compat.scan_operand_counts(p, len(invals))
+    fixed, init = invals[:consts], [_plain(x) for x in invals[consts:][:carried]]
+    scanned = invals[consts + carried :]
+    closed = p["jaxpr"]
+    inner_sources = [*sources[:consts], *[None] * carried, *sources[consts + carried :]]
+
+    def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+      outs, _ = self.run(
+        closed.jaxpr, closed.consts, [*fixed, *carry, *xs], inner_sources
+      )
+      return [_plain(x) for x in outs[:carried]], [_plain(x) for x in outs[carried:]]
+
+    carry, ys = jax.lax.scan(
+      step, init, scanned, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    outs = [*carry, *ys]
+    return outs, [None] * len(outs)
+
+
+def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
+  out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _contracts_rows(
+  eqn: Any, invals: list[Any], at: list[int], axes: frozenset[str]
+) -> bool:
+  """A matrix product of one reduced operand with one sharded over the
+  reduced ``axes`` on free dimensions only (the rows of activations): its
+  transpose contracts those rows, an ``unreduced`` sum JAX types."""
+  if len(at) != 1 or len(invals) != 2:
+    return False
+  other = 1 - at[0]
+  spec = _spec(invals[other])
+  (contracting, batch) = eqn.params["dimension_numbers"]
+  bound = set(contracting[other]) | set(batch[other])
+  if spec is None or not _covers(spec, axes):
+    return False
+  return not any(
+    _names(entry) & axes for d, entry in enumerate(spec.partitions) if d in bound
+  )
+
+
+def _broadcast(x: Any, out: Any) -> jax.Array:
+  """``x`` (reduced) broadcast to ``out``'s shape and partitions: each
+  device's rows of it, no data moved."""
+  spec = P(*out.sharding.spec.partitions)
+  dims = tuple(range(out.ndim - jnp.ndim(x), out.ndim))
+  sharding = jax.typeof(x).sharding.update(spec=spec)
+  return jax.lax.broadcast_in_dim(x, out.shape, dims, out_sharding=sharding)
+
+
+def _retyped(x: Any, like: jax.Array, kind: str, axes: frozenset[str]) -> jax.Array:
+  """``x`` (replicated over ``axes``; a constant, a literal) on ``like``'s
+  mesh, typed ``kind`` (``"reduced"`` or ``"unreduced"``) over ``axes``."""
+  x = jnp.asarray(x, like.dtype)
+  spec = _spec(x)
+  if spec is None or jax.typeof(x).sharding.mesh.empty:
+    spec = P(*(None,) * x.ndim)
+  typed = P(*spec.partitions, **{kind: set(axes)})
+  return jax.sharding.reshard(x, jax.typeof(like).sharding.update(spec=typed))
+
+
+def _spec_or_empty(x: Any) -> P:
+  spec = _spec(x)
+  return P() if spec is None else spec
+
+
+def _has_jaxpr(eqn: Any) -> bool:
+  """``eqn`` calls a jaxpr (a custom derivative, a ``while``): opaque."""
+  kinds = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
+  return any(isinstance(v, kinds) for v in eqn.params.values())
+
+
+def _shards(spec: P, axes: frozenset[str]) -> bool:
+  """``spec`` shards a dimension over some of ``axes``."""
+  return any(_names(e) & axes for e in spec.partitions)
+
+
+def _covers(spec: P | None, axes: frozenset[str]) -> bool:
+  """``spec`` shards its dimensions over all of ``axes``."""
+  if spec is None:
+    return False
+  return axes <= frozenset().union(*(_names(e) for e in spec.partitions))
+
+
+def _spec(x: Any) -> P | None:
+  """``x``'s ``PartitionSpec`` on an Explicit mesh, None elsewhere."""
+  return _aval_spec(jax.typeof(x))
+
+
+def _aval_spec(aval: Any) -> P | None:
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  return spec if isinstance(spec, P) else None
+
+
+def _plain(x: Any) -> Any:
+  """``x`` as an ordinary value: without ``reduced`` axes (its cotangent
+  reduced here) or ``unreduced`` ones (reduced here)."""
+  spec = _spec(x)
+  if spec is None or not (spec.reduced or spec.unreduced):
+    return x
+  plain = P(*spec.partitions)
+  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=plain))
+
+
+def _typed(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+  """``x``, replicated over ``axes``, typed ``reduced`` over them."""
+  spec = _spec(x)
+  if spec is None or not axes <= set(jax.typeof(x).sharding.mesh.axis_names):
+    return x  # a constant on no mesh: JAX refuses it, the use is made plain
+  typed = P(*spec.partitions, reduced=set(spec.reduced) | axes)
+  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=typed))
+
+
+def _plain_type(x: jax.Array) -> jax.ShapeDtypeStruct:
+  aval = jax.typeof(x)
+  sharding = aval.sharding
+  spec = _spec(x)
+  if spec is not None and spec.reduced:
+    sharding = sharding.update(spec=P(*spec.partitions, unreduced=set(spec.unreduced)))
+  return jax.ShapeDtypeStruct(
+    x.shape, x.dtype, sharding=sharding, weak_type=aval.weak_type
+  )
+
+
+def _names(entry: Any) -> frozenset[str]:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return frozenset()
+  return frozenset(entry if isinstance(entry, tuple) else (entry,))
