@@ -232,43 +232,23 @@ class _Walk:
     return _bind(eqn, invals)
 
   def on_partial(self, eqn: Any, invals: list[Any]) -> list[Any]:
-    """``eqn`` on sums ``unreduced`` over data axes: added to one another,
-    cast, scaled or divided by a replicated value, negated, it stays
-    unreduced (a replicated addend is made unreduced, a factor reduced);
-    any other use reduces it first (an all-reduce here, where plain
-    ``jit`` would have had it)."""
-    name = eqn.primitive.name
+    """``eqn`` on sums ``unreduced`` over data axes: added to or subtracted
+    from one another, widened, scaled or divided by a replicated value,
+    negated, it stays unreduced (a replicated factor typed reduced); any
+    other use reduces it first, an all-reduce here, where plain ``jit`` has
+    it: a replicated addend (a penalty on the weights, a constant) would
+    have to be split over the devices, and a narrowing cast rounds the
+    sum."""
     at = [n for n, x in enumerate(invals) if self.partial(x)]
     axes = frozenset().union(*(self.partial(invals[n]) for n in at))
     others = [x for n, x in enumerate(invals) if n not in at]
     if not any(_shards(_spec_or_empty(x), axes) for x in others):
-      ref = invals[at[0]]
       try:
-        if name in {"add", "add_any", "sub"}:
-          return _bind(
-            eqn,
-            [
-              x if n in at else _retyped(x, ref, "unreduced", axes)
-              for n, x in enumerate(invals)
-            ],
-          )
-        if name == "mul" and len(at) == 1:
-          return _bind(
-            eqn,
-            [
-              x if n in at else _retyped(x, ref, "reduced", axes)
-              for n, x in enumerate(invals)
-            ],
-          )
-        if name == "div" and at == [0]:
-          one = jax.lax.div(jnp.ones((), ref.dtype), jnp.asarray(invals[1], ref.dtype))
-          return [ref * _retyped(one, ref, "reduced", axes)]
-        if name == "neg":
-          return [ref * _retyped(jnp.asarray(-1, ref.dtype), ref, "reduced", axes)]
-        if len(invals) == 1 and name in {"convert_element_type", "copy", "reduce_sum"}:
-          return _bind(eqn, invals)
+        out = _linear(eqn, invals, at, axes)
       except _compat.SHARDING_TYPE_ERRORS:
-        pass  # reduced below
+        out = None  # reduced below
+      if out is not None:
+        return [out]
     return _bind(eqn, [_plain(x) if n in at else x for n, x in enumerate(invals)])
 
   def use(
@@ -434,6 +414,40 @@ def _broadcast(x: Any, out: Any) -> jax.Array:
   dims = tuple(range(out.ndim - jnp.ndim(x), out.ndim))
   sharding = jax.typeof(x).sharding.update(spec=spec)
   return jax.lax.broadcast_in_dim(x, out.shape, dims, out_sharding=sharding)
+
+
+def _linear(
+  eqn: Any, invals: list[Any], at: list[int], axes: frozenset[str]
+) -> jax.Array | None:
+  """``eqn`` on the sums at positions ``at`` (unreduced over ``axes``; the
+  other operands replicated), written as operations JAX types on them, or
+  None where it is none of :meth:`_Walk.on_partial`'s."""
+  name = eqn.primitive.name
+  ref = invals[at[0]]
+
+  def scaled(x: jax.Array, factor: Any) -> jax.Array:
+    return x * _retyped(factor, ref, "reduced", axes)
+
+  if name in {"add", "add_any", "sub"} and len(at) == 2:
+    a, b = invals  # JAX types no unreduced sub: a + (-1) b
+    return jax.lax.add(a, scaled(b, -1) if name == "sub" else b)
+  if name == "mul" and len(at) == 1:
+    return scaled(ref, invals[1 - at[0]])
+  if name == "div" and at == [0]:
+    return scaled(ref, jax.lax.div(jnp.ones((), ref.dtype), invals[1]))
+  if name == "neg":
+    return scaled(ref, -1)
+  if name in {"copy", "reduce_sum"} or (
+    name == "convert_element_type" and _widens(ref.dtype, eqn)
+  ):  # a narrowing cast rounds the sum, not its parts: None
+    return _bind(eqn, invals)[0]
+  return None
+
+
+def _widens(dtype: Any, eqn: Any) -> bool:
+  """``eqn`` (a cast of a ``dtype`` value) loses nothing of it."""
+  new = eqn.params["new_dtype"]
+  return jnp.promote_types(dtype, new) == new
 
 
 def _retyped(x: Any, like: jax.Array, kind: str, axes: frozenset[str]) -> jax.Array:

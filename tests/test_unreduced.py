@@ -326,11 +326,12 @@ def test_make_train_step_and_nnx_take_the_same_path():
   assert len(over(colls, mesh, ["data"], in_loop=False)) == 1, colls
 
 
-def test_a_penalty_on_the_weights_alone_adds_no_collective():
+def test_a_penalty_on_the_weights_alone_reduces_no_gradient_in_the_loop():
   """A matrix product of a weight with a constant (a penalty computed from
   the weights alone) has no rows to leave unreduced: that use takes the
   weight made plain, and its gradient, the same on every device, is added
-  to the unreduced sum where it was computed; exact."""
+  to the unreduced sum where it was computed; exact. The loss it is added
+  to is reduced where they meet (4 bytes)."""
   mesh = explicit_mesh((8,), ("data",))
   params, batch = problem(mesh, {})
   base = model(mesh)
@@ -341,9 +342,11 @@ def test_a_penalty_on_the_weights_alone_adds_no_collective():
   out, colls = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, batch)
   want, _ = compiled(jax.value_and_grad(loss), mesh, params, batch)
   assert_like_full_batch(out, want, params)
-  assert not over(colls, mesh, ["data"], in_loop=True), colls
+  in_loop = sum(c.bytes for c in over(colls, mesh, ["data"], in_loop=True))
+  assert in_loop <= LOSS_BYTES, colls
   after = over(colls, mesh, ["data"], in_loop=False)
-  assert [c.bytes for c in after] == [shard_bytes(params) + LOSS_BYTES], after
+  assert len(after) == 1, after
+  assert in_loop + after[0].bytes == shard_bytes(params) + LOSS_BYTES, colls
 
 
 def test_a_use_jax_refuses_as_reduced_falls_back_with_a_warning(monkeypatch):

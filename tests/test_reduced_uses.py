@@ -1,0 +1,222 @@
+"""Each use of a parameter typed ``reduced`` in plain jit's step
+(:mod:`jaxaccum._reduced`): a bias, a norm's scale, an embedding table, a
+penalty on the weights, layers inside ``jit``, ``checkpoint``, ``scan`` and
+``cond``, and the loss's own sum. Every step is compared with
+``jax.value_and_grad`` on the whole batch under the same ``jit`` on the same
+mesh, and its compiled program is read: which data-axis collectives run in
+the loop (none, where the use has rows to leave unreduced) and after it.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+from jaxaccum import _reduced, _unreduced, testing
+
+V, D, S, B, K = 32, 16, 8, 32, 4
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def put(mesh, tree, spec=None):
+  sharding = NamedSharding(mesh, P() if spec is None else spec)
+  return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
+
+
+def lm_params(mesh):
+  keys = jax.random.split(jax.random.key(0), 4)
+  return put(
+    mesh,
+    {
+      "embed": jax.random.normal(keys[0], (V, D)),
+      "scale": 1.0 + 0.1 * jax.random.normal(keys[1], (D,)),
+      "layers": jax.random.normal(keys[2], (2, D, D)) / D**0.5,
+      "out": jax.random.normal(keys[3], (D, V)) / D**0.5,
+      "bias": jnp.zeros((V,)),
+    },
+  )
+
+
+def tokens(mesh):
+  return put(mesh, jax.random.randint(jax.random.key(1), (B, S), 0, V), P("data"))
+
+
+def lm_rows(p, tok):
+  """A small LM's loss per row, with every use the walk rewrites: an
+  embedding gather, an RMS norm's scale, layers stacked for a scan, a
+  bias inside a jit, a cond."""
+  h = p["embed"].at[tok[:, :-1]].get(out_sharding=P("data", None, None))
+  h = (
+    h * jax.lax.rsqrt(jnp.mean(h**2, -1, keepdims=True) + 1e-6) * p["scale"][None, None]
+  )
+
+  def layer(h, w):
+    return jax.checkpoint(lambda h: h + jnp.tanh(h @ w))(h), None
+
+  h, _ = jax.lax.scan(layer, h, p["layers"])
+  logits = jax.jit(lambda h, w, b: h @ w + b[None, None])(h, p["out"], p["bias"])
+  on = jnp.ones((), bool)  # a replicated predicate (a data-dependent one is reduced)
+  logits = jax.lax.cond(on, lambda x: x, lambda x: 2.0 * x, logits)
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, tok[:, 1:, None], -1)[..., 0], axis=1)
+
+
+def lm_loss(p, tok):
+  return jnp.mean(lm_rows(p, tok))
+
+
+def compiled(fun, mesh, *args):
+  fun = jax.jit(fun)
+  with jax.set_mesh(mesh):
+    out = fun(*args)
+    text = fun.lower(*args).compile().as_text()
+  return out, testing.collectives(text)
+
+
+def data_collectives(colls, *, in_loop):
+  return [c for c in colls if c.in_loop == in_loop and c.spans((8,), [0])]
+
+
+def shard_bytes(tree):
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_the_probe_says_which_leaves_a_use_keeps_reduced(mesh):
+  """Traced only: a matrix product, a bias, a scale and an embedding keep
+  their leaf reduced; a convolution's kernel and a penalty JAX has no
+  reduced rule for (integer_pow) make theirs plain."""
+
+  def loss(p, x):
+    h = jnp.tanh(x @ p["w"] + p["b"][None]) * p["scale"][None]
+    e = p["embed"].at[jnp.argmax(h, -1)].get(out_sharding=P("data", None))
+    c = jax.lax.conv_general_dilated(
+      h[:, None, :], p["kernel"], (1,), "SAME", dimension_numbers=("NCH", "OIH", "NCH")
+    )
+    return jnp.mean(e) + jnp.mean(c) + jnp.sum(p["penalty"] ** 2)
+
+  params = put(
+    mesh,
+    {
+      "w": jnp.ones((D, D)),
+      "b": jnp.ones((D,)),
+      "scale": jnp.ones((D,)),
+      "embed": jnp.ones((D, D)),
+      "kernel": jnp.ones((1, 1, 3)),
+      "penalty": jnp.ones((3,)),
+    },
+  )
+  x = put(mesh, jnp.ones((B, D)), P("data"))
+  fun = _reduced.Evaluated(loss, ("data",))
+
+  def enter(p):
+    return jax.tree.map(lambda a: jax.sharding.reshard(a, P(reduced={"data"})), p)
+
+  with jax.set_mesh(mesh):
+    kept = fun.probe(fun, enter, params, x)
+  names = sorted(params)  # the leaves' order
+  assert dict(zip(names, kept, strict=True)) == {
+    "b": True,
+    "embed": True,
+    "kernel": False,
+    "penalty": False,
+    "scale": True,
+    "w": True,
+  }
+
+
+def test_an_lm_reduces_nothing_over_data_in_the_loop(mesh):
+  """Embedding, norm scale, scanned checkpointed layers, a bias inside a
+  jit, a cond, and the loss: all reduced once, in one all-reduce after the
+  loop."""
+  params, tok = lm_params(mesh), tokens(mesh)
+  out, colls = compiled(jaxaccum.value_and_grad(lm_loss, K), mesh, params, tok)
+  want, _ = compiled(jax.value_and_grad(lm_loss), mesh, params, tok)
+  chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+  assert not data_collectives(colls, in_loop=True), colls
+  after = data_collectives(colls, in_loop=False)
+  assert [c.bytes for c in after] == [shard_bytes(params) + 4], after
+
+
+@pytest.mark.parametrize(
+  "head",
+  [
+    lambda m, other: -m,
+    lambda m, other: 0.5 * m - other / 3.0,
+    lambda m, other: m + other,
+  ],
+  ids=["negated", "scaled_and_subtracted", "added"],
+)
+def test_the_loss_stays_a_sum_through_linear_operations(mesh, head):
+  """The loss's sum over rows is left unreduced through negation, scaling,
+  division by a constant, sums and differences of such sums and casts that
+  lose nothing: nothing over data in the loop."""
+  params, tok = lm_params(mesh), tokens(mesh)
+
+  def loss(p, tok):
+    return head(
+      lm_loss(p, tok), jnp.mean(p["embed"].at[tok].get(out_sharding=P("data")))
+    )
+
+  out, colls = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, tok)
+  want, _ = compiled(jax.value_and_grad(loss), mesh, params, tok)
+  chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+  assert not data_collectives(colls, in_loop=True), colls
+
+
+@pytest.mark.parametrize(
+  "head",
+  [
+    lambda m, p: jnp.log(m),
+    lambda m, p: m + 1e-3 * jnp.sum(p["out"] ** 2),
+    lambda m, p: m.astype(jnp.bfloat16).astype(jnp.float32),
+  ],
+  ids=["log", "penalty_added", "narrowing_cast"],
+)
+def test_other_uses_of_the_loss_reduce_it_where_they_are(mesh, head, monkeypatch):
+  """The log of the mean needs the whole sum; a penalty on the weights
+  would have to be split over the devices to add to a sum of theirs; a
+  cast to bfloat16 rounds the sum, not its parts. Each reduces the loss in
+  the loop (4 bytes), as plain jit does; the gradients after it. Compared
+  with the step whose reductions the partitioner places (the same
+  micro-batches), since such a loss is no mean over examples."""
+  params, tok = lm_params(mesh), tokens(mesh)
+
+  def loss(p, tok):
+    return head(lm_loss(p, tok), p)
+
+  fun = jaxaccum.value_and_grad(loss, K)
+  out, colls = compiled(fun, mesh, params, tok)
+  monkeypatch.setattr(_unreduced, "applies", lambda *a: False)
+  want, _ = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, tok)
+  chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+  assert [c.bytes for c in data_collectives(colls, in_loop=True)] == [4], colls
+  after = data_collectives(colls, in_loop=False)
+  assert [c.bytes for c in after] == [shard_bytes(params)], after
+
+
+def test_a_weighted_loss_reduces_its_weight_in_the_loop_only(mesh):
+  """normalize="weighted": the loss sum is reduced after the loop; the
+  weight, which the step checks per micro-batch, in it (4 bytes)."""
+  params, tok = lm_params(mesh), tokens(mesh)
+  mask = put(mesh, (jnp.arange(B) % 3 != 0).astype(jnp.float32), P("data"))
+
+  def loss(p, tok, mask):
+    return jnp.sum(lm_rows(p, tok) * mask), jnp.sum(mask)
+
+  fun = jaxaccum.value_and_grad(loss, K, normalize="weighted", batch_argnums=(1, 2))
+
+  def full(p, tok, mask):
+    total, weight = loss(p, tok, mask)
+    return total / weight
+
+  out, colls = compiled(fun, mesh, params, tok, mask)
+  want, _ = compiled(jax.value_and_grad(full), mesh, params, tok, mask)
+  chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+  assert [c.bytes for c in data_collectives(colls, in_loop=True)] == [4], colls
