@@ -59,10 +59,12 @@ import importlib.metadata
 import json
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from pydoc_data import topics
 from typing import Any
 
 import _models
@@ -70,9 +72,14 @@ import _paths
 import _report
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from sklearn.datasets import load_digits
 
 import jaxaccum
+from jaxaccum import testing
 
 HERE = pathlib.Path(__file__).resolve().parent
 CLIP = 1.0
@@ -251,6 +258,158 @@ def memory_part(preset: str, ks: tuple[int, ...], search: bool) -> dict[str, Any
     )
     print(f"  jaxaccum: largest batch {result['largest_accumulated_batch']['batch']}")
   return result
+
+
+# ---------------------------------------------------------------- part 3: exactness
+
+
+def _exact_models() -> dict[str, tuple[Callable[..., Any], Any, Any]]:
+  """``{name: (loss on one example, params, 64 rows)}``: an MLP and a CNN on
+  scikit-learn's digits (8 x 8 images), and a transformer LM with a
+  sequence dimension on the English text that ships with CPython."""
+
+  digits = load_digits()
+  images = jnp.asarray(digits.images[:64] / 16.0, jnp.float32)
+  labels = jnp.asarray(digits.target[:64], jnp.int32)
+  r = np.random.default_rng(0)
+
+  def normal(*shape):
+    return jnp.asarray(r.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+
+  def mlp_loss(p, example):
+    image, label = example
+    h = jnp.tanh(image.reshape(-1) @ p["w1"] + p["b1"])
+    return -jax.nn.log_softmax(h @ p["w2"] + p["b2"])[label]
+
+  mlp = {"w1": normal(64, 32), "b1": normal(32), "w2": normal(32, 16), "b2": normal(16)}
+
+  def cnn_loss(p, example):
+    image, label = example
+    h = jax.lax.conv_general_dilated(
+      image[None, :, :, None],
+      p["kernel"],
+      (1, 1),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
+    h = jax.nn.relu(h[0] + p["bias"])
+    return -jax.nn.log_softmax(h.reshape(-1) @ p["dense"])[label]
+
+  cnn = {"kernel": normal(3, 3, 1, 8), "bias": normal(8), "dense": normal(512, 16)}
+  cfg = _models.TransformerConfig(
+    vocab=128, d_model=16, num_heads=2, num_layers=1, d_ff=32, seq_len=16, batch_size=64
+  )
+  text = " ".join(topics.topics.values()).encode("ascii", "replace")
+  tokens = np.frombuffer(text[: 64 * 17], np.uint8).reshape(64, 17) % cfg.vocab
+  lm = _models.transformer_init(jax.random.key(0), cfg)
+  return {
+    "mlp": (mlp_loss, mlp, (images, labels)),
+    "cnn": (cnn_loss, cnn, (images, labels)),
+    "transformer": (example_loss(cfg), lm, jnp.asarray(tokens, jnp.int32)),
+  }
+
+
+def _reference(loss: Callable[..., Any], params: Any, batch: Any, clip: float) -> Any:
+  """Written here, apart from jaxaccum: one vmap of grad over the 64 rows,
+  each example's gradient scaled to global norm at most ``clip``, summed."""
+  grads = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, batch)
+  flat = [g.reshape(64, -1) for g in jax.tree.leaves(grads)]
+  norms = jnp.sqrt(sum(jnp.sum(g * g, axis=1) for g in flat))
+  factor = jnp.minimum(1.0, clip / norms)
+  return jax.tree.map(lambda g: jnp.tensordot(factor, g, axes=(0, 0)), grads), norms
+
+
+def _fsdp_spec(x: Any) -> Any:
+  """FSDP: the first dimension that 8 divides, sharded over "fsdp"."""
+  for dim, size in enumerate(x.shape):
+    if size % 8 == 0:
+      return jax.sharding.PartitionSpec(*([None] * dim), "fsdp")
+  return jax.sharding.PartitionSpec()
+
+
+def exact_rows(ks: tuple[int, ...]) -> list[dict[str, Any]]:
+  """Ghost's clipped sum against :func:`_reference` for each model and k,
+  on one device and on 8 CPU devices with FSDP (``mesh=``). Runs in a
+  process with 8 CPU devices (:func:`exact_part`)."""
+
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  rows = []
+  for name, (loss, params, batch) in _exact_models().items():
+    _, norms = _reference(loss, params, batch, 1.0)
+    clip = float(jnp.median(norms))  # some examples clipped, some not
+    want, _ = _reference(loss, params, batch, clip)
+    for devices in (1, 8):
+      for k in ks:
+        options: dict[str, Any] = {}
+        p, b = params, batch
+        if devices > 1:
+          p = jax.tree.map(
+            lambda x: jax.device_put(x, NamedSharding(mesh, _fsdp_spec(x))), params
+          )
+          b = jax.tree.map(
+            lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp"))), b
+          )
+          options = {"mesh": mesh, "data_axis": "fsdp"}
+        fun = jaxaccum.grad(
+          loss,
+          k,
+          normalize="sum",
+          clip_per_example=clip,
+          clip_method="ghost",
+          **options,
+        )
+        with warnings.catch_warnings(record=True) as caught, jax.set_mesh(mesh):
+          warnings.simplefilter("always")
+          got = jax.jit(fun)(p, b)
+        fell = [
+          str(w.message).split(": ", 1)[1].split(". The result")[0]
+          for w in caught
+          if issubclass(w.category, jaxaccum.GhostFallbackWarning)
+        ]
+        pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+        errors = [float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) for g, w in pairs]
+        total = float(
+          jnp.sqrt(sum(jnp.sum((g - w) ** 2) for g, w in pairs))
+          / jnp.sqrt(sum(jnp.sum(w**2) for _, w in pairs))
+        )
+        sharded = sum(1 for x in jax.tree.leaves(params) if _fsdp_spec(x) != P())
+        row = {
+          "model": name,
+          "k": k,
+          "devices": devices,
+          "mesh": "fsdp=8" if devices > 1 else None,
+          "fsdp_leaves": sharded if devices > 1 else 0,
+          "leaves": len(pairs),
+          "rows": 64,
+          "rel_error": total,
+          "max_leaf_rel_error": max(errors),
+          "fallback": fell,
+        }
+        print(f"  {name}, {devices} device(s), k={k}: {total:.2e} ({max(errors):.2e})")
+        rows.append(row)
+  return rows
+
+
+def exact_part(ks: tuple[int, ...]) -> dict[str, Any]:
+  """:func:`exact_rows`, in a process of its own with 8 CPU devices (this
+  one's backend may have started with one)."""
+  env = dict(os.environ)
+  testing.cpu_devices(8, environ=env)
+  env["JAX_PLATFORMS"] = "cpu"
+  out = subprocess.run(
+    [sys.executable, __file__, "--exact-rows", ",".join(map(str, ks))],
+    env=env,
+    check=True,
+    capture_output=True,
+    text=True,
+  )
+  print(out.stdout.rsplit("\n", 2)[0])
+  return {
+    "date": datetime.date.today().isoformat(),
+    "jax": jax.__version__,
+    "tolerance": 1e-5,
+    "rows": json.loads(out.stdout.splitlines()[-1]),
+  }
 
 
 # ---------------------------------------------------------------- part 2: time
@@ -497,7 +656,46 @@ def ghost_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-BLOCKS = {"dp memory": memory_table, "dp ghost": ghost_table, "dp time": time_table}
+def exact_table(results: dict[str, Any]) -> str:
+  exact = results["exact"]
+  tolerance = exact["tolerance"]
+  lines = [
+    'Ghost clipping (`clip_method="ghost"`) against an independent reference '
+    "written in `dp.py` (one `jax.vmap(jax.grad)` over the 64 rows on one "
+    "device, each example clipped to the median norm, summed): the relative "
+    "error of the clipped sum over all leaves, and of the worst leaf. "
+    "An MLP and a CNN on scikit-learn's digits, a one-layer transformer LM "
+    "(16 tokens) on CPython's `pydoc_data` text; on one CPU device, and on 8 "
+    "CPU devices with `mesh=` and every leaf that 8 divides sharded over the "
+    f"data axis (FSDP); jax {exact['jax']}, {exact['date']}. Goal: at most "
+    f"{tolerance:g}; a row above it is marked ✗.",
+    "",
+  ]
+  rows = [
+    (
+      r["model"],
+      "1"
+      if r["devices"] == 1
+      else f"{r['devices']}, FSDP ({r['fsdp_leaves']} of {r['leaves']} leaves)",
+      r["k"],
+      f"{r['rel_error']:.1e}" + ("" if r["rel_error"] <= tolerance else " ✗"),
+      f"{r['max_leaf_rel_error']:.1e}"
+      + ("" if r["max_leaf_rel_error"] <= tolerance else " ✗"),
+      "; ".join(r["fallback"]) or "none",
+    )
+    for r in exact["rows"]
+  ]
+  header = ("model", "devices", "k", "rel. error", "worst leaf", "falls back")
+  lines.append(_report.table(header, rows))
+  return "\n".join(lines)
+
+
+BLOCKS = {
+  "dp memory": memory_table,
+  "dp ghost": ghost_table,
+  "dp exact": exact_table,
+  "dp time": time_table,
+}
 
 
 # ---------------------------------------------------------------- main
@@ -509,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", type=pathlib.Path, default=None)
   parser.add_argument(
     "--part",
-    choices=("both", "time", "memory", "ghost"),
+    choices=("both", "time", "memory", "ghost", "exact"),
     default="both",
     help="measure one part and keep the other from the existing JSON",
   )
@@ -519,7 +717,12 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--repeats", type=int, default=None, help="steps per sample (default 5; quick 2)"
   )
+  parser.add_argument("--exact-rows", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.exact_rows:  # exact_part's process, with 8 CPU devices
+    rows = exact_rows(tuple(int(k) for k in args.exact_rows.split(",")))
+    print(json.dumps(rows))
+    return 0
   quick = args.quick
   out = _paths.output_folder(args.out, quick)
   name = "dp_quick.json" if quick else "dp.json"
@@ -527,12 +730,13 @@ def main(argv: list[str] | None = None) -> int:
   results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
   if args.part in ("both", "time"):  # the machine the times come from
     results["machine"] = f"{os.cpu_count()}-core {_report.cpu_model()}"
-  results.update(
-    date=datetime.date.today().isoformat(),
-    versions={
-      p: importlib.metadata.version(p) for p in ("jax", "jax-privacy", "optax")
-    },
-  )
+  if args.part != "exact":  # the exact part dates its own rows
+    results.update(
+      date=datetime.date.today().isoformat(),
+      versions={
+        p: importlib.metadata.version(p) for p in ("jax", "jax-privacy", "optax")
+      },
+    )
   if args.part in ("both", "time"):
     print("Part 2: step time on this CPU")
     results["time"] = time_part(
@@ -553,6 +757,9 @@ def main(argv: list[str] | None = None) -> int:
     results["ghost"] = ghost_part(
       "gpu-quick" if quick else "gpu", (8,) if quick else (8, 32, 128)
     )
+  if args.part in ("both", "exact"):
+    print("Part 3: ghost clipping against a vmap(grad) reference, 1 and 8 devices")
+    results["exact"] = exact_part((1, 2, 4, 8))
   path.write_text(json.dumps(results, indent=1) + "\n")
   print(f"wrote {path}")
   if not quick:

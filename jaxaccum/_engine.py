@@ -222,6 +222,44 @@ class Engine:
 
     return loss
 
+  def ghost_loss(
+    self,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    split: _split.MicroBatching,
+    total: int,
+  ) -> Callable[..., Any]:
+    """``loss(diff_args, micro, index, state) -> (objective, ((loss, (weight,
+    aux, new_state)), some))`` for ``clip_method="ghost"``: the objective's
+    gradient is the micro-batch's clipped sum
+    (:func:`jaxaccum._privacy.ghost_objective`). The data-parallel path
+    differentiates the devices' objectives together, so that a leaf they
+    share (FSDP) gets its clipped sums reduce-scattered in the backward
+    pass, as without privacy."""
+    o = self.options
+    assert o.clip_per_example is not None
+    objective = _privacy.ghost_objective(
+      self._loss(args, kwargs, split.batch_size),
+      argnums=o.argnums,
+      batch_argnums=o.batch_argnums,
+      clip_norm=o.clip_per_example,
+      rng_argnum=o.rng_argnum,
+      state_argnum=o.state_argnum,
+      mask_argnum=o.example_mask,
+    )
+    assemble = self._call_args(args, total)
+
+    def loss(diff_args, micro, index, state):
+      value, ((loss, (weight, aux, new_state)), some) = objective(
+        *assemble(diff_args, micro, index, state)
+      )
+      return value, (
+        (loss, (weight, aux, self._kept_state(new_state, state, aux))),
+        some,
+      )
+
+    return loss
+
   def micro_step(
     self,
     args: tuple[Any, ...],

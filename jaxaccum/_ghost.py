@@ -39,6 +39,12 @@ instead of materializing the gradient, in three steps:
    the activations they meet), at the price of a second forward pass. In the
    second pass each row that is not kept is replaced by a kept one, so that
    its weight 0 multiplies finite numbers and it adds exactly zero.
+
+The second pass is a loss, :func:`weighted_loss`, whose gradient is the
+clipped sum: under ``mesh=`` the devices' weighted losses are summed and
+differentiated together, so that an FSDP leaf's clipped sums are
+reduce-scattered inside the backward pass, as the non-private step's
+gradients are, and no device holds a whole gradient of it.
 """
 
 from __future__ import annotations
@@ -474,7 +480,25 @@ def _warn_fallbacks(traced: _Traced, diff: Any) -> None:
   )
 
 
-def clipped_sum(
+class Weighted(NamedTuple):
+  """Ghost clipping's second pass, as a loss (:func:`weighted_loss`).
+
+  Attributes:
+    total: ``sum_i factor_i * loss_i``, shape=(), the loss's dtype: its
+      gradient with respect to the differentiated leaves is the sum of the
+      kept rows' clipped gradients.
+    losses: each row's loss, from the first pass, shape=(rows,).
+    rest: each row's rest (weight, aux, state), stacked over the rows.
+    kept: which rows count, shape=(rows,), bool: present, with a finite norm.
+  """
+
+  total: jax.Array
+  losses: jax.Array
+  rest: Any
+  kept: jax.Array
+
+
+def weighted_loss(
   loss_fn: Callable[..., Any],
   args: list[Any],
   *,
@@ -482,22 +506,25 @@ def clipped_sum(
   in_axes: list[int | None],
   present: jax.Array,
   clip_norm: float,
-  accum_dtype: Any,
-) -> tuple[tuple[jax.Array, Any], tuple[PyTree, ...]]:
-  """The sum of the kept rows' clipped gradients, by ghost clipping.
+) -> Weighted:
+  """Ghost clipping as a loss whose gradient is the clipped sum.
 
   ``loss_fn(*args)`` is ``fun`` on one example, returning ``(loss, rest)``;
   the arguments with ``in_axes`` 0 hold one row per example, the others are
-  shared. Returns ``((losses, rest), grads)``: each row's loss and rest
-  (stacked), and a tuple (one per ``argnums``) of the clipped sums, in (at
-  least) ``accum_dtype``. A row is kept when ``present`` and its norm is
-  finite; the others add exactly zero.
+  shared. The first pass (the norms) reads the differentiated arguments
+  ``args[argnums]`` through ``stop_gradient``, so differentiating the
+  result's ``total`` with respect to them runs only the second pass's
+  backward. A caller that differentiates the sum of several such totals
+  (the devices of a data axis, sharing an FSDP leaf) gets their clipped
+  sums added inside that backward pass: each example's norm is taken over
+  every leaf before the clip, and no device holds a per-example or whole
+  gradient of a leaf beyond what the non-private step holds (but for the
+  leaves that fall back, :class:`GhostFallbackWarning`).
   """
   diff = tuple(args[n] for n in argnums)
   leaves, diff_def = jax.tree.flatten(diff)
   batched = [n for n, axis in enumerate(in_axes) if axis == 0]
   batch_leaves, batch_def = jax.tree.flatten([args[n] for n in batched])
-  rows = present.shape[0]
 
   def per_example(param_leaves, example_leaves):
     call = list(args)
@@ -512,6 +539,33 @@ def clipped_sum(
   example = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in batch_leaves]
   traced = _trace(per_example, leaves, example)
   _warn_fallbacks(traced, diff)
+  factor, kept, index, usable, (losses, rest) = _factors(
+    traced, jax.lax.stop_gradient(leaves), batch_leaves, present, clip_norm
+  )
+  # The second pass runs fun again (the first pass's activations are dead by
+  # then: the peak is one pass's), on rows where each row not kept is
+  # replaced by a kept one: its weight 0 then multiplies finite numbers.
+  # Where no row is kept, a row with a finite norm stands in; where there is
+  # none, zeros do (a device of a data axis whose rows all failed still adds
+  # its zero to the leaves it shares with the others).
+  batch = [_usable_rows(_take_rows(x, index), usable) for x in batch_leaves]
+  again = jax.vmap(lambda p, b: per_example(p, b)[0], in_axes=(None, 0))(leaves, batch)
+  total = jnp.sum(again * factor.astype(again.dtype))
+  return Weighted(total, losses, rest, kept)
+
+
+def _factors(
+  traced: _Traced,
+  leaves: list[Any],
+  batch_leaves: list[Any],
+  present: jax.Array,
+  clip_norm: float,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any]:
+  """The first pass: each row's clip factor ``min(1, C / norm)`` (0 where
+  not kept), which rows are kept, the row that stands in for each row in
+  the second pass, whether that row is usable (finite), and the first
+  pass's ``(losses, rest)``."""
+  rows = present.shape[0]
   taps = {
     n: _rows_like_batch(jnp.zeros((rows, *s.shape), s.dtype), batch_leaves)
     for n, s in ((n, _tap_shape(traced.uses[n], k)) for n, k in traced.plan.items())
@@ -522,25 +576,72 @@ def clipped_sum(
   )
   (tap_grads,) = tap_vjp(jnp.ones_like(losses))
   norm = jnp.sqrt(squared_norms(traced.uses, traced.plan, tap_grads, saved, rows))
-  kept = present & jnp.isfinite(norm)
+  finite = jnp.isfinite(norm)
+  kept = present & finite
   clip = jnp.float32(clip_norm)
   factor = jnp.where(kept, clip / jnp.maximum(norm, clip), jnp.float32(0))
-  # The second pass runs fun again (the first pass's activations are dead by
-  # then: the peak is one pass's), on rows where each row not kept is
-  # replaced by a kept one: its weight 0 then multiplies finite numbers.
-  index = jnp.where(kept, jnp.arange(rows), jnp.argmax(kept))
-  batch = [_take_rows(x, index) for x in batch_leaves]
-  weighted = jax.vmap(lambda p, b: per_example(p, b)[0], in_axes=(None, 0))
-  again, pull = jax.vjp(lambda p: weighted(p, batch), leaves)
-  (grads,) = pull(factor.astype(again.dtype))
-  some = jnp.any(kept)
-  grads = [
-    jnp.where(some, g, jnp.zeros_like(g)).astype(
-      _normalize.accumulator_dtype(accum_dtype, g)
+  stand_in = jnp.where(jnp.any(kept), kept, finite)
+  index = jnp.where(kept, jnp.arange(rows), jnp.argmax(stand_in))
+  return factor, kept, index, jnp.any(stand_in), (losses, rest)
+
+
+def _usable_rows(x: jax.Array, usable: jax.Array) -> jax.Array:
+  """``x``, or zeros where no row is usable (a key stays: it is never the
+  reason a row is not finite)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return x
+  return jnp.where(usable, x, jnp.zeros_like(x))
+
+
+def clipped_sum(
+  loss_fn: Callable[..., Any],
+  args: list[Any],
+  *,
+  argnums: tuple[int, ...],
+  in_axes: list[int | None],
+  present: jax.Array,
+  clip_norm: float,
+  accum_dtype: Any,
+) -> tuple[tuple[jax.Array, Any], tuple[PyTree, ...]]:
+  """The sum of the kept rows' clipped gradients, by ghost clipping: the
+  gradient of :func:`weighted_loss`'s total.
+
+  Returns ``((losses, rest), grads)``: each row's loss and rest (stacked),
+  and a tuple (one per ``argnums``) of the clipped sums, in (at least)
+  ``accum_dtype``. A row is kept when ``present`` and its norm is finite;
+  the others add exactly zero.
+  """
+
+  def objective(diff):
+    call = list(args)
+    for n, d in zip(argnums, diff, strict=True):
+      call[n] = d
+    weighted = weighted_loss(
+      loss_fn,
+      call,
+      argnums=argnums,
+      in_axes=in_axes,
+      present=present,
+      clip_norm=clip_norm,
     )
-    for g in grads
-  ]
-  return (losses, rest), tuple(jax.tree.unflatten(diff_def, grads))
+    return weighted.total, weighted
+
+  diff = tuple(args[n] for n in argnums)
+  (_, weighted), grads = jax.value_and_grad(objective, has_aux=True)(diff)
+  return (weighted.losses, weighted.rest), kept_only(
+    grads, jnp.any(weighted.kept), accum_dtype
+  )
+
+
+def kept_only(grads: PyTree, some: jax.Array, accum_dtype: Any) -> PyTree:
+  """``grads`` in (at least) ``accum_dtype``, or exactly zero where no row
+  was kept (``some`` False: every weight was 0)."""
+  return jax.tree.map(
+    lambda g: jnp.where(some, g, jnp.zeros_like(g)).astype(
+      _normalize.accumulator_dtype(accum_dtype, g)
+    ),
+    grads,
+  )
 
 
 def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -78,7 +78,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat, _engine, _normalize, _sharding, _tree, _unreduced
+from jaxaccum import _compat, _engine, _ghost, _normalize, _sharding, _tree, _unreduced
 from jaxaccum._engine import Engine
 from jaxaccum._options import Options
 
@@ -185,9 +185,14 @@ class DataParallel:
     """Each leaf's :class:`Placement`: the one place the strategy is chosen
     (see the module docstring)."""
     mode = self.options.fsdp_gather
-    if self.options.clip_per_example is not None and self.options.view == "device":
+    o = self.options
+    if (
+      o.clip_per_example is not None and o.clip_method == "vmap" and o.view == "device"
+    ):
       # Each example's gradient is clipped by its norm over every leaf, so
       # each device computes whole gradients: FSDP leaves gathered once.
+      # Ghost clipping needs no per-example gradient: its weighted backward
+      # pass is shared like the non-private step's (_ghost_micro_step).
       mode = "once"
     placed = []
     for s in layout:
@@ -457,6 +462,8 @@ class _Step:
       P(*self.axes),
     )
     rows = self.split.micro_batch_size // self.split.shards
+    if o.clip_per_example is not None and o.clip_method == "ghost":
+      return self._ghost_micro_step(args, kwargs, offsets)
     if o.clip_per_example is not None:
       return self._clipped_micro_step(args, kwargs, offsets, rows)
     loss = _explained(
@@ -502,9 +509,9 @@ class _Step:
     offsets: jax.Array,
     rows: int,
   ) -> Callable[..., Any]:
-    """DP-SGD's micro step: the engine's clipped step on every device, each
-    device's clipped sum its own (every leaf a copy per device, see
-    :meth:`DataParallel.placements`)."""
+    """DP-SGD's micro step by ``clip_method="vmap"``: the engine's clipped
+    step on every device, each device's clipped sum its own (every leaf a
+    copy per device, see :meth:`DataParallel.placements`)."""
     base = self.engine.micro_step(
       args, kwargs, self.split, self.devices * self.split.num_micro_batches, rows
     )
@@ -520,6 +527,41 @@ class _Step:
       return jax.tree.map(self._flatten_devices, out), grads
 
     return step
+
+  def _ghost_micro_step(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any], offsets: jax.Array
+  ) -> Callable[..., Any]:
+    """Ghost clipping's micro step: each device takes its own examples'
+    norms (from activations and cotangents, which need no whole gradient),
+    then the gradient of the sum of the devices' weighted losses is taken as
+    the non-private step's is: a leaf the devices share (FSDP,
+    ``fsdp_gather="per_micro_batch"``) gets its clipped sums summed over
+    them inside the backward pass, into an accumulator sharded like it."""
+    o = self.options
+    k = self.split.num_micro_batches
+    loss = _explained(
+      self.engine.ghost_loss(args, kwargs, self.split, self.devices * k), self.axes
+    )
+    per_device = self._nested_vmap(loss, o.state_argnum is not None)
+
+    def step(diff_args, micro, index, state):
+      diff_args = _unreduced.barrier(
+        diff_args, [p.barrier for p in self.placements], index
+      )
+      micro = jax.tree.map(self._unflatten_devices, micro)
+      if state is not None:
+        state = jax.tree.map(self._unflatten_devices, state)
+
+      def total(diff_args):
+        objectives, rest = per_device(diff_args, micro, offsets + index, state)
+        return jnp.sum(objectives), rest
+
+      (_, (out, some)), grads = jax.value_and_grad(total, has_aux=True)(diff_args)
+      losses, (weights, aux, new_state) = jax.tree.map(self._flatten_devices, out)
+      grads = _ghost.kept_only(grads, jnp.any(some), o.accum_dtype)
+      return _engine.MicroOut(losses, weights, aux, new_state, None), grads
+
+    return self.engine.rematerialized(step)
 
   def _nested_vmap(
     self, loss: Callable[..., Any], has_state: bool

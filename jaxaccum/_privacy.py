@@ -94,42 +94,14 @@ def clipped_value_and_grad(
   ``fold_in(key, j)``. ``clip_method="ghost"`` computes the same sum
   without per-example gradients (:func:`jaxaccum._ghost.clipped_sum`).
   """
-  changed: list[int] = []
-
-  def per_example_loss(*call_args):
-    loss, (weight, aux, new_state) = loss_fn(*call_args)
-    if state_argnum is not None:
-      changed.append(_changed_leaves(call_args[state_argnum], new_state))
-    return loss, (weight, aux, new_state)
-
-  grad_fn = jax.value_and_grad(per_example_loss, argnums=argnums, has_aux=True)
-  mapped = set(batch_argnums) - {mask_argnum}
+  rows_of = _RowArgs(loss_fn, batch_argnums, rng_argnum, state_argnum, mask_argnum)
+  grad_fn = jax.value_and_grad(rows_of.per_example_loss, argnums=argnums, has_aux=True)
 
   def value_and_clipped_grad(*call_args):
-    args = list(call_args)
-    rows = jax.tree.leaves([args[n] for n in sorted(mapped)])[0].shape[0]
-    in_axes = [0 if n in mapped else None for n in range(len(args))]
-    mask = None
-    if mask_argnum is not None:
-      mask, args[mask_argnum] = args[mask_argnum], None
-    if rng_argnum is not None:
-      key = args[rng_argnum]
-      args[rng_argnum] = jax.vmap(lambda j: jax.random.fold_in(key, j))(
-        jnp.arange(rows, dtype=jnp.int32)
-      )
-      in_axes[rng_argnum] = 0
-    state = None if state_argnum is None else args[state_argnum]
-    rows_over = _row_axes([args[n] for n in sorted(mapped)])
-    if rows_over:
-      args = [
-        a if axis == 0 else jax.tree.map(lambda x: _unsharded(x, rows_over), a)
-        for a, axis in zip(args, in_axes, strict=True)
-      ]
-    changed.clear()
-    present = jnp.ones((rows,), bool) if mask is None else mask != 0
+    args, in_axes, present, state = rows_of(call_args)
     if clip_method == "ghost":
       (loss, (weight, aux, _)), clipped = _ghost.clipped_sum(
-        per_example_loss,
+        rows_of.per_example_loss,
         args,
         argnums=argnums,
         in_axes=in_axes,
@@ -140,18 +112,123 @@ def clipped_value_and_grad(
     else:
       (loss, (weight, aux, _)), grads = jax.vmap(grad_fn, in_axes=tuple(in_axes))(*args)
       clipped, _ = clip_and_sum(grads, clip_norm, present, accum_dtype)
-    _check_state_kept(sum(changed), len(jax.tree.leaves(state)))
+    return rows_of.finish(present, loss, weight, aux, state), clipped
+
+  return value_and_clipped_grad
+
+
+def ghost_objective(
+  loss_fn: Callable[..., Any],
+  *,
+  argnums: tuple[int, ...],
+  batch_argnums: tuple[int, ...],
+  clip_norm: float,
+  rng_argnum: int | None = None,
+  state_argnum: int | None = None,
+  mask_argnum: int | None = None,
+) -> Callable[..., Any]:
+  """Ghost clipping over a micro-batch as a loss, for a caller that
+  differentiates it itself (the data-parallel path, whose FSDP leaves are
+  shared by the devices: their clipped sums are reduce-scattered inside the
+  backward pass, as the non-private step's gradients are).
+
+  Takes the arguments of :func:`clipped_value_and_grad`'s function and
+  returns ``(total, (((loss, (weight, aux, state)), some)))``: ``total``'s
+  gradient with respect to ``argnums`` is the sum of the kept rows' clipped
+  gradients (:func:`jaxaccum._ghost.weighted_loss`), the rest as there,
+  and ``some`` whether any row was kept (where none is, the caller zeroes
+  the gradient: :func:`jaxaccum._ghost.kept_only`).
+  """
+  rows_of = _RowArgs(loss_fn, batch_argnums, rng_argnum, state_argnum, mask_argnum)
+
+  def objective(*call_args):
+    args, in_axes, present, state = rows_of(call_args)
+    weighted = _ghost.weighted_loss(
+      rows_of.per_example_loss,
+      args,
+      argnums=argnums,
+      in_axes=in_axes,
+      present=present,
+      clip_norm=clip_norm,
+    )
+    weight, aux, _ = weighted.rest
+    out = rows_of.finish(present, weighted.losses, weight, aux, state)
+    return weighted.total, (out, jnp.any(weighted.kept))
+
+  return objective
+
+
+class _RowArgs:
+  """A micro-batch's arguments as per-example ones: the row mask taken out,
+  row ``j``'s key ``fold_in(key, j)``, shared arguments whole along the
+  axes the rows are spread over; and the kept rows' sums after."""
+
+  def __init__(
+    self,
+    loss_fn: Callable[..., Any],
+    batch_argnums: tuple[int, ...],
+    rng_argnum: int | None,
+    state_argnum: int | None,
+    mask_argnum: int | None,
+  ):
+    self.loss_fn = loss_fn
+    self.rng_argnum = rng_argnum
+    self.state_argnum = state_argnum
+    self.mask_argnum = mask_argnum
+    self.mapped = set(batch_argnums) - {mask_argnum}
+    self.changed: list[int] = []
+
+  def per_example_loss(self, *call_args):
+    loss, (weight, aux, new_state) = self.loss_fn(*call_args)
+    if self.state_argnum is not None:
+      self.changed.append(_changed_leaves(call_args[self.state_argnum], new_state))
+    return loss, (weight, aux, new_state)
+
+  def __call__(
+    self, call_args: tuple[Any, ...]
+  ) -> tuple[list[Any], list[int | None], jax.Array, Any]:
+    """``(args, in_axes, present, state)``."""
+    args = list(call_args)
+    mapped = self.mapped
+    rows = jax.tree.leaves([args[n] for n in sorted(mapped)])[0].shape[0]
+    in_axes: list[int | None] = [0 if n in mapped else None for n in range(len(args))]
+    mask = None
+    if self.mask_argnum is not None:
+      mask, args[self.mask_argnum] = args[self.mask_argnum], None
+    if self.rng_argnum is not None:
+      key = args[self.rng_argnum]
+      args[self.rng_argnum] = jax.vmap(lambda j: jax.random.fold_in(key, j))(
+        jnp.arange(rows, dtype=jnp.int32)
+      )
+      in_axes[self.rng_argnum] = 0
+    state = None if self.state_argnum is None else args[self.state_argnum]
+    rows_over = _row_axes([args[n] for n in sorted(mapped)])
+    if rows_over:
+      args = [
+        a if axis == 0 else jax.tree.map(lambda x: _unsharded(x, rows_over), a)
+        for a, axis in zip(args, in_axes, strict=True)
+      ]
+    self.changed.clear()
+    present = jnp.ones((rows,), bool) if mask is None else mask != 0
+    return args, in_axes, present, state
+
+  def finish(
+    self, present: jax.Array, loss: jax.Array, weight: Any, aux: Any, state: Any
+  ) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
+    """``(loss, (weight, aux, state))``: the kept rows' losses and weights
+    summed, the aux stacked, the state as it came."""
+    _check_state_kept(sum(self.changed), len(jax.tree.leaves(state)))
 
     def kept_sum(v):
       which = _rows_like(present, v)
       v = _rows_like(v, which)
       return jnp.sum(jnp.where(which, v, jnp.zeros_like(v)))
 
-    loss = kept_sum(loss)
-    weight = kept_sum(jnp.asarray(weight, jnp.float32))
-    return (loss, (weight, aux, state)), clipped
-
-  return value_and_clipped_grad
+    return kept_sum(loss), (
+      kept_sum(jnp.asarray(weight, jnp.float32)),
+      aux,
+      state,
+    )
 
 
 def _changed_leaves(before: PyTree, after: PyTree) -> int:

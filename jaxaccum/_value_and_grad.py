@@ -257,8 +257,12 @@ def value_and_grad(
       weighted backward pass (ghost clipping). A leaf used other than by a
       matrix product, a row gather (embedding) or an elementwise operation
       gets its own per-example gradient, named in a
-      ``jaxaccum.GhostFallbackWarning`` at trace time. See
-      ``docs/privacy.md``.
+      ``jaxaccum.GhostFallbackWarning`` at trace time. Under ``mesh=``
+      ghost keeps ``fsdp_gather``'s mode for FSDP leaves (each device takes
+      its examples' norms, and the weighted backward pass is
+      reduce-scattered into an accumulator sharded like the leaf, as without
+      privacy); ``"vmap"`` gathers them once, each device holding whole
+      per-example gradients. See ``docs/privacy.md``.
 
   Returns:
     A function of the same arguments as ``fun`` that returns

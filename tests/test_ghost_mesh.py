@@ -1,0 +1,257 @@
+"""Ghost clipping on an 8-device mesh with FSDP, against per-example clipping.
+
+The reference is ``test_ghost.reference``, written apart from jaxaccum: one
+``jax.vmap(jax.grad)`` of the example's loss over the whole batch on one
+device, each example's gradient scaled to global norm at most C over all
+leaves, masked rows dropped, summed. jaxaccum runs the same models with every
+leaf that a dimension of 8 allows sharded over the ``"fsdp"`` axis (ZeRO-3
+style: the batch's rows are sharded over the same axis), through ``mesh=``
+and through plain ``jit`` on an Explicit mesh. An FSDP leaf's clipped sums
+are then summed over the devices inside the backward pass, each device
+weighing its own examples by norms it took itself: a norm taken per device
+over its shard only, a clip factor applied after the sum over devices, or
+a device's examples added twice, each misses the 1e-5 relative tolerance
+by far, because C sits between the examples' norms.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_ghost import (
+  MODELS,
+  RTOL,
+  cnn_loss,
+  lm_batch,
+  lm_loss,
+  lm_params,
+  mlp_batch,
+  mlp_loss,
+  mlp_params,
+  reference,
+  relative_error,
+)
+
+import jaxaccum
+
+DEVICES = 8
+
+
+def cnn8_params(seed=0):
+  """test_ghost's CNN with 8 channels, so that the kernel is sharded too."""
+  r = np.random.default_rng(seed)
+  return {
+    "kernel": jnp.asarray(r.normal(size=(3, 3, 1, 8)), jnp.float32) / 3,
+    "bias": jnp.asarray(r.normal(size=8), jnp.float32) / 10,
+    "dense": jnp.asarray(r.normal(size=(6 * 6 * 8, 2)), jnp.float32) / 17,
+  }
+
+
+def cnn8_batch(seed=1):
+  r = np.random.default_rng(seed)
+  rows = 4 * 16
+  return (
+    jnp.asarray(r.normal(size=(rows, 6, 6, 1)), jnp.float32),
+    jnp.asarray(r.integers(0, 2, rows), jnp.int32),
+  )
+
+
+def rows64(batch_fn):
+  """64 rows (8 devices x k = 8 x one row), from four of the model's batches."""
+  return lambda: jax.tree.map(
+    lambda *xs: jnp.concatenate(xs), *(batch_fn(seed) for seed in (1, 2, 3, 4))
+  )
+
+
+FSDP_MODELS = {
+  "mlp": (mlp_loss, mlp_params, rows64(mlp_batch)),
+  "cnn": (cnn_loss, cnn8_params, cnn8_batch),
+  "transformer": (lm_loss, lm_params, rows64(lm_batch)),
+}
+assert set(FSDP_MODELS) == set(MODELS)
+
+
+def fsdp_spec(x):
+  """The first dimension that 8 divides, sharded over "fsdp"; else replicated."""
+  for dim, size in enumerate(jnp.shape(x)):
+    if size % DEVICES == 0:
+      return P(*([None] * dim), "fsdp")
+  return P()
+
+
+def on_mesh(mesh, params, batch, mask=None):
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  params = jax.tree.map(lambda x: put(x, fsdp_spec(x)), params)
+  batch = jax.tree.map(lambda x: put(x, P("fsdp")), batch)
+  return params, batch, None if mask is None else put(mask, P("fsdp"))
+
+
+def sharded_leaves(params):
+  return sum(1 for x in jax.tree.leaves(params) if fsdp_spec(x) != P())
+
+
+def ghost_on_mesh(loss, params, batch, k, clip, *, mesh_arg=True, mask=None):
+  """The clipped sum by ghost on the 8-device FSDP mesh (Explicit axes, so
+  that jaxaccum sees the parameters' shardings), and the warnings."""
+  mesh = jax.make_mesh((DEVICES,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  params, batch, mask = on_mesh(mesh, params, batch, mask)
+  assert sharded_leaves(params) >= 2
+  options = dict(mesh=mesh, data_axis="fsdp") if mesh_arg else {}
+  fun = jaxaccum.grad(
+    loss, k, normalize="sum", clip_per_example=clip, clip_method="ghost", **options
+  )
+  call = {} if mask is None else {"example_mask": mask}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with jax.set_mesh(mesh):
+      grads = jax.jit(fun)(params, batch, **call)
+  assert not [w for w in caught if "not visible" in str(w.message)]
+  fell = [w for w in caught if issubclass(w.category, jaxaccum.GhostFallbackWarning)]
+  if mesh_arg:  # mesh= returns each gradient sharded like its parameter
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True):
+      assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+  return grads, fell
+
+
+def median_clip(loss, params, batch):
+  _, norms = reference(loss, params, batch, 1.0)
+  return float(jnp.median(norms))
+
+
+def check(model, k, **kw):
+  loss, params_fn, batch_fn = FSDP_MODELS[model]
+  params, batch = params_fn(), batch_fn()
+  clip = median_clip(loss, params, batch)
+  want, _ = reference(loss, params, batch, clip)
+  got, fell = ghost_on_mesh(loss, params, batch, k, clip, **kw)
+  assert relative_error(got, want) <= RTOL
+  if model == "cnn":  # the kernel, a convolution's, falls back, named
+    assert len(fell) == 1
+    assert "['kernel'] (used by conv_general_dilated)" in str(fell[0].message)
+  else:
+    assert fell == []
+
+
+# ---------------------------------------------------------------- mesh=
+
+
+def test_fsdp_mlp_ghost_equals_per_example_clipping():
+  check("mlp", 2)
+
+
+#: Found by these tests and not fixed yet: the CNN at k = 8, one row per
+#: device per micro-batch, is off by 2.6% relative on every leaf (the
+#: unclipped sum is exact, so the norms are; one device at one row per
+#: micro-batch is exact, and so is the mesh at two rows).
+ONE_ROW_CNN = pytest.mark.xfail(
+  strict=True, reason="CNN on the 8-device mesh at one row per device: norms off"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "model, k",
+  [
+    (model, k)
+    if (model, k) != ("cnn", 8)
+    else pytest.param(model, k, marks=ONE_ROW_CNN)
+    for model in sorted(FSDP_MODELS)
+    for k in (1, 2, 4, 8)
+  ],
+)
+def test_fsdp_ghost_equals_per_example_clipping(model, k):
+  """An MLP, a CNN (its kernel falls back) and a transformer LM with a
+  sequence dimension, every leaf that 8 divides sharded over the data axis,
+  at every k."""
+  check(model, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 4])
+def test_fsdp_masked_rows_add_exactly_zero(k):
+  """Poisson padding on the mesh: masked rows add nothing to the clipped
+  sum, and a device whose rows are all masked adds zero to the leaves it
+  shares with the others."""
+  loss, params_fn, batch_fn = FSDP_MODELS["transformer"]
+  params, batch = params_fn(), batch_fn()
+  mask = (jnp.arange(64) % 3 != 0) & ((jnp.arange(64) // 8) != 5)
+  mask = mask.astype(jnp.float32)
+  clip = median_clip(loss, params, batch)
+  want, _ = reference(loss, params, batch, clip, mask)
+  got, _ = ghost_on_mesh(loss, params, batch, k, clip, mask=mask)
+  assert relative_error(got, want) <= RTOL
+
+
+def test_fsdp_a_device_whose_rows_are_all_non_finite_adds_zero():
+  """Device 2's rows are all non-finite (its micro-batch has no row to
+  stand in for them): it adds exactly zero to the shared leaves, and the
+  other devices' sum is exact."""
+  params = mlp_params()
+  x, y = rows64(mlp_batch)()
+  bad = (jnp.arange(64) // 8) == 2
+  x = jnp.where(bad[:, None], jnp.nan, x)
+  clip = 1.0
+  want, _ = reference(
+    mlp_loss, params, (jnp.where(bad[:, None], 0.0, x), y), clip, ~bad
+  )
+  got, _ = ghost_on_mesh(mlp_loss, params, (x, y), 1, clip)
+  assert relative_error(got, want) <= RTOL
+
+
+# ---------------------------------------------------------------- plain jit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_plain_jit_on_an_explicit_fsdp_mesh_equals_per_example_clipping(k):
+  """No mesh=: parameters and batch on an Explicit mesh under plain jit (the
+  engine's own step; clip_per_example does not take the unreduced path).
+  The MLP only: the transformer's embedding lookup (``embed[tokens]``) needs
+  ``.at[].get(out_sharding=)`` on an Explicit mesh whatever the clip method
+  (``"vmap"`` raises the same ShardingTypeError); the CNN is not tried."""
+  check("mlp", k, mesh_arg=False)
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.slow
+def test_fsdp_ghost_holds_no_whole_gradient():
+  """Compiled for 8 CPU devices, never run: four 512 x 512 layers, each
+  sharded over the 8 devices. The ghost step's per-device temporaries stay
+  within a quarter of the non-private step's, where a whole float32
+  accumulator per device (fsdp_gather="once", what ghost took before) adds
+  all the layers' 4 MiB again."""
+  mesh = jax.make_mesh((DEVICES,), ("fsdp",))
+  width, layers = 512, 4
+  params = {
+    f"w{i}": jax.ShapeDtypeStruct(
+      (width, width), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None))
+    )
+    for i in range(layers)
+  }
+  rows = NamedSharding(mesh, P("fsdp"))
+  batch = jax.ShapeDtypeStruct((8 * DEVICES, width), jnp.float32, sharding=rows)
+
+  def one(p, x):
+    for i in range(layers):
+      x = jnp.tanh(x @ p[f"w{i}"])
+    return jnp.sum(x**2)
+
+  def temp(fun, **kw):
+    g = jaxaccum.grad(fun, 2, mesh=mesh, data_axis="fsdp", **kw)
+    return (
+      jax.jit(g).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+    )
+
+  mean = lambda p, x: jnp.mean(jax.vmap(one, in_axes=(None, 0))(p, x))  # noqa: E731
+  non_private = temp(mean)
+  once = temp(mean, fsdp_gather="once")
+  ghost = temp(one, clip_per_example=1.0, clip_method="ghost")
+  whole = layers * width * width * 4
+  assert once >= non_private + whole * 0.9  # the yardstick tells them apart
+  assert ghost <= non_private * 1.25, (ghost, non_private, once)
