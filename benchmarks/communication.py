@@ -25,9 +25,9 @@ same mesh with ``Explicit`` axes):
     ...)`` under plain ``jax.jit``;
 (d) ``jaxaccum.value_and_grad(loss, k)`` under plain ``jax.jit``, no
     ``mesh=``, with the parameters and the batch on an Explicit ``(8,)``
-    mesh: the weights (every use a matrix product) are accumulated
-    ``unreduced`` and reduced once after the loop, the biases are left to
-    the partitioner.
+    mesh: the weights, the biases and the loss are accumulated
+    ``unreduced`` and reduced once after the loop (``jaxaccum/_reduced.py``
+    rewrites each bias's use into one JAX types).
 
 The same plain-``jit`` step is then read over each mesh axis on two Explicit
 meshes (:data:`EXPLICIT_MESHES`): the replicated MLP on ``(8,)``, and the MLP
@@ -1355,8 +1355,8 @@ def communication_explicit(results: dict[str, Any]) -> str:
 
 
 def _explicit_prose(explicit: dict[str, Any], ks: Sequence[int]) -> str:
-  """What the Explicit table says: after the loop, the weights; in it, the
-  biases and the loss, each compared with the bytes it would be."""
+  """What the Explicit table says: after the loop, the gradient and the
+  loss; in it, what remains, each compared with the bytes it would be."""
   loop_ks = [k for k in ks if k > 1]
   items = []
   for m in explicit.values():
@@ -1367,29 +1367,24 @@ def _explicit_prose(explicit: dict[str, Any], ks: Sequence[int]) -> str:
     counts = [d["in_loop_executions_per_step"] for d in rows]
     shape = ", ".join(map(str, m["mesh"]["shape"]))
     text = f"On `({shape}{',' if len(m['mesh']['shape']) == 1 else ''})` at {ks_text(loop_ks)}: after the loop, "
+    grads = leaves["weights"] + leaves["biases"]
     if len(after) == 1 and len(next(iter(after))) == 1:
       ((op, size),) = next(iter(after))
       text += f'one {op} over `"data"` of {size:,} bytes per device' + (
-        ", exactly the weights' bytes (every use of a weight is a matrix "
-        "product: they are accumulated unreduced)"
-        if size == leaves["weights"]
-        else f" (the weights are {leaves['weights']:,} bytes)"
+        ", exactly the gradient's bytes and the loss's 4 (every parameter, "
+        "weight or bias, and the loss are accumulated unreduced)"
+        if size == grads + 4
+        else f" (the gradient is {grads:,} bytes, and the loss 4)"
       )
     else:
       text += f'the collectives over `"data"` differ with k: {sorted(after)}'
-    if counts == list(loop_ks) and len(each) == 1 and len(next(iter(each))) == 1:
+    if not any(counts):
+      text += '; inside it, nothing over `"data"`'
+    elif counts == list(loop_ks) and len(each) == 1 and len(next(iter(each))) == 1:
       (size,) = next(iter(each))
       text += (
         f'; inside it, one all-reduce over `"data"` per micro-batch (k per '
-        f"step) of {size:,} bytes"
-        + (
-          f": the biases' {leaves['biases']:,} bytes and the loss's 4. JAX "
-          "refuses a bias typed reduced where it is added to the activations, "
-          "so the partitioner reduces its gradient each micro-batch, together "
-          "with the micro-batch's loss"
-          if size == leaves["biases"] + 4
-          else f" (the biases are {leaves['biases']:,} bytes)"
-        )
+        f"step) of {size:,} bytes (the biases are {leaves['biases']:,} bytes)"
       )
     else:
       text += (
@@ -1764,11 +1759,11 @@ def _profile_finding(plain: dict[str, Any]) -> str:
       f"{ratio(over(expl, mesh, 'collective', 'thunk_ms_per_step'))} × "
       "`mesh=`'s"
       + (
-        ": the bias and loss all-reduce in its loop "
+        ": the all-reduce in its loop "
         f"({d['in_loop_executions_per_step']} per step) holds every device at a "
         "rendezvous each micro-batch, where `mesh=` lets the devices' loops run "
         "apart until the one reduction after them."
-        if waits
+        if waits and d["in_loop_executions_per_step"]
         else "."
       )
       + _same_instruction(mesh, expl)
