@@ -75,18 +75,21 @@ def value_and_grad(
   Under plain ``jit`` on an Explicit mesh (``jax.make_mesh``'s default), a
   batch whose rows are sharded over some mesh axes is data parallel without
   ``mesh=``: those are the data axes. A parameter replicated over them
-  (replicated, or tensor parallel over other axes) whose every use in
-  ``fun`` is a matrix product is accumulated ``unreduced`` in float32 and
-  reduced once, after the loop, into its own sharding. A leaf JAX's types
-  cannot carry that way (a bias added to activations, an embedding table,
-  a convolution kernel) is reduced each micro-batch, as plain ``jit`` does;
-  so is every leaf with ``noise_stats`` or ``clip_per_example``. ``fun``
-  runs on your mesh with its own axis types, and its constraints work as
-  under ``jax.value_and_grad``; a parameter it reads is typed ``reduced``,
-  whose spec JAX indexes only through ``spec.partitions`` (``spec[1]``
-  raises; jaxaccum then warns and reduces every micro-batch). A batch
-  replicated over every axis, or on Auto axes, leaves every reduction to
-  the partitioner.
+  (replicated, or tensor parallel over other axes) enters the loop typed
+  ``reduced`` over them and is accumulated ``unreduced`` in float32, as is
+  the loss's sum over rows: all are reduced once, together, after the loop,
+  each into its own sharding. ``fun`` is traced on the parameters' own types
+  and evaluated with each use of a parameter rewritten into one JAX types (a
+  bias or a norm's scale broadcast into the activations' rows, an embedding
+  table gathered by them; ``jaxaccum/_reduced.py``). A use JAX has no rule
+  for (a convolution kernel) takes the parameter as it is, its gradient
+  there reduced each micro-batch, as plain ``jit`` does; a loss used other
+  than linearly (its log, a penalty added to it) is reduced where it is
+  used. With ``noise_stats`` or ``clip_per_example`` every leaf is reduced
+  each micro-batch. ``fun`` runs on your mesh with its own axis types, and
+  its constraints work as under ``jax.value_and_grad``. A batch replicated
+  over every axis, or on Auto axes, leaves every reduction to the
+  partitioner.
 
   Args:
     fun: the loss, ``fun(*args, **kwargs)``. Its value is a scalar, or the pair
