@@ -96,9 +96,10 @@ class Evaluated:
     self.axes = frozenset(axes)
     self._tracked: list[Any] | None = None
     self._kept: set[int] = set()
+    self._jaxprs: dict[Any, tuple[Any, Any]] = {}
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    closed, out_tree, arrays = _trace(self.fun, args, kwargs)
+    closed, out_tree, arrays = _trace(self.fun, args, kwargs, self._jaxprs)
     origins = None
     if self._tracked is not None:  # probing: each tracked leaf's uses
       where = {id(x): n for n, x in enumerate(self._tracked)}
@@ -135,13 +136,26 @@ class Evaluated:
 
 
 def _trace(
-  fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+  fun: Callable[..., Any],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  cache: dict[Any, tuple[Any, Any]],
 ) -> tuple[Any, Any, list[Any]]:
   """``fun(*args, **kwargs)``'s jaxpr over its array leaves, traced on
-  their types without ``reduced`` axes; its output tree; those leaves."""
+  their types without ``reduced`` axes; its output tree; those leaves.
+  Kept in ``cache`` by those types and the other leaves, where the jaxpr
+  closes over no tracer (the probe's trace and the loop's then share one)."""
   flat, tree = jax.tree.flatten((args, kwargs))
   where = [n for n, x in enumerate(flat) if isinstance(x, jax.Array)]
   arrays = [flat[n] for n in where]
+  types = [_plain_type(x) for x in arrays]
+  key: Any = (tree, tuple(x for n, x in enumerate(flat) if n not in set(where)), *types)
+  try:
+    hit = cache.get(key)
+  except TypeError:  # an unhashable static leaf
+    hit, key = None, None
+  if hit is not None:
+    return (*hit, arrays)
 
   def traced(*xs: Any) -> Any:
     full = list(flat)
@@ -150,8 +164,11 @@ def _trace(
     a, k = jax.tree.unflatten(tree, full)
     return fun(*a, **k)
 
-  closed, shape = jax.make_jaxpr(traced, return_shape=True)(*map(_plain_type, arrays))
-  return closed, jax.tree.structure(shape), arrays
+  closed, shape = jax.make_jaxpr(traced, return_shape=True)(*types)
+  out_tree = jax.tree.structure(shape)
+  if key is not None and not any(_compat.is_tracer(c) for c in closed.consts):
+    cache[key] = (closed, out_tree)
+  return closed, out_tree, arrays
 
 
 @dataclasses.dataclass
