@@ -322,7 +322,7 @@ class _Walk:
     ):  # a view, a cast, an op of reduced and replicated values
       yield (
         [
-          x if n in at or not isinstance(x, jax.Array) else _typed(x, axes)
+          x if n in at else _as_reduced(x, invals[at[0]], axes)
           for n, x in enumerate(invals)
         ],
         "reduced",
@@ -443,7 +443,7 @@ def _linear(
   ref = invals[at[0]]
 
   def scaled(x: jax.Array, factor: Any) -> jax.Array:
-    return x * _retyped(factor, ref, "reduced", axes)
+    return x * _as_reduced(factor, ref, axes, ref.dtype)
 
   if name in {"add", "add_any", "sub"} and len(at) == 2:
     a, b = invals  # JAX types no unreduced sub: a + (-1) b
@@ -467,15 +467,23 @@ def _widens(dtype: Any, eqn: Any) -> bool:
   return jnp.promote_types(dtype, new) == new
 
 
-def _retyped(x: Any, like: jax.Array, kind: str, axes: frozenset[str]) -> jax.Array:
-  """``x`` (replicated over ``axes``; a constant, a literal) on ``like``'s
-  mesh, typed ``kind`` (``"reduced"`` or ``"unreduced"``) over ``axes``."""
-  x = jnp.asarray(x, like.dtype)
+def _as_reduced(
+  x: Any, like: jax.Array, axes: frozenset[str], dtype: Any = None
+) -> jax.Array:
+  """``x``, replicated over ``axes`` (a literal, a constant, a value of
+  ``fun``'s), typed ``reduced`` over them (on ``like``'s mesh where it has
+  none), cast to ``dtype`` if given; as it is where it is sharded over them
+  (JAX decides) or on a mesh without them (JAX refuses it)."""
+  x = jnp.asarray(x, dtype)
+  sharding = jax.typeof(x).sharding
   spec = _spec(x)
-  if spec is None or jax.typeof(x).sharding.mesh.empty:
-    spec = P(*(None,) * x.ndim)
-  typed = P(*spec.partitions, **{kind: set(axes)})
-  return jax.sharding.reshard(x, jax.typeof(like).sharding.update(spec=typed))
+  if spec is None or sharding.mesh.empty:
+    typed = P(*(None,) * jnp.ndim(x), reduced=set(axes))
+    return jax.sharding.reshard(x, jax.typeof(like).sharding.update(spec=typed))
+  if _shards(spec, axes) or not axes <= set(sharding.mesh.axis_names):
+    return x
+  typed = P(*spec.partitions, reduced=set(spec.reduced) | axes)
+  return jax.sharding.reshard(x, sharding.update(spec=typed))
 
 
 def _spec_or_empty(x: Any) -> P:
@@ -520,15 +528,6 @@ def _plain(x: Any) -> Any:
     return x
   plain = P(*spec.partitions)
   return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=plain))
-
-
-def _typed(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-  """``x``, replicated over ``axes``, typed ``reduced`` over them."""
-  spec = _spec(x)
-  if spec is None or not axes <= set(jax.typeof(x).sharding.mesh.axis_names):
-    return x  # a constant on no mesh: JAX refuses it, the use is made plain
-  typed = P(*spec.partitions, reduced=set(spec.reduced) | axes)
-  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=typed))
 
 
 def _plain_type(x: jax.Array) -> jax.ShapeDtypeStruct:

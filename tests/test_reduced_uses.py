@@ -36,7 +36,7 @@ def lm_params(mesh):
     mesh,
     {
       "embed": jax.random.normal(keys[0], (V, D)),
-      "scale": 1.0 + 0.1 * jax.random.normal(keys[1], (D,)),
+      "scale": 0.1 * jax.random.normal(keys[1], (D,)),  # used as 1 + scale
       "layers": jax.random.normal(keys[2], (2, D, D)) / D**0.5,
       "out": jax.random.normal(keys[3], (D, V)) / D**0.5,
       "bias": jnp.zeros((V,)),
@@ -50,11 +50,11 @@ def tokens(mesh):
 
 def lm_rows(p, tok):
   """A small LM's loss per row, with every use the walk rewrites: an
-  embedding gather, an RMS norm's scale, layers stacked for a scan, a
-  bias inside a jit, a cond."""
+  embedding gather, an RMS norm's scale (offset by a literal, as MaxText's
+  is), layers stacked for a scan, a bias inside a jit, a cond."""
   h = p["embed"].at[tok[:, :-1]].get(out_sharding=P("data", None, None))
   h = (
-    h * jax.lax.rsqrt(jnp.mean(h**2, -1, keepdims=True) + 1e-6) * p["scale"][None, None]
+    h * jax.lax.rsqrt(jnp.mean(h**2, -1, keepdims=True) + 1e-6) * (1.0 + p["scale"])[None, None]
   )
 
   def layer(h, w):
