@@ -239,7 +239,9 @@ def dp_lm_result(r: dict[str, Any]) -> str:
   )
   return (
     f"Measured by `{command}` on {date(r['date'])}, a {r['machine']}, jax "
-    f"{r['jax']}, in {r['seconds']:.0f} s: {count(s['parameters'])} parameters "
+    f"{r['jax']}, in {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} s of CPU; the "
+    f"machine was shared, load average {r['load_average'][0]:.0f} at the start "
+    f"and {r['load_average'][1]:.0f} at the end): {count(s['parameters'])} parameters "
     f"({s['layers']} blocks of width {s['width']}, {s['heads']} heads), "
     f"{count(r['train_sequences'])} training sequences of at most {s['seq_len']} "
     f"characters, {s['steps']} steps of Poisson draws of "

@@ -1,6 +1,7 @@
 """The generated pages: the blocks of ``benchmarks/README.md``, ``README.md``,
-``docs/guide.md`` and ``examples/README.md``, each written from ``benchmarks/results/*.json`` by the
-benchmark that measured it, and the formatting they share.
+``docs/guide.md`` and ``examples/README.md``, each written from
+``benchmarks/results/*.json`` by the benchmark that measured it, and the
+formatting they share.
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""Differentially private training of a character transformer on Python's own documentation.
+"""Differentially private training (DP-SGD) of a character transformer on Python's docs.
 
 The quickstart's character-level transformer (``examples/quickstart.py``:
 token and position embeddings, causal self-attention, a tied output head),
@@ -316,11 +316,13 @@ def main(
     ``ghost_check`` (ghost's clipped sum against vmap's, relative);
     ``held_out`` with ``(loss, accuracy)`` of ``initial``, ``unigram``,
     ``dp`` and ``plain``; ``curve`` (held-out losses of both runs at a few
-    steps); ``draw_sizes``, ``max_batch_size``, ``seconds`` and, when
-    written, ``results_path``.
+    steps); ``draw_sizes``, ``max_batch_size``, ``seconds``,
+    ``cpu_seconds`` (this process's), ``load_average`` (at the start and
+    the end) and, when written, ``results_path``.
   """
   del out_dir
-  start = time.perf_counter()
+  start, cpu_start = time.perf_counter(), time.process_time()
+  load_start = os.getloadavg()[0]
   given = {
     "steps": steps,
     "expected_batch_size": expected_batch_size,
@@ -445,6 +447,10 @@ def main(
     "draw_sizes": sizes,
   }
   result["seconds"] = time.perf_counter() - start
+  # Time on a shared machine is mostly other jobs': the CPU time this
+  # process took, and the load average (1 minute) at its start and end.
+  result["cpu_seconds"] = time.process_time() - cpu_start
+  result["load_average"] = [load_start, os.getloadavg()[0]]
   report(result)
   path = results or (DEFAULT_RESULTS if write_results else None)
   if path:
@@ -505,7 +511,11 @@ def report(result: dict[str, Any]) -> None:
       f"  {label:<22} loss {h[key]['loss']:.3f} nats/char, "
       f"next-character accuracy {h[key]['accuracy']:.3f}"
     )
-  print(f"{result['seconds']:.0f} s in all.")
+  print(
+    f"{result['seconds']:.0f} s in all ({result['cpu_seconds']:.0f} s of CPU; load "
+    f"average {result['load_average'][0]:.1f} at the start, "
+    f"{result['load_average'][1]:.1f} at the end)."
+  )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The benchmarks' manual, ``benchmarks/README.md``, and the measured numbers
-of ``README.md``, ``docs/guide.md`` and ``examples/README.md`` are generated: written from ``benchmarks/results/*.json``
-by ``benchmarks/_report.py``. A result rerun without
+of ``README.md``, ``docs/guide.md`` and ``examples/README.md`` are
+generated: written from ``benchmarks/results/*.json`` by
+``benchmarks/_report.py``. A result rerun without
 ``python benchmarks/_report.py``, or a number edited by hand between the
 markers, fails here.
 """
