@@ -1,10 +1,11 @@
-"""The manual's blocks of the two benchmarks whose scripts live in
+"""The generated blocks of the three measurements whose scripts live in
 ``examples/``: ``examples/input_pipeline.py`` (``input_pipeline_device.json``
-and ``input_pipeline_pinned_host.json``) and ``examples/autopilot.py``
-(``autopilot.json``).
+and ``input_pipeline_pinned_host.json``), ``examples/autopilot.py``
+(``autopilot.json``) and ``examples/dp_lm.py`` (``dp_lm.json``, shown in
+``examples/README.md``).
 
 Every other benchmark writes its blocks next to the code that measures them
-(its ``BLOCKS``); these two wait here until the examples carry theirs, so
+(its ``BLOCKS``); these wait here until the examples carry theirs, so
 that ``_report.py`` itself writes no prose about a benchmark.
 """
 
@@ -215,8 +216,58 @@ def autopilot_summary(results: dict[str, Any]) -> str:
   )
 
 
-#: The generated blocks this file writes from ``input_pipeline_*.json`` and
-#: ``autopilot.json``, by name (``_report.py`` puts each on its page).
+# ---------------------------------------------------------------- DP language model
+
+
+def dp_lm_result(r: dict[str, Any]) -> str:
+  s, h = r["settings"], r["held_out"]
+  args = [a for a in r.get("argv") or [] if a != "--write-results"]
+  command = " ".join(["python examples/dp_lm.py", *args])
+  rows = [
+    [label, f"{h[key]['loss']:.3f}", f"{h[key]['accuracy']:.3f}"]
+    for key, label in [
+      ("initial", "the initial model"),
+      ("unigram", "unigram: the training text's character frequencies"),
+      ("dp", f"DP-SGD, ε = {r['epsilon']:.2f} at δ = {r['delta']:g}"),
+      ("plain", "the same model without privacy"),
+    ]
+  ]
+  curve = r["curve"]
+  steps = ", ".join(
+    f"{step}: {dp:.2f} / {plain:.2f}"
+    for step, dp, plain in zip(curve["step"], curve["dp"], curve["plain"], strict=True)
+  )
+  return (
+    f"Measured by `{command}` on {date(r['date'])}, a {r['machine']}, jax "
+    f"{r['jax']}, in {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} s of CPU; the "
+    f"machine was shared, load average {r['load_average'][0]:.0f} at the start "
+    f"and {r['load_average'][1]:.0f} at the end): {count(s['parameters'])} parameters "
+    f"({s['layers']} blocks of width {s['width']}, {s['heads']} heads), "
+    f"{count(r['train_sequences'])} training sequences of at most {s['seq_len']} "
+    f"characters, {s['steps']} steps of Poisson draws of "
+    f"{s['expected_batch_size']} sequences on average (q = "
+    f"{r['sampling_rate']:.4f}, padded to {r['max_batch_size']} = "
+    f"{s['num_micro_batches']} micro-batches), σ = {s['noise_multiplier']:g}, "
+    f"C = {s['clip_norm']:g}, Adam at {s['learning_rate']:g} in both runs. Epsilon "
+    f"{r['epsilon']:.2f} at δ = {r['delta']:g} is dp-accounting's PLD accountant "
+    f"(the RDP bound: {r['epsilon_rdp']:.2f}); ghost clipping's clipped sum was "
+    f"{r['ghost_check']:.1e} (relative) from per-example clipping's on the first "
+    "draw.\n\n"
+    + table(
+      [
+        f"held out: {count(r['held_out_characters'])} characters of "
+        f"{count(r['held_out_sequences'])} sequences",
+        "loss (nats per character)",
+        "next-character accuracy",
+      ],
+      rows,
+    )
+    + f"\n\nHeld-out loss along the way, DP-SGD / non-private, by step: {steps}."
+  )
+
+
+#: The generated blocks this file writes from ``input_pipeline_*.json``,
+#: ``autopilot.json`` and ``dp_lm.json``, by name (``_report.py`` puts each on its page).
 BLOCKS = {
   "input_pipeline machine": input_pipeline_machine,
   "input_pipeline steps": input_pipeline_steps,
@@ -224,4 +275,5 @@ BLOCKS = {
   "input_pipeline summary": input_pipeline_summary,
   "autopilot table": autopilot_table,
   "autopilot summary": autopilot_summary,
+  "dp_lm result": dp_lm_result,
 }

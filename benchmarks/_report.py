@@ -1,6 +1,7 @@
-"""The generated pages: the blocks of ``benchmarks/README.md``, ``README.md``
-and ``docs/guide.md``, each written from ``benchmarks/results/*.json`` by the
-benchmark that measured it, and the formatting they share.
+"""The generated pages: the blocks of ``benchmarks/README.md``, ``README.md``,
+``docs/guide.md`` and ``examples/README.md``, each written from
+``benchmarks/results/*.json`` by the benchmark that measured it, and the
+formatting they share.
 
 Usage::
 
@@ -219,11 +220,16 @@ PAGES: dict[str, pathlib.Path] = {
   "benchmarks": MANUAL,
   "readme": ROOT / "README.md",
   "guide": ROOT / "docs" / "guide.md",
+  "examples": ROOT / "examples" / "README.md",
 }
 #: The blocks that are not on the benchmarks' manual, and their pages.
-ELSEWHERE = {"readme_commands times": "readme", "autopilot summary": "guide"}
+ELSEWHERE = {
+  "readme_commands times": "readme",
+  "autopilot summary": "guide",
+  "dp_lm result": "examples",
+}
 #: The JSON stem -> the script in this folder whose ``BLOCKS`` write its
-#: blocks (the benchmark that measures it; the two whose scripts live in
+#: blocks (the benchmark that measures it; the three whose scripts live in
 #: ``examples/`` keep theirs in ``_example_blocks.py``).
 SCRIPTS = {
   "step_time": "step_time",
@@ -235,6 +241,7 @@ SCRIPTS = {
   "accelerator_causes": "accelerator_memory",
   "input_pipeline": "_example_blocks",
   "autopilot": "_example_blocks",
+  "dp_lm": "_example_blocks",
   "readme_commands": "readme_commands",
   "dp": "dp",
   "pipeline": "pipeline",
@@ -261,6 +268,7 @@ COMMANDS = {
   "accelerator_causes": "python benchmarks/accelerator_memory.py --causes",
   "input_pipeline": "python examples/input_pipeline.py",
   "autopilot": "python examples/autopilot.py --write-results",
+  "dp_lm": "python examples/dp_lm.py --write-results",
   "readme_commands": "python benchmarks/readme_commands.py",
   "dp": "python benchmarks/dp.py",
   "pipeline": "python benchmarks/pipeline.py",

@@ -292,7 +292,11 @@ def _saved(use: Use, invals: list[Any]) -> jax.Array:
   operand = use.eqn.invars[0].aval
   rows = jax.lax.broadcasted_iota(jnp.float32, operand.shape, 0)
   params = use.eqn.primitive.get_bind_params(use.eqn.params)
-  params = {**params, "fill_value": None}
+  # An index out of bounds (mode FILL_OR_DROP, jnp.take's default) takes no
+  # gradient: its row is NaN, which equals no row, itself included. The fill
+  # is given explicitly: None lowers only where a batching rule replaces it,
+  # so a gather whose indices are not the example's (positions) failed.
+  params = {**params, "fill_value": math.nan}
   return use.eqn.primitive.bind(rows, invals[1], **params)
 
 

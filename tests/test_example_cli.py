@@ -22,8 +22,10 @@ HEAVY |= {"matplotlib", "tqdm"}
 
 
 def test_every_example_is_covered():
-  assert len(SCRIPTS) == 11, SCRIPTS
-  assert {"quickstart", "input_pipeline", "dp_digits", "pipeline"} <= set(SCRIPTS)
+  assert len(SCRIPTS) == 12, SCRIPTS
+  assert {"quickstart", "input_pipeline", "dp_digits", "dp_lm", "pipeline"} <= set(
+    SCRIPTS
+  )
 
 
 def run(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -128,6 +130,8 @@ def test_help_lists_the_choices():
     ("quickstart", ["--batch-size", "30"], "does not split into"),
     ("quickstart", ["--width", "30", "--heads", "4"], "does not split into"),
     ("quickstart", ["--dropout", "1"], "must be at least 0 and below 1"),
+    ("dp_lm", ["--width", "30"], "--width 30 does not split into --heads 4"),
+    ("dp_lm", ["--quick", "--heads", "3"], "--width 32 does not split into --heads 3"),
     ("digits_mlp", ["--train-rows", "5"], "--train-rows must be between"),
     ("convnet_batchnorm", ["--batch-size", "2000"], "more than the 1344"),
     ("cross_step", ["--micro-batch-size", "2000"], "more than the 1344"),

@@ -19,8 +19,14 @@ def test_dp_digits_serves_every_draw_from_one_compiled_step(capsys):
   assert result["epsilon"] == jaxaccum.dp_epsilon(q, 8.0, 4, 1e-5)
   assert result["epsilon"] < result["epsilon_rdp"]
   assert 0 <= result["accuracy_dp"] <= 1 and 0 <= result["accuracy_plain"] <= 1
+  # Ghost clipping draws the same noise: the parameters agree to float32
+  # rounding (a wrong norm or another key moves them by far more than 1e-5).
+  assert result["ghost_difference"] <= 1e-5
+  assert result["accuracy_ghost"] == result["accuracy_dp"]
+  assert result["ghost_predictions_agree"] == 1.0
   out = capsys.readouterr().out
   assert f"epsilon = {result['epsilon']:.2f} at delta = 1e-05" in out
+  assert f"(ghost clipping {result['accuracy_ghost']:.3f})" in out
 
 
 @pytest.mark.slow  # the full run, as examples/README.md shows it
@@ -29,5 +35,7 @@ def test_dp_digits_learns_under_privacy_in_under_three_minutes():
   assert result["epsilon"] == pytest.approx(6.23, abs=0.01)
   assert result["accuracy_plain"] > 0.95
   assert result["accuracy_dp"] > 0.85
+  assert result["ghost_difference"] <= 1e-5
+  assert abs(result["accuracy_ghost"] - result["accuracy_dp"]) <= 1 / 453
   assert np.mean(result["draw_sizes"]) == pytest.approx(1024, abs=10)
   assert result["seconds"] < 180

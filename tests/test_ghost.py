@@ -269,6 +269,33 @@ def test_dot_with_batch_dimensions_on_the_parameter():
   assert caught == []
 
 
+def test_embedding_rows_at_fixed_positions_and_dropped_indices():
+  """A learned position table read with ``jnp.take(pos, jnp.arange(T))``
+  (nnx.Embed's lookup: indices that are not the example's, the default
+  mode FILL_OR_DROP) and a token table whose out-of-range ids are dropped
+  (fill 0, no gradient): both are row gathers, and the norm is exact. The
+  positions' gather failed to lower (``fill_value=None``) before."""
+
+  def loss(p, tokens):  # tokens: (T,) ids, some beyond the table
+    rows = p["embed"].at[tokens].get(mode="drop", fill_value=0.0)
+    x = rows + jnp.take(p["pos"], jnp.arange(T), axis=0)
+    return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
+
+  r = np.random.default_rng(7)
+  params = {
+    "embed": jnp.asarray(r.normal(size=(VOCAB, D)), jnp.float32),
+    "pos": jnp.asarray(r.normal(size=(T, D)), jnp.float32),
+    "w": jnp.asarray(r.normal(size=(D, 3)), jnp.float32) / 3,
+  }
+  batch = jnp.asarray(r.integers(0, VOCAB + 3, (ROWS, T)), jnp.int32)
+  assert int(jnp.sum(batch >= VOCAB)) > 0  # some ids are dropped
+  clip = median_clip(loss, params, batch)
+  want, _ = reference(loss, params, batch, clip)
+  got, caught = ghost_sum(loss, params, batch, 2, clip)
+  assert relative_error(got, want) <= RTOL
+  assert caught == []
+
+
 # ---------------------------------------------------------------- composition
 
 

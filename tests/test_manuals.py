@@ -1,6 +1,7 @@
 """The benchmarks' manual, ``benchmarks/README.md``, and the measured numbers
-of ``README.md`` are generated: written from ``benchmarks/results/*.json``
-by ``benchmarks/_report.py``. A result rerun without
+of ``README.md``, ``docs/guide.md`` and ``examples/README.md`` are
+generated: written from ``benchmarks/results/*.json`` by
+``benchmarks/_report.py``. A result rerun without
 ``python benchmarks/_report.py``, or a number edited by hand between the
 markers, fails here.
 """
@@ -35,7 +36,7 @@ def load_report():
   return module
 
 
-@pytest.mark.parametrize("page", ["benchmarks", "readme", "guide"])
+@pytest.mark.parametrize("page", ["benchmarks", "readme", "guide", "examples"])
 def test_each_committed_page_is_what_report_writes_from_the_results(page):
   report = load_report()
   path = report.PAGES[page]
