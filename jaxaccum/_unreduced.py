@@ -378,9 +378,9 @@ def run_or_fall_back(
   partitioner's step, which reduces every micro-batch)."""
   try:
     return UnreducedStep(engine, axes)(args, kwargs, split)
-  except Exception as error:
+  except _REFUSALS as error:
     text = str(error)
-    if "reduced" not in text or type(error).__name__ not in _REFUSALS:
+    if "reduced" not in text:  # not about JAX's types: the user's error
       raise
   warnings.warn(
     "jaxaccum: JAX refused a parameter typed reduced (replicated over the "
@@ -392,4 +392,6 @@ def run_or_fall_back(
   return fallback(args, kwargs)
 
 
-_REFUSALS = frozenset({"ShardingTypeError", "NotImplementedError", "ValueError"})
+#: What JAX raises when it refuses a type (its ``ShardingTypeError``, or a
+#: rule it lacks) or a ``reshard`` of one (a ``ValueError``).
+_REFUSALS: tuple[type[Exception], ...] = (*_compat.SHARDING_TYPE_ERRORS, ValueError)
