@@ -54,7 +54,9 @@ def lm_rows(p, tok):
   is), layers stacked for a scan, a bias inside a jit, a cond."""
   h = p["embed"].at[tok[:, :-1]].get(out_sharding=P("data", None, None))
   h = (
-    h * jax.lax.rsqrt(jnp.mean(h**2, -1, keepdims=True) + 1e-6) * (1.0 + p["scale"])[None, None]
+    h
+    * jax.lax.rsqrt(jnp.mean(h**2, -1, keepdims=True) + 1e-6)
+    * (1.0 + p["scale"])[None, None]
   )
 
   def layer(h, w):
@@ -147,9 +149,9 @@ def test_an_lm_reduces_nothing_over_data_in_the_loop(mesh):
 @pytest.mark.parametrize(
   "head",
   [
-    lambda m, other: -m,
+    pytest.param(lambda m, other: -m, marks=pytest.mark.slow),
     lambda m, other: 0.5 * m - other / 3.0,
-    lambda m, other: m + other,
+    pytest.param(lambda m, other: m + other, marks=pytest.mark.slow),
   ],
   ids=["negated", "scaled_and_subtracted", "added"],
 )
@@ -173,9 +175,11 @@ def test_the_loss_stays_a_sum_through_linear_operations(mesh, head):
 @pytest.mark.parametrize(
   "head",
   [
-    lambda m, p: jnp.log(m),
+    pytest.param(lambda m, p: jnp.log(m), marks=pytest.mark.slow),
     lambda m, p: m + 1e-3 * jnp.sum(p["out"] ** 2),
-    lambda m, p: m.astype(jnp.bfloat16).astype(jnp.float32),
+    pytest.param(
+      lambda m, p: m.astype(jnp.bfloat16).astype(jnp.float32), marks=pytest.mark.slow
+    ),
   ],
   ids=["log", "penalty_added", "narrowing_cast"],
 )
@@ -201,6 +205,7 @@ def test_other_uses_of_the_loss_reduce_it_where_they_are(mesh, head, monkeypatch
   assert [c.bytes for c in after] == [shard_bytes(params)], after
 
 
+@pytest.mark.slow
 def test_a_weighted_loss_reduces_its_weight_in_the_loop_only(mesh):
   """normalize="weighted": the loss sum is reduced after the loop; the
   weight, which the step checks per micro-batch, in it (4 bytes)."""
