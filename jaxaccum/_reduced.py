@@ -86,7 +86,7 @@ class Evaluated:
   docstring). Its outputs are never reduced.
 
   >>> import jax, jax.numpy as jnp
-  >>> f = Evaluated(lambda w, x: jnp.sum(x @ w + w[0]), ("data",))
+  >>> f = Evaluated(lambda w, x: jnp.sum(x @ w + w[:1]), ("data",))
   >>> float(f(jnp.ones((2, 2)), jnp.ones((3, 2))))
   18.0
   """
