@@ -768,6 +768,35 @@ GHOST_NAMES = {
 }
 
 
+def _search_note(ghost: dict[str, Any]) -> str:
+  """How the ghost part's searches ran: at a time, wall time, compiles, and
+  the peaks kept from an earlier run."""
+  largest = ghost["largest"]
+  compiles = sum(len(v["compiled"]) for v in largest.values())
+  jobs = ghost.get("jobs", 1)
+  wall = ghost.get("search_seconds", sum(v["seconds"] for v in largest.values()))
+  text = (
+    f"The four searches took {_report.duration(wall)} of wall time, {compiles} "
+    f"compiles, {jobs} at a time"
+    + (" (threads; a search's own time above overlaps the others')" if jobs > 1 else "")
+    + "."
+  )
+  reused = sorted({k for r in ghost["rows"] for k in r.get("reused", [])})
+  if reused:
+    names = _report.listing([GHOST_NAMES[k] for k in GHOST_NAMES if k in reused])
+    text += (
+      f" The rows' peaks of {names} were kept from the run before (`--reuse`; "
+      "same model, target and code path), and only the rest compiled"
+    )
+    seeded = largest.get("peak", {}).get("seeded")
+    text += (
+      f"; vmap's search started from the memory part's m = {seeded[0]}."
+      if seeded
+      else "."
+    )
+  return text
+
+
 def ghost_table(results: dict[str, Any]) -> str:
   ghost = results["ghost"]
   budget = results["memory"]["memory_bytes"]
@@ -821,7 +850,7 @@ def ghost_table(results: dict[str, Any]) -> str:
       "machine's CPUs):",
       "",
       _report.table(
-        ("step", "largest m", "its peak, GiB", "compiles", "search time"),
+        ("step", "largest m", "its peak, GiB", "compiles", "search's wall time"),
         [
           (
             name,
@@ -838,7 +867,7 @@ def ghost_table(results: dict[str, Any]) -> str:
     whole = results["memory"].get("largest_whole_batch")
     same = (
       f" (the memory part's own search of the same step found {whole['batch']})"
-      if whole
+      if whole and not largest["peak"].get("seeded")
       else ""
     )
     savings = [
@@ -851,9 +880,7 @@ def ghost_table(results: dict[str, Any]) -> str:
       f"Ghost's peak is {_report.listing(savings)} below vmap's, and in "
       f"{_report.gib(budget, 0)} GiB ghost fits m = {m['peak_ghost']} where vmap "
       f"fits {m['peak']}{same}, jax-privacy {m['peak_jax_privacy']} and the "
-      f"non-private step {m['peak_non_private']}. The search took "
-      f"{_report.duration(sum(v['seconds'] for v in largest.values()))} in all "
-      f"({sum(len(v['compiled']) for v in largest.values())} compiles).",
+      f"non-private step {m['peak_non_private']}. {_search_note(ghost)}",
     ]
   return "\n".join(lines)
 
