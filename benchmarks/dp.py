@@ -21,22 +21,34 @@ answer compiled to check).
 
 Part 1b, ghost clipping's memory (``--part ghost``; compiled only, for the
 same H100 and transformer): one micro-batch of m = 8, 32 and 128 sequences
-(k = 1), the DP step's peak by ``clip_method="vmap"`` (``peak``) and by
-``"ghost"`` (``peak_ghost``), and the peak of the same step without privacy
-(a batch loss and Adam: ``peak_non_private``), in ``results["ghost"]``.
+(k = 1), the DP step's peak by ``clip_method="vmap"`` (``peak``), by
+``"ghost"`` (``peak_ghost``), by the same step written with jax-privacy's
+``clipped_grad`` (``peak_jax_privacy``) and without privacy (a batch loss and
+Adam: ``peak_non_private``), in ``results["ghost"]``. Then the largest m each
+of the four fits in the H100's memory (``results["ghost"]["largest"]``): a
+bracketing search that starts from those rows and probes where the line
+through the bracket's two peaks meets the budget (``largest_fitting``), with
+the compiles it took and their time.
 
 Part 2, step time on this CPU, side by side: the same DP-SGD step (clipped
 sum, Gaussian noise, Adam) at equal logical batch, with jaxaccum
-(``make_train_step(..., k, clip_per_example=C)``) and with jax-privacy's
-clipped-gradient function (``jax_privacy.clipping.clipped_grad`` with
-``microbatch_size = B / k``, its own accumulation), inside one ``jax.jit``.
-The approaches are timed in interleaved rounds (the order rotates every
-round); each round times ``repeats`` steps of each. The ratio is the median
-over rounds of jax-privacy's time over jaxaccum's (above 1: jaxaccum is
-faster). An A/A control times jaxaccum twice, as two approaches in the same
-rounds: its ratio, and the spread of it, is the noise floor of the machine,
-shared with other work. The goal is a ratio <= 1.0x of jaxaccum's time to
-jax-privacy's, i.e. jax-privacy / jaxaccum >= 1 within the noise floor.
+(``make_train_step(..., k, clip_per_example=C)``, ``clip_method="vmap"`` and
+``"ghost"``) and with jax-privacy's clipped-gradient function
+(``jax_privacy.clipping.clipped_grad`` with ``microbatch_size = B / k``, its
+own accumulation), inside one ``jax.jit``, at k = 1, 2, 4 and 8. The
+approaches are timed in interleaved rounds (the order rotates every round);
+each round times ``repeats`` steps of each. A ratio is the median over rounds
+of one approach's time over another's in the same round: jax-privacy / vmap
+(``ratio``; above 1: jaxaccum is faster), ghost / vmap (``ghost_ratio``; above
+1: ghost is slower) and ghost / jax-privacy. An A/A control times the vmap
+step twice, as two approaches in the same rounds: its ratio, and the spread
+of it, is the noise floor of the machine, shared with other work. The goal is
+a ratio <= 1.0x of jaxaccum's time to jax-privacy's, i.e. jax-privacy /
+jaxaccum >= 1 within the noise floor. The same rounds run on the
+``cpu`` preset's transformer (``results["time"]``) and on an MLP whose
+weights are large beside its activations (``results["time_mlp"]``), the two
+sides of where ghost's second pass costs more than the per-example gradients
+it avoids.
 
 The results go to ``benchmarks/results/dp.json`` (``--quick``: a temporary
 folder) and the table into ``benchmarks/README.md`` (this file's
@@ -53,6 +65,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import importlib.metadata
@@ -114,12 +127,19 @@ def step_peak(
 ) -> int | None:
   """Per-device peak of jaxaccum's DP step for ``batch`` sequences in ``k``
   micro-batches on ``target`` (``clip_method=None``: the same step without
-  privacy: a batch loss, Adam, no clipping, no noise); None if XLA refuses
-  it."""
+  privacy: a batch loss, Adam, no clipping, no noise; ``"jax_privacy"``: the
+  DP step written with jax-privacy's ``clipped_grad``, as timed in part 2);
+  None if XLA refuses it."""
   params = jax.eval_shape(lambda: _models.transformer_init(jax.random.key(0), cfg))
+  tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), jnp.int32)
+  if clip_method == "jax_privacy":
+    update = jax_privacy_update(example_loss(cfg), batch, k)
+    opt_state = jax.eval_shape(optax.adam(1e-4).init, params)
+    key = jax.eval_shape(lambda: jax.random.key(1))
+    jitted = jax.jit(update, donate_argnums=(0, 1))
+    return _peak(jitted, (params, opt_state, tokens, key), target, batch, k)
   tx = dp_tx(float(batch)) if clip_method else optax.adam(1e-4)
   opt_state = jax.eval_shape(tx.init, params)
-  tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), jnp.int32)
   mask = jax.ShapeDtypeStruct((batch,), jnp.float32)
   if clip_method is None:
     step = jaxaccum.make_train_step(_models.make_transformer_loss(cfg), tx, k)
@@ -148,49 +168,173 @@ def _peak(
   return int(stats.peak_bytes)
 
 
-def ghost_part(preset: str, sizes: tuple[int, ...]) -> dict[str, Any]:
+#: The ghost part's steps: its JSON key, and ``step_peak``'s ``clip_method``.
+GHOST_METHODS = {
+  "peak": "vmap",
+  "peak_ghost": "ghost",
+  "peak_jax_privacy": "jax_privacy",
+  "peak_non_private": None,
+}
+
+
+def ghost_part(
+  preset: str,
+  sizes: tuple[int, ...],
+  search: bool,
+  earlier: dict[str, Any] | None = None,
+  jobs: int = 1,
+) -> dict[str, Any]:
   """One micro-batch of ``m`` sequences (k = 1) on the compile-only H100:
   the DP step's peak by ``clip_method="vmap"`` (``peak``) and ``"ghost"``,
-  and the non-private step's."""
+  by jax-privacy's ``clipped_grad``, and the non-private step's; with
+  ``search``, the largest m each fits in the H100's memory.
+
+  ``earlier`` (a ``dp.json`` of the same model and target, ``--reuse``): its
+  peaks are kept rather than compiled again (listed in each row's
+  ``reused``), and the memory part's whole-batch search, the same step as
+  ``"vmap"`` here, starts vmap's search. ``jobs`` compiles run at a time
+  (threads: XLA compiles without Python's lock).
+  """
   target = jaxaccum.compile_target("h100")
   cfg = dataclasses.replace(_models.PRESETS[preset]["transformer"], dtype="float32")
   assert isinstance(cfg, _models.TransformerConfig)
+  old_rows, seeds = _earlier_peaks(earlier, cfg, target)
+  pool = concurrent.futures.ThreadPoolExecutor(jobs)
+
+  def compile_peak(m: int, key: str) -> int | None:
+    start = time.perf_counter()
+    peak = step_peak(cfg, target, m, 1, GHOST_METHODS[key])
+    shown = "-" if peak is None else f"{peak / GB:.2f} GB"
+    print(f"  H100, m={m:>3}, {key}: {shown} ({time.perf_counter() - start:.0f} s)")
+    return peak
+
   rows = []
   for m in sizes:
+    old = old_rows.get(m, {})
     row: dict[str, Any] = {"micro_batch_size": m}
-    for key, method in (
-      ("peak", "vmap"),
-      ("peak_ghost", "ghost"),
-      ("peak_non_private", None),
-    ):
-      start = time.perf_counter()
-      row[key] = step_peak(cfg, target, m, 1, method)
-      shown = "-" if row[key] is None else f"{row[key] / GB:.2f} GB"
-      print(f"  H100, m={m:>3}, {key}: {shown} ({time.perf_counter() - start:.0f} s)")
+    row["reused"] = [key for key in GHOST_METHODS if key in old]
+    for key in GHOST_METHODS:
+      row[key] = old[key] if key in old else pool.submit(compile_peak, m, key)
     rows.append(row)
-  return {"target": target.title, "model": cfg.describe(), "rows": rows}
+  for row in rows:
+    for key in GHOST_METHODS:
+      if isinstance(row[key], concurrent.futures.Future):
+        row[key] = row[key].result()
+  result: dict[str, Any] = {
+    "target": target.title,
+    "model": cfg.describe(),
+    "rows": rows,
+  }
+  if search:
+
+    def largest(key: str) -> dict[str, Any]:
+      start = time.perf_counter()
+      known = {r["micro_batch_size"]: r[key] for r in rows} | seeds.get(key, {})
+      found = largest_fitting(
+        lambda m: step_peak(cfg, target, m, 1, GHOST_METHODS[key]),
+        target.memory_bytes,
+        max(sizes),
+        known=known,
+      )
+      found["seconds"] = time.perf_counter() - start
+      found["seeded"] = sorted(seeds.get(key, {}))
+      print(
+        f"  {key}: largest m {found['batch']} ({len(found['compiled'])} compiles, "
+        f"{found['seconds']:.0f} s)"
+      )
+      return found
+
+    start = time.perf_counter()
+    futures = {key: pool.submit(largest, key) for key in GHOST_METHODS}
+    result["largest"] = {key: f.result() for key, f in futures.items()}
+    result["search_seconds"] = time.perf_counter() - start
+    result["jobs"] = jobs
+  pool.shutdown()
+  return result
+
+
+def _earlier_peaks(
+  earlier: dict[str, Any] | None, cfg: Any, target: Any
+) -> tuple[dict[int, dict[str, int | None]], dict[str, dict[int, int | None]]]:
+  """The ghost rows' peaks of an earlier ``dp.json`` by m, where its model
+  and target are these, and the peaks that seed the searches (vmap's: the
+  memory part's whole-batch search of the same step)."""
+  rows: dict[int, dict[str, int | None]] = {}
+  seeds: dict[str, dict[int, int | None]] = {}
+  if not earlier:
+    return rows, seeds
+  ghost = earlier.get("ghost", {})
+  if ghost.get("model") == cfg.describe() and ghost.get("target") == target.title:
+    for r in ghost["rows"]:
+      rows[r["micro_batch_size"]] = {k: r[k] for k in GHOST_METHODS if k in r}
+  memory = earlier.get("memory", {})
+  whole = memory.get("largest_whole_batch")
+  same = dataclasses.replace(cfg, batch_size=memory.get("batch_size", -1))
+  if whole and memory.get("model") == same.describe():
+    seeds["peak"] = {whole["batch"]: whole["peak"]}
+  return rows, seeds
+
+
+def largest_fitting(
+  peak_of: Callable[[int], int | None],
+  budget: int,
+  start: int,
+  known: dict[int, int | None] | None = None,
+) -> dict[str, Any]:
+  """The largest batch ``b`` with ``peak_of(b) <= budget`` (None: XLA
+  refused it, which counts as not fitting), for a peak that grows with ``b``.
+
+  The peaks in ``known`` (batch -> peak, already compiled) bracket it where
+  they can; otherwise the batch doubles from ``start`` until one does not fit.
+  The bracket then narrows by bisection, each probe placed where the line
+  through the bracket's two peaks meets the budget (a compiled peak is close
+  to linear in the batch, so this takes two or three compiles), and at the
+  midpoint after two such probes on the same side, or where a peak is
+  missing.
+
+  Returns:
+    ``batch`` (0 if not even 1 fits), its ``peak``, and the batches
+    ``compiled`` (those of ``known`` not among them).
+  """
+  peaks: dict[int, int | None] = dict(known or {})
+  compiled: list[int] = []
+
+  def fits(b: int) -> bool:
+    if b not in peaks:
+      peaks[b] = peak_of(b)
+      compiled.append(b)
+    peak = peaks[b]
+    return peak is not None and peak <= budget
+
+  fitting = [b for b in peaks if fits(b)]
+  low = max(fitting, default=0)
+  above = [b for b in peaks if b > low]
+  high = min(above) if above else max(start, low)
+  while fits(high):  # grow until one does not fit
+    low, high = high, high * 2
+  peaks.setdefault(0, 0)
+  sides: list[bool] = []  # where each probe fell: True if it fitted
+  while high - low > 1:
+    p_low, p_high = peaks[low], peaks[high]
+    if p_low is None or p_high is None or sides[-2:] in ([True] * 2, [False] * 2):
+      probe = (low + high) // 2  # bisect
+    else:
+      probe = low + int((budget - p_low) * (high - low) // (p_high - p_low))
+    probe = min(max(probe, low + 1), high - 1)
+    sides.append(fits(probe))
+    if sides[-1]:
+      low = probe
+    else:
+      high = probe
+  return {"batch": low, "peak": peaks[low] if low else None, "compiled": compiled}
 
 
 def largest_whole_batch(
   cfg: Any, target: Any, budget: int, start: int
 ) -> dict[str, Any]:
-  """Bisection over the batch size of the k = 1 step (clipping on the whole
-  batch): the largest batch whose peak is at most ``budget``."""
-  low, high = 0, start
-  peaks: dict[int, int | None] = {}
-  while True:  # grow until it does not fit
-    peaks[high] = step_peak(cfg, target, high, 1)
-    if peaks[high] is None or peaks[high] > budget:
-      break
-    low, high = high, high * 2
-  while high - low > 1:
-    mid = (low + high) // 2
-    peaks[mid] = step_peak(cfg, target, mid, 1)
-    if peaks[mid] is None or peaks[mid] > budget:
-      high = mid
-    else:
-      low = mid
-  return {"batch": low, "peak": peaks.get(low), "compiled": sorted(peaks)}
+  """The largest batch of the k = 1 step (clipping on the whole batch)
+  whose peak is at most ``budget``."""
+  return largest_fitting(lambda b: step_peak(cfg, target, b, 1), budget, start)
 
 
 def largest_accumulated_batch(
@@ -415,12 +559,15 @@ def exact_part(ks: tuple[int, ...]) -> dict[str, Any]:
 # ---------------------------------------------------------------- part 2: time
 
 
-def jax_privacy_step(cfg: Any, batch: int, k: int) -> Callable[..., Any]:
-  """The same DP-SGD step with jax-privacy's clipped-gradient function."""
+def jax_privacy_update(
+  loss: Callable[..., jax.Array], batch: int, k: int
+) -> Callable[..., Any]:
+  """The same DP-SGD step with jax-privacy's clipped-gradient function, not
+  jitted: ``update(params, opt_state, batch, key) -> (params, opt_state)``."""
   from jax_privacy import clipping  # noqa: PLC0415 (the bench extra)
 
   grad = clipping.clipped_grad(
-    example_loss(cfg),
+    loss,
     l2_clip_norm=CLIP,
     batch_argnums=1,
     keep_batch_dim=False,
@@ -428,9 +575,8 @@ def jax_privacy_step(cfg: Any, batch: int, k: int) -> Callable[..., Any]:
   )
   adam = optax.adam(1e-4)
 
-  @jax.jit
-  def step(params, opt_state, tokens, key):
-    total = grad(params, tokens)
+  def update(params, opt_state, examples, key):
+    total = grad(params, examples)
     leaves, treedef = jax.tree.flatten(total)
     keys = jax.random.split(key, len(leaves))
     noisy = [
@@ -440,88 +586,134 @@ def jax_privacy_step(cfg: Any, batch: int, k: int) -> Callable[..., Any]:
     updates, opt_state = adam.update(jax.tree.unflatten(treedef, noisy), opt_state)
     return optax.apply_updates(params, updates), opt_state
 
+  return update
+
+
+def jax_privacy_step(
+  loss: Callable[..., jax.Array], batch: int, k: int
+) -> Callable[..., Any]:
+  step = jax.jit(jax_privacy_update(loss, batch, k))
+
   def run(state):
-    params, opt_state, tokens, key = state
-    params, opt_state = step(params, opt_state, tokens, key)
-    return params, opt_state, tokens, key
+    params, opt_state, examples, key = state
+    params, opt_state = step(params, opt_state, examples, key)
+    return params, opt_state, examples, key
 
   return run
 
 
-def jaxaccum_step(cfg: Any, batch: int, k: int) -> tuple[Callable[..., Any], Any]:
+def jaxaccum_step(
+  loss: Callable[..., jax.Array], batch: int, k: int, clip_method: str
+) -> tuple[Callable[..., Any], Any]:
   tx = dp_tx(float(batch))
   step = jaxaccum.make_train_step(
-    example_loss(cfg), tx, k, clip_per_example=CLIP, donate=False
+    loss, tx, k, clip_per_example=CLIP, clip_method=clip_method, donate=False
   )
 
   def run(state):
-    params, opt_state, tokens, mask = state
-    params, opt_state, _ = step(params, opt_state, tokens, example_mask=mask)
-    return params, opt_state, tokens, mask
+    params, opt_state, examples, mask = state
+    params, opt_state, _ = step(params, opt_state, examples, example_mask=mask)
+    return params, opt_state, examples, mask
 
   return run, tx
 
 
+#: The contrast to the transformer in the time part: an MLP whose weights are
+#: large beside its activations, so that a per-example gradient (``"vmap"``,
+#: jax-privacy) costs far more than ghost clipping's second pass.
+TIME_MLP = {
+  "cpu": _models.MLPConfig(widths=(256, 512, 512, 16), batch_size=64),
+  "cpu-quick": _models.MLPConfig(widths=(64, 128, 128, 16), batch_size=16),
+}
+
+#: The approaches timed side by side, and the ratios taken per round
+#: (numerator, denominator): above 1, the denominator's step is faster.
+APPROACHES = ("jaxaccum", "jaxaccum_again", "ghost", "jax_privacy")
+RATIOS = {
+  "ratio": ("jax_privacy", "jaxaccum"),
+  "ghost_ratio": ("ghost", "jaxaccum"),
+  "ghost_jax_privacy_ratio": ("ghost", "jax_privacy"),
+  "aa_ratio": ("jaxaccum_again", "jaxaccum"),
+}
+
+
+def time_model(model: _models.Model) -> Callable[..., jax.Array]:
+  """``model``'s loss on ONE example (no batch axis)."""
+  return lambda params, example: model.loss(
+    params, jax.tree.map(lambda x: x[None], example)
+  )
+
+
 def time_part(
-  preset: str, ks: tuple[int, ...], rounds: int, repeats: int
+  model: _models.Model, ks: tuple[int, ...], rounds: int, repeats: int
 ) -> dict[str, Any]:
-  cfg = _models.PRESETS[preset]["transformer"]
-  model = _models.build("transformer", preset)
-  batch = cfg.batch_size
+  """The DP step on this CPU at each k of ``ks``: jaxaccum with
+  ``clip_method="vmap"`` (``jaxaccum``, timed twice for the A/A control), with
+  ``"ghost"``, and jax-privacy, in interleaved rounds whose order rotates."""
+  load_start = os.getloadavg()
+  loss = time_model(model)
+  batch = model.batch_size
+  params = model.params
+  mask = jnp.ones((batch,), jnp.float32)
   rows = []
   for k in ks:
-    run_a, tx = jaxaccum_step(cfg, batch, k)
-    run_b = jax_privacy_step(cfg, batch, k)
-    params = model.params
-    mask = jnp.ones((batch,), jnp.float32)
-    states = {
-      "jaxaccum": (params, tx.init(params), model.batch, mask),
-      "jaxaccum_again": (params, tx.init(params), model.batch, mask),
-      "jax_privacy": (
-        params,
-        optax.adam(1e-4).init(params),
-        model.batch,
-        jax.random.key(1),
-      ),
+    run_vmap, tx = jaxaccum_step(loss, batch, k, "vmap")
+    run_ghost, _ = jaxaccum_step(loss, batch, k, "ghost")
+    runs = {
+      "jaxaccum": run_vmap,
+      "jaxaccum_again": run_vmap,
+      "ghost": run_ghost,
+      "jax_privacy": jax_privacy_step(loss, batch, k),
     }
-    runs = {"jaxaccum": run_a, "jaxaccum_again": run_a, "jax_privacy": run_b}
-    for name, run in runs.items():  # compile and warm up
-      states[name] = jax.block_until_ready(run(states[name]))
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
+    states = {
+      name: (params, tx.init(params), model.batch, mask)
+      for name in ("jaxaccum", "jaxaccum_again", "ghost")
+    }
+    states["jax_privacy"] = (
+      params,
+      optax.adam(1e-4).init(params),
+      model.batch,
+      jax.random.key(1),
+    )
+    with warnings.catch_warnings():  # which leaves fall back is not a result
+      warnings.simplefilter("ignore", jaxaccum.GhostFallbackWarning)
+      for name, run in runs.items():  # compile and warm up
+        states[name] = jax.block_until_ready(run(states[name]))
+    times: dict[str, list[float]] = {name: [] for name in APPROACHES}
     for r in range(rounds):
-      order = names[r % 3 :] + names[: r % 3]
-      for name in order:
+      shift = r % len(APPROACHES)
+      for name in APPROACHES[shift:] + APPROACHES[:shift]:
         start = time.perf_counter()
         for _ in range(repeats):
           states[name] = runs[name](states[name])
         jax.block_until_ready(states[name])
         times[name].append((time.perf_counter() - start) * 1e3 / repeats)
-    peer = [b / a for a, b in zip(times["jaxaccum"], times["jax_privacy"], strict=True)]
-    control = [
-      b / a for a, b in zip(times["jaxaccum"], times["jaxaccum_again"], strict=True)
-    ]
-    row = {
+    row: dict[str, Any] = {
       "k": k,
       "micro_batch_size": batch // k,
       "ms": {name: statistics.median(t) for name, t in times.items()},
-      "ratio": statistics.median(peer),
-      "ratio_spread": [min(peer), max(peer)],
-      "aa_ratio": statistics.median(control),
-      "aa_spread": [min(control), max(control)],
     }
+    for key, (num, den) in RATIOS.items():
+      per_round = [a / b for a, b in zip(times[num], times[den], strict=True)]
+      row[key] = statistics.median(per_round)
+      spread = "aa_spread" if key == "aa_ratio" else f"{key}_spread"
+      row[spread] = [min(per_round), max(per_round)]
     rows.append(row)
     print(
-      f"  CPU, B={batch}, k={k}: jaxaccum {row['ms']['jaxaccum']:.1f} ms, "
-      f"jax-privacy {row['ms']['jax_privacy']:.1f} ms: jax-privacy / jaxaccum "
-      f"{row['ratio']:.2f}x; A/A {row['aa_ratio']:.2f}x "
+      f"  CPU, {model.name}, B={batch}, k={k}: vmap {row['ms']['jaxaccum']:.1f} ms, "
+      f"ghost {row['ms']['ghost']:.1f} ms, jax-privacy "
+      f"{row['ms']['jax_privacy']:.1f} ms: ghost / vmap {row['ghost_ratio']:.2f}x, "
+      f"jax-privacy / vmap {row['ratio']:.2f}x, ghost / jax-privacy "
+      f"{row['ghost_jax_privacy_ratio']:.2f}x; A/A {row['aa_ratio']:.2f}x "
       f"[{row['aa_spread'][0]:.2f}, {row['aa_spread'][1]:.2f}]"
     )
   return {
-    "model": cfg.describe(),
+    "model": model.config.describe(),
+    "num_params": model.num_params,
     "batch_size": batch,
     "rounds": rounds,
     "repeats": repeats,
+    "load_average": [load_start[0], os.getloadavg()[0]],  # 1 min: start, end
     "rows": rows,
   }
 
@@ -573,41 +765,139 @@ def memory_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def time_table(results: dict[str, Any]) -> str:
-  timing = results["time"]
-  model = timing["model"]
-  lines = [
-    f"On {results['machine']}, the `cpu` preset's transformer ({model['num_layers']} "
-    f"layers, d_model {model['d_model']}, {model['seq_len']} tokens), logical batch "
-    f"{timing['batch_size']}, one DP-SGD step (clip, noise, Adam), median of "
-    f"{timing['rounds']} interleaved rounds of {timing['repeats']} steps; jax-privacy "
-    f"{results['versions']['jax-privacy']}, jax {results['versions']['jax']}.",
-    "",
-  ]
+def _range(r: dict[str, Any], key: str) -> str:
+  if key not in r:  # a JSON from before the ghost timing
+    return "–"
+  spread = r["aa_spread" if key == "aa_ratio" else f"{key}_spread"]
+  return f"{r[key]:.2f}× ({spread[0]:.2f}–{spread[1]:.2f})"
+
+
+def _ghost_speed(r: dict[str, Any]) -> str:
+  """Ghost against ``"vmap"`` at one k, decided by the A/A rule: slower or
+  faster by more than 3%, or the same."""
+  if "ghost_ratio" not in r:
+    return "not timed"
+  if not _report.aa_decides(r["aa_ratio"]):
+    return f"undecided ({_report.aa_note(r['aa_ratio'])})"
+  if r["ghost_ratio"] > 1 + _report.AA_TOLERANCE:
+    return "slower"
+  if r["ghost_ratio"] < 1 - _report.AA_TOLERANCE:
+    return "faster"
+  return "the same within 3%"
+
+
+def _time_rows(timing: dict[str, Any]) -> str:
   rows = [
     (
       r["k"],
       r["micro_batch_size"],
-      f"{r['ms']['jaxaccum']:.1f}",
-      f"{r['ms']['jax_privacy']:.1f}",
-      f"{r['ratio']:.2f}× ({r['ratio_spread'][0]:.2f}–{r['ratio_spread'][1]:.2f})",
-      f"{r['aa_ratio']:.2f}× ({r['aa_spread'][0]:.2f}–{r['aa_spread'][1]:.2f})",
+      _report.ms(r["ms"]["jaxaccum"]),
+      _report.ms(r["ms"]["ghost"]) if "ghost" in r["ms"] else "–",
+      _report.ms(r["ms"]["jax_privacy"]),
+      _range(r, "ghost_ratio"),
+      _range(r, "ratio"),
+      _range(r, "ghost_jax_privacy_ratio"),
+      _range(r, "aa_ratio"),
     )
     for r in timing["rows"]
   ]
-  lines.append(
-    _report.table(
-      (
-        "k",
-        "examples per micro-batch",
-        "jaxaccum ms",
-        "jax-privacy ms",
-        "jax-privacy / jaxaccum (range)",
-        "A/A: jaxaccum / jaxaccum (range)",
-      ),
-      rows,
-    )
+  header = (
+    "k",
+    "m",
+    "vmap ms",
+    "ghost ms",
+    "jax-privacy ms",
+    "ghost / vmap",
+    "jax-privacy / vmap",
+    "ghost / jax-privacy",
+    "A/A: vmap / vmap",
   )
+  return _report.table(header, rows)
+
+
+def _ghost_verdicts(timing: dict[str, Any]) -> str:
+  return "; ".join(
+    f"k = {r['k']} (m = {r['micro_batch_size']}): {_ghost_speed(r)}"
+    + (f" ({r['ghost_ratio']:.2f}×)" if "ghost_ratio" in r else "")
+    for r in timing["rows"]
+  )
+
+
+def _ghost_summary(timing: dict[str, Any], mlp: dict[str, Any] | None) -> str:
+  """Where ghost is slower and faster than vmap, read from the rows, and the
+  reason."""
+  models = {"the transformer": timing, "the MLP": mlp or {"rows": []}}
+  found = {
+    verdict: [
+      f"{name} at {_report.ks_text([r['k'] for r in t['rows'] if _ghost_speed(r) == verdict])}"
+      for name, t in models.items()
+      if any(_ghost_speed(r) == verdict for r in t["rows"])
+    ]
+    for verdict in ("slower", "faster")
+  }
+  said = [
+    f"ghost is {verdict} on {_report.listing(where)}"
+    for verdict, where in found.items()
+    if where
+  ]
+  text = (_report.capital("; ".join(said)) + ". ") if said else ""
+  text += (
+    "Ghost clipping runs the model twice: a forward and backward pass whose "
+    "taps give each example's gradient norm, then a second forward and backward "
+    "pass with each example's loss weighted by its clipping factor. vmap runs one "
+    "forward and backward pass and writes each example's gradient, m copies of "
+    "the parameters. The second pass is the price where an example's activations "
+    f"are large beside the parameters (the transformer: {timing['model']['seq_len']} "
+    f"tokens an example, {timing.get('num_params', 0) / 1e3:,.0f}k parameters); the "
+    "per-example gradients are the price where the parameters are large beside an "
+    "example's activations"
+  )
+  if mlp:
+    text += (
+      f" (the MLP: one row an example, {mlp['num_params'] / 1e3:,.0f}k parameters)"
+    )
+  return text + "."
+
+
+def time_table(results: dict[str, Any]) -> str:
+  timing = results["time"]
+  model = timing["model"]
+  load = timing.get("load_average")
+  lines = [
+    f"On {results['machine']}, one DP-SGD step (clip, noise, Adam) at a fixed "
+    f"logical batch split into k micro-batches of m examples, by jaxaccum with "
+    f'`clip_method="vmap"` (the default), with `"ghost"`, and by jax-privacy\'s '
+    f"`clipped_grad` (its own micro-batching), median of {timing['rounds']} "
+    f"interleaved rounds; each ratio is the median over rounds of the two "
+    f"approaches' times in the same round (range: the lowest and highest round), "
+    f"and the A/A control times the vmap step twice. jax-privacy "
+    f"{results['versions']['jax-privacy']}, jax {results['versions']['jax']}"
+    + (
+      f"; the machine's load average was {load[0]:.1f} at the start and "
+      f"{load[1]:.1f} at the end of the transformer's rounds (other work shares "
+      "its 2 cores)."
+      if load
+      else "."
+    ),
+    "",
+    f"The `cpu` preset's transformer ({model['num_layers']} layers, d_model "
+    f"{model['d_model']}, {model['seq_len']} tokens, "
+    f"{timing.get('num_params', 0) / 1e3:,.0f}k parameters), logical batch "
+    f"{timing['batch_size']} sequences, {timing['repeats']} steps a sample:",
+    "",
+    _time_rows(timing),
+  ]
+  mlp = results.get("time_mlp")
+  if mlp:
+    widths = " → ".join(str(w) for w in mlp["model"]["widths"])
+    lines += [
+      "",
+      f"An MLP ({widths}, {mlp['num_params'] / 1e3:,.0f}k parameters, no sequence "
+      f"axis), logical batch {mlp['batch_size']} rows, {mlp['repeats']} "
+      f"step{'s' if mlp['repeats'] > 1 else ''} a sample:",
+      "",
+      _time_rows(mlp),
+    ]
   verdicts = [
     f"k = {r['k']}: {_report.timed_verdict(r['ratio'] >= 1, r['aa_ratio'])} "
     f"({r['ratio']:.2f}×)"
@@ -615,22 +905,66 @@ def time_table(results: dict[str, Any]) -> str:
   ]
   lines += [
     "",
-    "Goal (jaxaccum's step at most jax-privacy's, a ratio of at least 1; "
+    "Ghost against vmap (decided only where the A/A ratio is within 3% of 1, "
+    "slower or faster by more than 3%): on the transformer "
+    + _ghost_verdicts(timing)
+    + (f"; on the MLP {_ghost_verdicts(mlp)}" if mlp else "")
+    + ". "
+    + _ghost_summary(timing, mlp),
+    "",
+    "Goal (jaxaccum's vmap step at most jax-privacy's, a ratio of at least 1; "
     "decided only where the A/A ratio is within 3% of 1): " + "; ".join(verdicts) + ".",
   ]
   return "\n".join(lines)
 
 
-#: The generated blocks this file writes from ``dp.json``, by name
-#: (``_report.py`` puts each on its page).
+#: How the ghost block names the four steps.
+GHOST_NAMES = {
+  "peak": '`"vmap"`',
+  "peak_ghost": '`"ghost"`',
+  "peak_jax_privacy": "jax-privacy's `clipped_grad`",
+  "peak_non_private": "the non-private step",
+}
+
+
+def _search_note(ghost: dict[str, Any]) -> str:
+  """How the ghost part's searches ran: at a time, wall time, compiles, and
+  the peaks kept from an earlier run."""
+  largest = ghost["largest"]
+  compiles = sum(len(v["compiled"]) for v in largest.values())
+  jobs = ghost.get("jobs", 1)
+  wall = ghost.get("search_seconds", sum(v["seconds"] for v in largest.values()))
+  text = (
+    f"The four searches took {_report.duration(wall)} of wall time, {compiles} "
+    f"compiles, {jobs} at a time"
+    + (" (threads; a search's own time above overlaps the others')" if jobs > 1 else "")
+    + "."
+  )
+  reused = sorted({k for r in ghost["rows"] for k in r.get("reused", [])})
+  if reused:
+    names = _report.listing([GHOST_NAMES[k] for k in GHOST_NAMES if k in reused])
+    text += (
+      f" The rows' peaks of {names} were kept from the run before (`--reuse`; "
+      "same model, target and code path), and only the rest compiled"
+    )
+    seeded = largest.get("peak", {}).get("seeded")
+    text += (
+      f"; vmap's search started from the memory part's m = {seeded[0]}."
+      if seeded
+      else "."
+    )
+  return text
+
+
 def ghost_table(results: dict[str, Any]) -> str:
   ghost = results["ghost"]
   budget = results["memory"]["memory_bytes"]
   lines = [
     f'Ghost clipping (`clip_method="ghost"`) against per-example gradients '
-    f'(`"vmap"`, the default) and the step without privacy: one micro-batch of '
-    f"m sequences (k = 1), the same transformer, compiled for {ghost['target']}, "
-    "per-device peak. A peak marked * is above the "
+    f'(`"vmap"`, the default), jax-privacy\'s `clipped_grad` (one `vmap` of '
+    "`grad`, the same loss, noise and Adam) and the step without privacy: one "
+    f"micro-batch of m sequences (k = 1), the same transformer, compiled for "
+    f"{ghost['target']}, per-device peak. A peak marked * is above the "
     f"{_report.gib(budget, 0)} GiB the device has: compiled, it would not run. "
     "A dash: XLA refused it.",
     "",
@@ -639,20 +973,74 @@ def ghost_table(results: dict[str, Any]) -> str:
   def gib(b):
     return "–" if b is None else _report.gib(b, 1) + ("*" if b > budget else "")
 
+  def over(a, b):
+    return "–" if a is None or b is None else f"{a / b:.2f}×"
+
   rows = [
     (
       r["micro_batch_size"],
       gib(r["peak"]),
       gib(r["peak_ghost"]),
+      gib(r.get("peak_jax_privacy")),
       gib(r["peak_non_private"]),
-      "–"
-      if r["peak_ghost"] is None or r["peak_non_private"] is None
-      else f"{r['peak_ghost'] / r['peak_non_private']:.2f}×",
+      over(r["peak_ghost"], r["peak_non_private"]),
+      over(r["peak_ghost"], r["peak"]),
     )
     for r in ghost["rows"]
   ]
-  header = ("m", "vmap, GiB", "ghost, GiB", "non-private, GiB", "ghost / non-private")
+  header = (
+    "m",
+    "vmap, GiB",
+    "ghost, GiB",
+    "jax-privacy, GiB",
+    "non-private, GiB",
+    "ghost / non-private",
+    "ghost / vmap",
+  )
   lines.append(_report.table(header, rows))
+  largest = ghost.get("largest")
+  if largest:
+    lines += [
+      "",
+      f"The largest m each fits in {_report.gib(budget, 0)} GiB (k = 1; a search "
+      "over m that starts from the rows above and probes where the line through "
+      "the two nearest compiled peaks meets the budget, a bisection where that "
+      "fails; each probe is one compile of the 119M-parameter step on this "
+      "machine's CPUs):",
+      "",
+      _report.table(
+        ("step", "largest m", "its peak, GiB", "compiles", "search's wall time"),
+        [
+          (
+            name,
+            f"**{largest[key]['batch']}**",
+            _report.gib(largest[key]["peak"], 1),
+            len(largest[key]["compiled"]),
+            _report.duration(largest[key]["seconds"]),
+          )
+          for key, name in GHOST_NAMES.items()
+        ],
+      ),
+    ]
+    m = {key: largest[key]["batch"] for key in GHOST_NAMES}
+    whole = results["memory"].get("largest_whole_batch")
+    same = (
+      f" (the memory part's own search of the same step found {whole['batch']})"
+      if whole and not largest["peak"].get("seeded")
+      else ""
+    )
+    savings = [
+      f"{1 - r['peak_ghost'] / r['peak']:.0%} at m = {r['micro_batch_size']}"
+      for r in ghost["rows"]
+      if r["peak"] and r["peak_ghost"]
+    ]
+    lines += [
+      "",
+      f"Ghost's peak is {_report.listing(savings)} below vmap's, and in "
+      f"{_report.gib(budget, 0)} GiB ghost fits m = {m['peak_ghost']} where vmap "
+      f"fits {m['peak']}{same}, jax-privacy {m['peak_jax_privacy']} and the "
+      f"non-private step {m['peak_non_private']}. {_search_note(ghost)}",
+    ]
   return "\n".join(lines)
 
 
@@ -690,6 +1078,8 @@ def exact_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+#: The generated blocks this file writes from ``dp.json``, by name
+#: (``_report.py`` puts each on its page).
 BLOCKS = {
   "dp memory": memory_table,
   "dp ghost": ghost_table,
@@ -718,6 +1108,14 @@ def main(argv: list[str] | None = None) -> int:
     "--repeats", type=int, default=None, help="steps per sample (default 5; quick 2)"
   )
   parser.add_argument("--exact-rows", default=None, help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--reuse",
+    action="store_true",
+    help="ghost part: keep the peaks the JSON has for the same model and target",
+  )
+  parser.add_argument(
+    "--jobs", type=int, default=1, help="ghost part: compiles at a time (threads)"
+  )
   args = parser.parse_args(argv)
   if args.exact_rows:  # exact_part's process, with 8 CPU devices
     rows = exact_rows(tuple(int(k) for k in args.exact_rows.split(",")))
@@ -739,12 +1137,15 @@ def main(argv: list[str] | None = None) -> int:
     )
   if args.part in ("both", "time"):
     print("Part 2: step time on this CPU")
+    preset = "cpu-quick" if quick else "cpu"
+    ks = (1, 4) if quick else (1, 2, 4, 8)
+    rounds = args.rounds or (3 if quick else 21)
+    repeats = args.repeats or (2 if quick else 5)
     results["time"] = time_part(
-      "cpu-quick" if quick else "cpu",
-      (1, 4) if quick else (1, 2, 4, 8),
-      rounds=args.rounds or (3 if quick else 21),
-      repeats=args.repeats or (2 if quick else 5),
+      _models.build("transformer", preset), ks, rounds, repeats
     )
+    mlp = _models.make_mlp("mlp", "MLP", TIME_MLP[preset])
+    results["time_mlp"] = time_part(mlp, ks, rounds, max(1, repeats // 5))
   if args.part in ("both", "memory"):
     print("Part 1: memory on a compile-only H100")
     results["memory"] = memory_part(
@@ -755,7 +1156,11 @@ def main(argv: list[str] | None = None) -> int:
   if args.part in ("both", "ghost"):
     print("Part 1b: ghost clipping's memory on a compile-only H100")
     results["ghost"] = ghost_part(
-      "gpu-quick" if quick else "gpu", (8,) if quick else (8, 32, 128)
+      "gpu-quick" if quick else "gpu",
+      (8,) if quick else (8, 32, 128),
+      search=not quick,
+      earlier=dict(results) if args.reuse else None,
+      jobs=args.jobs,
     )
   if args.part in ("both", "exact"):
     print("Part 3: ghost clipping against a vmap(grad) reference, 1 and 8 devices")

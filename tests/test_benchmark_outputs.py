@@ -2,11 +2,14 @@
 folder, never among ``benchmarks/results/`` (whose JSON the manuals'
 tables are generated from); a full run writes there; ``--out`` wins."""
 
+import functools
 import importlib.util
 import pathlib
 import sys
 import tempfile
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -41,3 +44,48 @@ def test_the_scripts_resolve_their_folder_so(name):
   assert module.parse_args(["--quick"]).out == pathlib.Path(tempfile.gettempdir())
   assert module.parse_args([]).out == _paths.RESULTS
   assert module.parse_args(["--quick", "--out", "o"]).out == pathlib.Path("o")
+
+
+load_once = functools.cache(load)
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+  base=st.integers(0, 10**4),
+  slope=st.integers(1, 10**3),
+  curve=st.integers(0, 5),
+  headroom=st.integers(0, 10**6),
+  refused_from=st.one_of(st.none(), st.integers(1, 3000)),
+  known=st.lists(st.integers(1, 3000), max_size=3),
+)
+def test_largest_fitting_finds_the_last_batch_that_fits(
+  *, base, slope, curve, headroom, refused_from, known
+):
+  """benchmarks/dp.py's search for the largest micro-batch under a memory
+  budget, against a scan of every batch: a peak growing like a compiled
+  step's (a line with some curvature), XLA refusing the larger ones (None),
+  and some peaks already compiled (the rows of the ghost part)."""
+  dp = load_once("dp")
+  budget = base + headroom
+
+  def peak(b):
+    if refused_from is not None and b >= refused_from:
+      return None
+    return base + slope * b + curve * b * b
+
+  def fits(b):
+    return peak(b) is not None and peak(b) <= budget
+
+  expected = 0
+  while fits(expected + 1):
+    expected += 1
+  probed = []
+  found = dp.largest_fitting(
+    lambda b: probed.append(b) or peak(b), budget, 64, {b: peak(b) for b in known}
+  )
+  assert found["batch"] == expected
+  assert found["peak"] == (peak(expected) if expected else None)
+  assert found["compiled"] == probed
+  assert not set(probed) & set(known)  # a known peak is not compiled again
+  hypothesis.event(f"compiles: {min(len(probed), 12) // 4 * 4}+")
+  hypothesis.event("nothing fits" if expected == 0 else "something fits")
