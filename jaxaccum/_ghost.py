@@ -30,7 +30,11 @@ instead of materializing the gradient, in three steps:
      leaf used more than once with a ``dot_general`` or a ``gather`` among its
      uses, it is the leaf's per-example gradient (the ``"vmap"`` cost, for
      that leaf only). Such leaves are named in a
-     :class:`GhostFallbackWarning` at trace time.
+     :class:`GhostFallbackWarning` at trace time. A convolution's kernel is
+     not given a tap of its own per example: the tap meets the input's
+     patches in a ``dot_general`` added to the output
+     (:func:`_conv_by_patches`), so that no convolution is grouped over the
+     examples.
 3. **Weigh.** The squared norms are summed over the leaves, and a second
    forward and backward pass of ``fun`` over the rows, with example ``i``'s
    loss weighted by ``min(1, C / norm_i)`` (0 for a masked or non-finite
@@ -232,13 +236,19 @@ class _Walk:
     if self.plan is None:
       return self.bind(eqn, invals), [None] * len(eqn.outvars)
     invals = list(invals)
+    kernel_taps = []
     for n in numbers:
       if self.plan[n] == "input":
         p = self.uses[n].position
+        if _is_conv_kernel(eqn, p):
+          kernel_taps.append(n)
+          continue
         invals[p] = jax.lax.add(
           invals[p], self.taps[n].astype(jnp.result_type(invals[p]))
         )
     outs = self.bind(eqn, invals)
+    for n in kernel_taps:  # the kernel stays the same for every example
+      outs[0] = jax.lax.add(outs[0], _conv_by_patches(eqn, invals[0], self.taps[n]))
     if kind != "input" and self.plan[numbers[0]] != "input":
       (n,) = numbers
       outs[0] = jax.lax.add(outs[0], self.taps[n].astype(outs[0].dtype))
@@ -282,6 +292,63 @@ def _is_row_gather(eqn: Any) -> bool:
     and not tuple(dims.operand_batching_dims)
     and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
   )
+
+
+def _is_conv_kernel(eqn: Any, position: int) -> bool:
+  """The operand is a convolution's kernel, tapped by :func:`_conv_by_patches`."""
+  return (
+    eqn.primitive.name == "conv_general_dilated"
+    and position == 1
+    and eqn.params["batch_group_count"] == 1
+  )
+
+
+def _conv_by_patches(eqn: Any, lhs: jax.Array, kernel: jax.Array) -> jax.Array:
+  """The convolution ``eqn`` of one example's ``lhs`` with ``kernel`` (a
+  kernel tap, zero), as the ``dot_general`` of ``lhs``'s patches with it.
+
+  Adding the tap to the kernel itself would give every example its own
+  kernel, and ``vmap`` turns each example's kernel gradient into one
+  convolution grouped over the examples, which XLA's SPMD partitioner
+  miscompiles where the examples are sharded over devices: every device but
+  the first gets a zero gradient, silently (jax 0.10.2 and 0.12.1 on 8 CPU
+  devices; under ``mesh=`` with a shared FSDP kernel at one row per device
+  per micro-batch, the CNN's norms were off and its clipped sum 2.6%). Here
+  the kernel is the same for every example and each example's kernel
+  gradient is a ``dot_general``. The patches are selected exactly
+  (HIGHEST), the product is taken in float32, and the patches are
+  recomputed in the backward pass rather than kept.
+  """
+  params = eqn.params
+  _, rhs_spec, out_spec = params["dimension_numbers"]
+  groups = params["feature_group_count"]
+  spatial = sorted(rhs_spec[2:])  # the patches' order, after the channel
+
+  def product(lhs, kernel):
+    patches = jax.lax.conv_general_dilated_patches(
+      lhs,
+      [kernel.shape[d] for d in spatial],
+      params["window_strides"],
+      params["padding"],
+      params["lhs_dilation"],
+      params["rhs_dilation"],
+      params["dimension_numbers"],
+      precision=jax.lax.Precision.HIGHEST,
+    )
+    # (batch, *spatial, groups, per group) against (groups, out, per group).
+    perm = [out_spec[0], *out_spec[2:], out_spec[1]]
+    patches = jnp.transpose(patches, perm).astype(jnp.float32)
+    patches = patches.reshape(*patches.shape[:-1], groups, -1)
+    w = jnp.transpose(kernel, [rhs_spec[0], rhs_spec[1], *spatial])
+    w = w.astype(jnp.float32).reshape(groups, w.shape[0] // groups, -1)
+    out = jnp.einsum(
+      "...gk,gok->...go", patches, w, precision=jax.lax.Precision.HIGHEST
+    )
+    out = out.reshape(*out.shape[:-2], -1)
+    return jnp.transpose(out, [perm.index(d) for d in range(out.ndim)])
+
+  out = jax.checkpoint(product)(lhs, kernel)
+  return out.astype(eqn.outvars[0].aval.dtype)
 
 
 def _saved(use: Use, invals: list[Any]) -> jax.Array:

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+from jaxaccum import _ghost
 
 RTOL = 1e-5
 ROWS = 16
@@ -474,3 +475,58 @@ def test_unknown_clip_method_names_the_choices():
 def test_ghost_needs_clip_per_example():
   with pytest.raises(ValueError, match="needs clip_per_example"):
     jaxaccum.value_and_grad(mlp_loss, 2, clip_method="ghost")
+
+
+# ---------------------------------------------------------------- convolutions
+
+
+@pytest.mark.parametrize(
+  "dims, lhs_shape, rhs_shape, options",
+  [
+    (("NHWC", "HWIO", "NHWC"), (1, 6, 6, 2), (3, 3, 2, 4), {}),
+    (("NCHW", "OIHW", "NCHW"), (2, 4, 7, 5), (6, 2, 3, 2), {"feature_group_count": 2}),
+    (("NHWC", "OIHW", "CHWN"), (1, 7, 6, 3), (4, 3, 2, 3), {"lhs_dilation": (2, 1)}),
+    # The kernel's spatial dimensions in the other order (only as numbers).
+    (
+      jax.lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 1, 0), (0, 3, 1, 2)),
+      (2, 6, 5, 2),
+      (2, 3, 2, 5),
+      {"rhs_dilation": (1, 2)},
+    ),
+    (("NCH", "IOH", "NHC"), (2, 4, 9), (2, 6, 3), {"feature_group_count": 2}),
+  ],
+)
+@pytest.mark.parametrize(
+  "window", [((1, 1), [(1, 1), (1, 1)]), ((2, 3), [(1, 0), (2, 1)])]
+)
+def test_conv_by_patches_equals_the_convolution(
+  dims, lhs_shape, rhs_shape, options, window
+):
+  """The kernel tap's convolution by patches (no kernel per example, see
+  _ghost._conv_by_patches) equals lax.conv_general_dilated, entry for entry,
+  for other layouts, feature groups, strides, padding and dilations: a
+  wrong order of the patches' entries would still give the right norm, so
+  it is checked here."""
+  strides, padding = window
+  r = np.random.default_rng(0)
+  lhs = jnp.asarray(r.normal(size=lhs_shape), jnp.float32)
+  rhs = jnp.asarray(r.normal(size=rhs_shape), jnp.float32)
+  spatial = len(lhs_shape) - 2
+  strides, padding = strides[:spatial], padding[:spatial]
+
+  def conv(lhs, rhs):
+    return jax.lax.conv_general_dilated(
+      lhs,
+      rhs,
+      strides,
+      padding,
+      dimension_numbers=dims,
+      precision=jax.lax.Precision.HIGHEST,
+      **options,
+    )
+
+  (eqn,) = jax.make_jaxpr(conv)(lhs, rhs).jaxpr.eqns
+  got = _ghost._conv_by_patches(eqn, lhs, rhs)
+  want = conv(lhs, rhs)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
