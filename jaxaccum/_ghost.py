@@ -527,15 +527,77 @@ def _run_top(
   return outs
 
 
+def _leaf_names(diff: Any) -> list[str]:
+  return [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]
+  ]
+
+
+def _has_convolution(params: Any) -> bool:
+  """A jaxpr among an equation's parameters holds a convolution, at any depth."""
+  for value in params.values() if isinstance(params, dict) else params:
+    if isinstance(value, (tuple, list)):
+      if _has_convolution(value):
+        return True
+      continue
+    jaxpr = getattr(value, "jaxpr", value)
+    for eqn in getattr(jaxpr, "eqns", ()):
+      if eqn.primitive.name == "conv_general_dilated" or _has_convolution(eqn.params):
+        return True
+  return False
+
+
+def _refuse_nested_convolutions(traced: _Traced, diff: Any) -> None:
+  """A ``ValueError`` where a leaf's per-example gradient would pass through a
+  convolution that :func:`_conv_by_patches` cannot take, on several devices.
+
+  The walk takes a convolution's kernel by patches only where it reaches the
+  convolution; one inside ``jax.checkpoint``, ``scan``, ``cond`` or a custom
+  derivative, or a kernel with ``batch_group_count``, gets a kernel per
+  example, whose gradient ``vmap`` makes a convolution grouped over the
+  examples: XLA's SPMD partitioner miscompiles it where the examples are
+  sharded over devices (the whole clipped sum 2.6% off, silently, on 8 CPU
+  devices). Whether this step's rows are sharded is not visible at trace
+  time, so any process with more than one device is refused.
+  """
+  devices = jax.device_count()
+  if devices == 1:
+    return
+  found = {}
+  for n, u in enumerate(traced.uses):
+    if traced.plan[n] != "input" or u.eqn is None or _is_conv_kernel(u.eqn, u.position):
+      continue
+    name = u.eqn.primitive.name
+    if name == "conv_general_dilated" or _has_convolution(u.eqn.params):
+      found.setdefault(u.leaf, name)
+  if not found:
+    return
+  paths = _leaf_names(diff)
+  named = "; ".join(
+    f"args{paths[i]} (used by {why})" for i, why in sorted(found.items())
+  )
+  raise ValueError(
+    f'clip_method="ghost" with {devices} devices: {named} '
+    f"{'reaches' if len(found) == 1 else 'reach'} a convolution "
+    "that ghost clipping cannot read directly (inside jax.checkpoint, a scan, a "
+    "cond or a custom derivative, or with batch_group_count > 1), so each "
+    "example would get its own kernel, and the gradient of that vmap forms, a "
+    "convolution grouped over the examples, is miscompiled by XLA's SPMD "
+    "partitioner where the examples are sharded over devices (every device but "
+    "the first gets a zero gradient: the norms, and so the privacy guarantee, "
+    'would be wrong; clip_method="vmap" computes the same form). Call the '
+    "convolution outside that function (ghost reads a convolution it reaches by "
+    "its input's patches), or run in a process with one device."
+  )
+
+
 def _warn_fallbacks(traced: _Traced, diff: Any) -> None:
   """A :class:`GhostFallbackWarning` naming the leaves whose per-example
   gradient is computed."""
   found = fallbacks(traced.uses, traced.plan)
   if not found:
     return
-  paths = [
-    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]
-  ]
+  paths = _leaf_names(diff)
   named = "; ".join(f"args{paths[i]} ({why})" for i, why in sorted(found.items()))
   warnings.warn(
     f'clip_method="ghost" computes a per-example gradient for {len(found)} '
@@ -605,6 +667,7 @@ def weighted_loss(
 
   example = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in batch_leaves]
   traced = _trace(per_example, leaves, example)
+  _refuse_nested_convolutions(traced, diff)
   _warn_fallbacks(traced, diff)
   factor, kept, index, usable, (losses, rest) = _factors(
     traced, jax.lax.stop_gradient(leaves), batch_leaves, present, clip_norm

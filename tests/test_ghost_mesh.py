@@ -289,3 +289,31 @@ def test_fsdp_convolution_kernels_at_one_row_per_device():
   assert relative_error(got, want) <= RTOL
   assert "['k1'] (used by conv_general_dilated)" in str(fell[0].message)
   assert "['k2'] (used by conv_general_dilated)" in str(fell[0].message)
+
+
+def remat_cnn_loss(p, example):
+  return jax.checkpoint(cnn_loss)(p, example)
+
+
+def scan_cnn_loss(p, example):
+  total, _ = jax.lax.scan(
+    lambda t, _: (t + cnn_loss(p, example), None), jnp.float32(0), None, length=1
+  )
+  return total
+
+
+@pytest.mark.parametrize("loss", [remat_cnn_loss, scan_cnn_loss])
+def test_a_convolution_ghost_cannot_reach_is_refused_on_several_devices(loss):
+  """A convolution inside jax.checkpoint or a scan gets a kernel per example,
+  whose vmap-grouped gradient XLA miscompiles on sharded rows (the CNN's
+  clipped sum was 2.6% off at one row per device, silently): refused at
+  trace time in a process of 8 devices, even where this step runs on one,
+  since a step's row sharding is not visible to the trace."""
+  assert jax.device_count() == DEVICES
+  fun = jaxaccum.grad(
+    loss, 2, normalize="sum", clip_per_example=1.0, clip_method="ghost"
+  )
+  with pytest.raises(ValueError, match=r"with 8 devices: args\[0\]\['bias'\]") as e:
+    jax.jit(fun).trace(cnn8_params(), cnn8_batch())
+  assert "['kernel'] (used by " in str(e.value)
+  assert "Call the convolution outside that function" in str(e.value)
