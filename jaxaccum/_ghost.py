@@ -31,10 +31,10 @@ instead of materializing the gradient, in three steps:
      uses, it is the leaf's per-example gradient (the ``"vmap"`` cost, for
      that leaf only). Such leaves are named in a
      :class:`GhostFallbackWarning` at trace time. A convolution's kernel is
-     not given a tap of its own per example: the tap meets the input's
-     patches in a ``dot_general`` added to the output
-     (:func:`_conv_by_patches`), so that no convolution is grouped over the
-     examples.
+     not given a tap of its own per example: a zero added to the output
+     whose backward pass takes the example's kernel gradient one window
+     offset at a time (:func:`_kernel_tap`), so that no convolution is
+     grouped over the examples.
 3. **Weigh.** The squared norms are summed over the leaves, and a second
    forward and backward pass of ``fun`` over the rows, with example ``i``'s
    loss weighted by ``min(1, C / norm_i)`` (0 for a masked or non-finite
@@ -248,7 +248,7 @@ class _Walk:
         )
     outs = self.bind(eqn, invals)
     for n in kernel_taps:  # the kernel stays the same for every example
-      outs[0] = jax.lax.add(outs[0], _conv_by_patches(eqn, invals[0], self.taps[n]))
+      outs[0] = jax.lax.add(outs[0], _kernel_tap(eqn, invals[0], self.taps[n]))
     if kind != "input" and self.plan[numbers[0]] != "input":
       (n,) = numbers
       outs[0] = jax.lax.add(outs[0], self.taps[n].astype(outs[0].dtype))
@@ -295,7 +295,7 @@ def _is_row_gather(eqn: Any) -> bool:
 
 
 def _is_conv_kernel(eqn: Any, position: int) -> bool:
-  """The operand is a convolution's kernel, tapped by :func:`_conv_by_patches`."""
+  """The operand is a convolution's kernel, tapped by :func:`_kernel_tap`."""
   return (
     eqn.primitive.name == "conv_general_dilated"
     and position == 1
@@ -303,9 +303,10 @@ def _is_conv_kernel(eqn: Any, position: int) -> bool:
   )
 
 
-def _conv_by_patches(eqn: Any, lhs: jax.Array, kernel: jax.Array) -> jax.Array:
-  """The convolution ``eqn`` of one example's ``lhs`` with ``kernel`` (a
-  kernel tap, zero), as the ``dot_general`` of ``lhs``'s patches with it.
+def _kernel_tap(eqn: Any, lhs: jax.Array, tap: jax.Array) -> jax.Array:
+  """The convolution ``eqn`` of one example's ``lhs`` with a ZERO kernel tap:
+  its value is zero, and its gradient with respect to ``tap`` is the
+  example's kernel gradient, taken one kernel offset at a time.
 
   Adding the tap to the kernel itself would give every example its own
   kernel, and ``vmap`` turns each example's kernel gradient into one
@@ -313,42 +314,69 @@ def _conv_by_patches(eqn: Any, lhs: jax.Array, kernel: jax.Array) -> jax.Array:
   miscompiles where the examples are sharded over devices: every device but
   the first gets a zero gradient, silently (jax 0.10.2 and 0.12.1 on 8 CPU
   devices; under ``mesh=`` with a shared FSDP kernel at one row per device
-  per micro-batch, the CNN's norms were off and its clipped sum 2.6%). Here
-  the kernel is the same for every example and each example's kernel
-  gradient is a ``dot_general``. The patches are selected exactly
-  (HIGHEST), the product is taken in float32, and the patches are
-  recomputed in the backward pass rather than kept.
+  per micro-batch, the CNN's clipped sum was 2.6% off). Here the backward
+  pass takes, for each offset of the kernel's window, the input that offset
+  reads (a convolution with a one-hot kernel per channel, exact at HIGHEST,
+  the same for every example) and its ``dot_general`` with the output's
+  cotangent, in float32, in a loop over the offsets: one offset's inputs
+  are live at a time, never all of them (the patches, as many times the
+  input as the window has offsets).
   """
   params = eqn.params
-  _, rhs_spec, out_spec = params["dimension_numbers"]
+  dims = params["dimension_numbers"]
+  lhs_spec, rhs_spec, out_spec = dims
   groups = params["feature_group_count"]
-  spatial = sorted(rhs_spec[2:])  # the patches' order, after the channel
+  spatial = sorted(rhs_spec[2:])  # the kernel's window, in its own order
+  window = [tap.shape[d] for d in spatial]
+  channels = lhs.shape[lhs_spec[1]]
+  out_aval = eqn.outvars[0].aval
+  to_rows = [out_spec[0], *out_spec[2:], out_spec[1]]  # (batch, *spatial, C)
+  kernel_order = [rhs_spec[0], rhs_spec[1], *spatial]  # (out, in, *window)
 
-  def product(lhs, kernel):
-    patches = jax.lax.conv_general_dilated_patches(
+  def offset_grad(lhs, g, offset):
+    """The kernel gradient at one offset of the window: (groups, out, in)."""
+    one_hot = (jnp.arange(math.prod(window)) == offset).astype(lhs.dtype)
+    picker = jnp.broadcast_to(one_hot.reshape(window), (channels, 1, *window))
+    picker = jnp.moveaxis(picker, (0, 1), (rhs_spec[0], rhs_spec[1]))
+    read = jax.lax.conv_general_dilated(
       lhs,
-      [kernel.shape[d] for d in spatial],
+      picker,
       params["window_strides"],
       params["padding"],
       params["lhs_dilation"],
       params["rhs_dilation"],
-      params["dimension_numbers"],
+      dims,
+      feature_group_count=channels,
       precision=jax.lax.Precision.HIGHEST,
     )
-    # (batch, *spatial, groups, per group) against (groups, out, per group).
-    perm = [out_spec[0], *out_spec[2:], out_spec[1]]
-    patches = jnp.transpose(patches, perm).astype(jnp.float32)
-    patches = patches.reshape(*patches.shape[:-1], groups, -1)
-    w = jnp.transpose(kernel, [rhs_spec[0], rhs_spec[1], *spatial])
-    w = w.astype(jnp.float32).reshape(groups, w.shape[0] // groups, -1)
-    out = jnp.einsum(
-      "...gk,gok->...go", patches, w, precision=jax.lax.Precision.HIGHEST
-    )
-    out = out.reshape(*out.shape[:-2], -1)
-    return jnp.transpose(out, [perm.index(d) for d in range(out.ndim)])
+    read = jnp.transpose(read, to_rows).astype(jnp.float32)
+    read = read.reshape(-1, groups, channels // groups)
+    g = jnp.transpose(g, to_rows).astype(jnp.float32)
+    g = g.reshape(-1, groups, g.shape[-1] // groups)
+    return jnp.einsum("sgi,sgo->goi", read, g, precision=jax.lax.Precision.HIGHEST)
 
-  out = jax.checkpoint(product)(lhs, kernel)
-  return out.astype(eqn.outvars[0].aval.dtype)
+  @jax.custom_vjp
+  def tapped(lhs, tap):
+    # Zero, read from the tap so that vmap maps it as the tap is mapped (an
+    # unmapped output would get the examples' cotangents summed).
+    del lhs
+    zero = jnp.zeros((), out_aval.dtype) * jnp.sum(tap).astype(out_aval.dtype)
+    return jnp.broadcast_to(zero, out_aval.shape)
+
+  def forward(lhs, tap):
+    return tapped(lhs, tap), lhs
+
+  def backward(lhs, g):
+    per_offset = jax.lax.map(
+      lambda offset: offset_grad(lhs, g, offset), jnp.arange(math.prod(window))
+    )  # (window, groups, out, in)
+    grad = jnp.moveaxis(per_offset, 0, -1).reshape([tap.shape[d] for d in kernel_order])
+    grad = jnp.transpose(grad, [kernel_order.index(d) for d in range(tap.ndim)])
+    # At a zero tap the convolution does not depend on lhs.
+    return jnp.zeros_like(lhs), grad.astype(tap.dtype)
+
+  tapped.defvjp(forward, backward)
+  return tapped(lhs, tap)
 
 
 def _saved(use: Use, invals: list[Any]) -> jax.Array:
@@ -549,9 +577,9 @@ def _has_convolution(params: Any) -> bool:
 
 def _refuse_nested_convolutions(traced: _Traced, diff: Any) -> None:
   """A ``ValueError`` where a leaf's per-example gradient would pass through a
-  convolution that :func:`_conv_by_patches` cannot take, on several devices.
+  convolution that :func:`_kernel_tap` cannot take, on several devices.
 
-  The walk takes a convolution's kernel by patches only where it reaches the
+  The walk takes a convolution's kernel by :func:`_kernel_tap` only where it reaches the
   convolution; one inside ``jax.checkpoint``, ``scan``, ``cond`` or a custom
   derivative, or a kernel with ``batch_group_count``, gets a kernel per
   example, whose gradient ``vmap`` makes a convolution grouped over the
@@ -586,8 +614,9 @@ def _refuse_nested_convolutions(traced: _Traced, diff: Any) -> None:
     "partitioner where the examples are sharded over devices (every device but "
     "the first gets a zero gradient: the norms, and so the privacy guarantee, "
     'would be wrong; clip_method="vmap" computes the same form). Call the '
-    "convolution outside that function (ghost reads a convolution it reaches by "
-    "its input's patches), or run in a process with one device."
+    "convolution outside that function (ghost takes the kernel gradient of a "
+    "convolution it reaches one window offset at a time), or run in a process "
+    "with one device."
   )
 
 

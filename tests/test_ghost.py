@@ -499,17 +499,18 @@ def test_ghost_needs_clip_per_example():
 @pytest.mark.parametrize(
   "window", [((1, 1), [(1, 1), (1, 1)]), ((2, 3), [(1, 0), (2, 1)])]
 )
-def test_conv_by_patches_equals_the_convolution(
+def test_kernel_tap_gives_the_kernel_gradient_of_the_convolution(
   dims, lhs_shape, rhs_shape, options, window
 ):
-  """The kernel tap's convolution by patches (no kernel per example, see
-  _ghost._conv_by_patches) equals lax.conv_general_dilated, entry for entry,
-  for other layouts, feature groups, strides, padding and dilations: a
-  wrong order of the patches' entries would still give the right norm, so
-  it is checked here."""
+  """The kernel tap (no kernel per example, see _ghost._kernel_tap) is zero,
+  and its gradient is lax.conv_general_dilated's kernel gradient, entry for
+  entry, for each of 3 examples under vmap (as the walk maps it), for other
+  layouts, feature groups, strides, padding and dilations: a wrong order of
+  its entries would still give the right norm, so it is checked here; an
+  output vmap leaves unmapped would get the examples' cotangents summed."""
   strides, padding = window
   r = np.random.default_rng(0)
-  lhs = jnp.asarray(r.normal(size=lhs_shape), jnp.float32)
+  lhs = jnp.asarray(r.normal(size=(3, *lhs_shape)), jnp.float32)
   rhs = jnp.asarray(r.normal(size=rhs_shape), jnp.float32)
   spatial = len(lhs_shape) - 2
   strides, padding = strides[:spatial], padding[:spatial]
@@ -525,8 +526,21 @@ def test_conv_by_patches_equals_the_convolution(
       **options,
     )
 
-  (eqn,) = jax.make_jaxpr(conv)(lhs, rhs).jaxpr.eqns
-  got = _ghost._conv_by_patches(eqn, lhs, rhs)
-  want = conv(lhs, rhs)
+  (eqn,) = jax.make_jaxpr(conv)(lhs[0], rhs).jaxpr.eqns
+
+  def taps(t):  # the walk's order: the vjp of the vmap over the examples
+    return jax.vmap(lambda x, t: _ghost._kernel_tap(eqn, x, t))(lhs, t)
+
+  def conv_grad(lhs, cotangent):
+    out, conv_vjp = jax.vjp(lambda k: conv(lhs, k), rhs)
+    return out, conv_vjp(cotangent)[0]
+
+  want_out, want = jax.vmap(conv_grad)(lhs, jnp.ones((3, *conv(lhs[0], rhs).shape)))
+  cotangent = jnp.asarray(r.normal(size=want_out.shape), jnp.float32)
+  out, tap_vjp = jax.vjp(taps, jnp.zeros((3, *rhs.shape)))
+  (got,) = tap_vjp(cotangent)
+  _, want = jax.vmap(conv_grad)(lhs, cotangent)
+  assert out.shape == want_out.shape and out.dtype == want_out.dtype
+  assert not jnp.any(out)
   assert got.shape == want.shape and got.dtype == want.dtype
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
