@@ -591,7 +591,7 @@ def _refuse_nested_convolutions(traced: _Traced, diff: Any) -> None:
   devices = jax.device_count()
   if devices == 1:
     return
-  found = {}
+  found: dict[int, str] = {}
   for n, u in enumerate(traced.uses):
     if traced.plan[n] != "input" or u.eqn is None or _is_conv_kernel(u.eqn, u.position):
       continue
