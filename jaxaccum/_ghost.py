@@ -30,7 +30,11 @@ instead of materializing the gradient, in three steps:
      leaf used more than once with a ``dot_general`` or a ``gather`` among its
      uses, it is the leaf's per-example gradient (the ``"vmap"`` cost, for
      that leaf only). Such leaves are named in a
-     :class:`GhostFallbackWarning` at trace time.
+     :class:`GhostFallbackWarning` at trace time. A convolution's kernel is
+     not given a tap of its own per example: a zero added to the output
+     whose backward pass takes the example's kernel gradient one window
+     offset at a time (:func:`_kernel_tap`), so that no convolution is
+     grouped over the examples.
 3. **Weigh.** The squared norms are summed over the leaves, and a second
    forward and backward pass of ``fun`` over the rows, with example ``i``'s
    loss weighted by ``min(1, C / norm_i)`` (0 for a masked or non-finite
@@ -232,13 +236,19 @@ class _Walk:
     if self.plan is None:
       return self.bind(eqn, invals), [None] * len(eqn.outvars)
     invals = list(invals)
+    kernel_taps = []
     for n in numbers:
       if self.plan[n] == "input":
         p = self.uses[n].position
+        if _is_conv_kernel(eqn, p):
+          kernel_taps.append(n)
+          continue
         invals[p] = jax.lax.add(
           invals[p], self.taps[n].astype(jnp.result_type(invals[p]))
         )
     outs = self.bind(eqn, invals)
+    for n in kernel_taps:  # the kernel stays the same for every example
+      outs[0] = jax.lax.add(outs[0], _kernel_tap(eqn, invals[0], self.taps[n]))
     if kind != "input" and self.plan[numbers[0]] != "input":
       (n,) = numbers
       outs[0] = jax.lax.add(outs[0], self.taps[n].astype(outs[0].dtype))
@@ -282,6 +292,91 @@ def _is_row_gather(eqn: Any) -> bool:
     and not tuple(dims.operand_batching_dims)
     and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
   )
+
+
+def _is_conv_kernel(eqn: Any, position: int) -> bool:
+  """The operand is a convolution's kernel, tapped by :func:`_kernel_tap`."""
+  return (
+    eqn.primitive.name == "conv_general_dilated"
+    and position == 1
+    and eqn.params["batch_group_count"] == 1
+  )
+
+
+def _kernel_tap(eqn: Any, lhs: jax.Array, tap: jax.Array) -> jax.Array:
+  """The convolution ``eqn`` of one example's ``lhs`` with a ZERO kernel tap:
+  its value is zero, and its gradient with respect to ``tap`` is the
+  example's kernel gradient, taken one kernel offset at a time.
+
+  Adding the tap to the kernel itself would give every example its own
+  kernel, and ``vmap`` turns each example's kernel gradient into one
+  convolution grouped over the examples, which XLA's SPMD partitioner
+  miscompiles where the examples are sharded over devices: every device but
+  the first gets a zero gradient, silently (jax 0.10.2 and 0.12.1 on 8 CPU
+  devices; under ``mesh=`` with a shared FSDP kernel at one row per device
+  per micro-batch, the CNN's clipped sum was 2.6% off). Here the backward
+  pass takes, for each offset of the kernel's window, the input that offset
+  reads (a convolution with a one-hot kernel per channel, exact at HIGHEST,
+  the same for every example) and its ``dot_general`` with the output's
+  cotangent, in float32, in a loop over the offsets: one offset's inputs
+  are live at a time, never all of them (the patches, as many times the
+  input as the window has offsets).
+  """
+  params = eqn.params
+  dims = params["dimension_numbers"]
+  lhs_spec, rhs_spec, out_spec = dims
+  groups = params["feature_group_count"]
+  spatial = sorted(rhs_spec[2:])  # the kernel's window, in its own order
+  window = [tap.shape[d] for d in spatial]
+  channels = lhs.shape[lhs_spec[1]]
+  out_aval = eqn.outvars[0].aval
+  to_rows = [out_spec[0], *out_spec[2:], out_spec[1]]  # (batch, *spatial, C)
+  kernel_order = [rhs_spec[0], rhs_spec[1], *spatial]  # (out, in, *window)
+
+  def offset_grad(lhs, g, offset):
+    """The kernel gradient at one offset of the window: (groups, out, in)."""
+    one_hot = (jnp.arange(math.prod(window)) == offset).astype(lhs.dtype)
+    picker = jnp.broadcast_to(one_hot.reshape(window), (channels, 1, *window))
+    picker = jnp.moveaxis(picker, (0, 1), (rhs_spec[0], rhs_spec[1]))
+    read = jax.lax.conv_general_dilated(
+      lhs,
+      picker,
+      params["window_strides"],
+      params["padding"],
+      params["lhs_dilation"],
+      params["rhs_dilation"],
+      dims,
+      feature_group_count=channels,
+      precision=jax.lax.Precision.HIGHEST,
+    )
+    read = jnp.transpose(read, to_rows).astype(jnp.float32)
+    read = read.reshape(-1, groups, channels // groups)
+    g = jnp.transpose(g, to_rows).astype(jnp.float32)
+    g = g.reshape(-1, groups, g.shape[-1] // groups)
+    return jnp.einsum("sgi,sgo->goi", read, g, precision=jax.lax.Precision.HIGHEST)
+
+  @jax.custom_vjp
+  def tapped(lhs, tap):
+    # Zero, read from the tap so that vmap maps it as the tap is mapped (an
+    # unmapped output would get the examples' cotangents summed).
+    del lhs
+    zero = jnp.zeros((), out_aval.dtype) * jnp.sum(tap).astype(out_aval.dtype)
+    return jnp.broadcast_to(zero, out_aval.shape)
+
+  def forward(lhs, tap):
+    return tapped(lhs, tap), lhs
+
+  def backward(lhs, g):
+    per_offset = jax.lax.map(
+      lambda offset: offset_grad(lhs, g, offset), jnp.arange(math.prod(window))
+    )  # (window, groups, out, in)
+    grad = jnp.moveaxis(per_offset, 0, -1).reshape([tap.shape[d] for d in kernel_order])
+    grad = jnp.transpose(grad, [kernel_order.index(d) for d in range(tap.ndim)])
+    # At a zero tap the convolution does not depend on lhs.
+    return jnp.zeros_like(lhs), grad.astype(tap.dtype)
+
+  tapped.defvjp(forward, backward)
+  return tapped(lhs, tap)
 
 
 def _saved(use: Use, invals: list[Any]) -> jax.Array:
@@ -464,15 +559,78 @@ def _run_top(
   return outs
 
 
+def _leaf_names(diff: Any) -> list[str]:
+  return [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]
+  ]
+
+
+def _has_convolution(params: Any) -> bool:
+  """A jaxpr among an equation's parameters holds a convolution, at any depth."""
+  for value in params.values() if isinstance(params, dict) else params:
+    if isinstance(value, (tuple, list)):
+      if _has_convolution(value):
+        return True
+      continue
+    jaxpr = getattr(value, "jaxpr", value)
+    for eqn in getattr(jaxpr, "eqns", ()):
+      if eqn.primitive.name == "conv_general_dilated" or _has_convolution(eqn.params):
+        return True
+  return False
+
+
+def _refuse_nested_convolutions(traced: _Traced, diff: Any) -> None:
+  """A ``ValueError`` where a leaf's per-example gradient would pass through a
+  convolution that :func:`_kernel_tap` cannot take, on several devices.
+
+  The walk takes a convolution's kernel by :func:`_kernel_tap` only where it reaches the
+  convolution; one inside ``jax.checkpoint``, ``scan``, ``cond`` or a custom
+  derivative, or a kernel with ``batch_group_count``, gets a kernel per
+  example, whose gradient ``vmap`` makes a convolution grouped over the
+  examples: XLA's SPMD partitioner miscompiles it where the examples are
+  sharded over devices (the whole clipped sum 2.6% off, silently, on 8 CPU
+  devices). Whether this step's rows are sharded is not visible at trace
+  time, so any process with more than one device is refused.
+  """
+  devices = jax.device_count()
+  if devices == 1:
+    return
+  found: dict[int, str] = {}
+  for n, u in enumerate(traced.uses):
+    if traced.plan[n] != "input" or u.eqn is None or _is_conv_kernel(u.eqn, u.position):
+      continue
+    name = u.eqn.primitive.name
+    if name == "conv_general_dilated" or _has_convolution(u.eqn.params):
+      found.setdefault(u.leaf, name)
+  if not found:
+    return
+  paths = _leaf_names(diff)
+  named = "; ".join(
+    f"args{paths[i]} (used by {why})" for i, why in sorted(found.items())
+  )
+  raise ValueError(
+    f'clip_method="ghost" with {devices} devices: {named} '
+    f"{'reaches' if len(found) == 1 else 'reach'} a convolution "
+    "that ghost clipping cannot read directly (inside jax.checkpoint, a scan, a "
+    "cond or a custom derivative, or with batch_group_count > 1), so each "
+    "example would get its own kernel, and the gradient of that vmap forms, a "
+    "convolution grouped over the examples, is miscompiled by XLA's SPMD "
+    "partitioner where the examples are sharded over devices (every device but "
+    "the first gets a zero gradient: the norms, and so the privacy guarantee, "
+    'would be wrong; clip_method="vmap" computes the same form). Call the '
+    "convolution outside that function (ghost takes the kernel gradient of a "
+    "convolution it reaches one window offset at a time), or run in a process "
+    "with one device."
+  )
+
+
 def _warn_fallbacks(traced: _Traced, diff: Any) -> None:
   """A :class:`GhostFallbackWarning` naming the leaves whose per-example
   gradient is computed."""
   found = fallbacks(traced.uses, traced.plan)
   if not found:
     return
-  paths = [
-    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]
-  ]
+  paths = _leaf_names(diff)
   named = "; ".join(f"args{paths[i]} ({why})" for i, why in sorted(found.items()))
   warnings.warn(
     f'clip_method="ghost" computes a per-example gradient for {len(found)} '
@@ -542,6 +700,7 @@ def weighted_loss(
 
   example = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in batch_leaves]
   traced = _trace(per_example, leaves, example)
+  _refuse_nested_convolutions(traced, diff)
   _warn_fallbacks(traced, diff)
   factor, kept, index, usable, (losses, rest) = _factors(
     traced, jax.lax.stop_gradient(leaves), batch_leaves, present, clip_norm
