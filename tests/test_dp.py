@@ -10,6 +10,7 @@ misses them by orders of magnitude.
 """
 
 import math
+import warnings
 
 import chex
 import dp_accounting
@@ -1001,38 +1002,34 @@ def test_accounting_arguments_are_named(args, kwargs, want):
   assert message(error) == want
 
 
-#: Found with ghost clipping's CNN bug and not fixed yet: XLA's SPMD
-#: partitioner miscompiles vmap's per-example gradient of a convolution
-#: kernel (a convolution grouped over the examples) where the examples are
-#: sharded over devices: every device but the first gets a zero gradient
-#: (/work/shared/repro/xla_grouped_conv_sharded_groups.py; jax 0.10.2 and
-#: 0.12.1). clip_method="vmap" computes exactly that form: the CNN's clipped
-#: sum is 12% off on 8 devices. clip_method="ghost" is exact there.
-VMAP_CONV_SHARDED = pytest.mark.xfail(
-  strict=True, reason="XLA: vmap's per-example conv kernel gradient, rows sharded"
-)
-
-
-@VMAP_CONV_SHARDED
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh_arg", [True, False])
-def test_vmap_clipping_of_a_convolution_with_rows_over_8_devices(mesh_arg):
-  """The CNN's 64 rows sharded over 8 CPU devices (Auto axes, the parameters
-  replicated), clip_method="vmap", through mesh= and under plain jit. (On
-  Explicit axes JAX refuses vmap's reshape of the sharded rows, loudly.)"""
+def test_vmap_clipping_of_a_convolution_on_several_devices_is_refused(mesh_arg):
+  """XLA's SPMD partitioner miscompiles vmap's per-example convolution
+  kernel gradient (a convolution grouped over the examples) where the rows
+  are sharded over devices: every device but the first gets zero
+  (/work/shared/repro/xla_grouped_conv_sharded_groups.py; the CNN's clipped
+  sum was 12% off on 8 devices, silently). clip_method="vmap" refuses it at
+  trace time in a process with several devices, through mesh= and under
+  plain jit, and names ghost clipping, which is exact there."""
   from test_ghost import cnn_loss, reference, relative_error  # noqa: PLC0415
   from test_ghost_mesh import cnn8_batch, cnn8_params  # noqa: PLC0415
 
   params, batch = cnn8_params(), cnn8_batch()
   _, norms = reference(cnn_loss, params, batch, 1.0)
   clip = float(jnp.median(norms))
-  want, _ = reference(cnn_loss, params, batch, clip)
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  batch = jax.tree.map(
+  sharded = jax.tree.map(
     lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), batch
   )
   options = dict(mesh=mesh, data_axis="data") if mesh_arg else {}
   fun = jaxaccum.grad(cnn_loss, 2, normalize="sum", clip_per_example=clip, **options)
-  with jax.set_mesh(mesh):
-    got = jax.jit(fun)(params, batch)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match='clip_method="ghost"'):
+    jax.jit(fun)(params, sharded)
+  ghost = jaxaccum.grad(
+    cnn_loss, 2, normalize="sum", clip_per_example=clip, clip_method="ghost", **options
+  )
+  want, _ = reference(cnn_loss, params, batch, clip)
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxaccum.GhostFallbackWarning)
+    got = jax.jit(ghost)(params, sharded)
   assert relative_error(got, want) <= 1e-5
