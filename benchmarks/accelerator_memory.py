@@ -882,7 +882,7 @@ def _small_scan_bullet(causes: dict[str, Any], sweep: dict[str, Any] | None) -> 
   return (
     f"**The small MLP on the {causes['target']['title']} at k = {r['k']}, "
     f"above its bound ({ratio(row['jaxaccum_peak'] / row['bound'])}).** "
-    f"jaxaccum's step holds (KiB) {by_k(others, kib)}, while the bound "
+    f"jaxaccum's step holds (KiB, k ≥ 2) {by_k(others, kib)}, while the bound "
     f"falls with k to {kib(row['bound'])}. Against a `lax.scan` written "
     f"without jaxaccum it holds {r['jaxaccum_peak'] - r['scan_peak']:,} B "
     f"more ({r['scan_peak']:,} B), and {r['no_skip_peak'] - r['scan_peak']:,} "
