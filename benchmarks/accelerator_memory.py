@@ -537,7 +537,7 @@ def _accelerator_table(results: dict[str, Any], target: str) -> str:
     mine = [r for r in _accelerator_rows(results, target) if r["model"] == model]
     peaks = [r[key] for r in mine for key in ACCELERATOR_PEAKS if r[key] is not None]
     unit, scale = (
-      ("MiB", 2**20) if max(peaks, default=0) >= 16 * 2**20 else ("KiB", 2**10)
+      ("MiB", 2**20) if max(peaks, default=2**30) >= 16 * 2**20 else ("KiB", 2**10)
     )
     for r in mine:
 
