@@ -151,15 +151,24 @@ def make_train_step(
       # update is computed from its non-finite gradient and dropped here;
       # zeroing that gradient first would cost another copy of it.
       new_params, new_state = _apply(tx, params, opt_state, result.grads[0], extra)
-      if plain.micro_batches((params, *args)) == 1:
-        # One micro-batch: the gradients come straight from the backward
-        # pass. Fused with the select, each parameter's update waited for
-        # the all-finite flag of every gradient, and XLA put off the
-        # unembedding's gradient matmul to the end of the backward pass,
-        # holding the logits' cotangent through all of it (+2,000 MiB for a
-        # 1B Llama on 8 H100s). Computed apart (a barrier), the step holds
-        # the full batch's peak to the MiB. With a loop the gradients come
-        # from the accumulator, and the barrier would only cost a copy.
+      if plain.micro_batches((params, *args)) == 1 and _on_several_devices(
+        engine_options, (params, opt_state, args)
+      ):
+        # One micro-batch over several devices: the gradients come straight
+        # from the backward pass. Fused with the select, each parameter's
+        # update waited for the all-finite flag of every gradient, and XLA
+        # put off the unembedding's gradient matmul to the end of the
+        # backward pass, holding the logits' cotangent through all of it
+        # (+2,000 MiB per device for a 1B Llama with FSDP on 8 H100s, with
+        # view="device" and "global"). Computed apart (a barrier), the step
+        # holds the full batch's peak to the MiB there. But the barrier
+        # keeps the new parameters and optimizer state beside the old ones
+        # until the select, a copy of both: on one device, where the update
+        # is the peak of a small model, that copy was the excess (a 20 KiB
+        # MLP on a TPU v5e: 633,344 B, 476,672 without it; a 4-layer
+        # transformer on one H100 holds the same peak either way), so one
+        # device goes without it. With a loop the gradients come from the
+        # accumulator, and the barrier would only cost that copy.
         new_params, new_state = jax.lax.optimization_barrier((new_params, new_state))
       params = _tree.select(ok, new_params, params)
       opt_state = _tree.select(ok, new_state, opt_state)
@@ -168,6 +177,23 @@ def make_train_step(
 
   jitted = _calls.JitWithStaticKwargs(step, donate_argnums=(0, 1) if donate else ())
   return _partitioning(_checked_donation(jitted) if donate else jitted, plain)
+
+
+def _on_several_devices(options: _options.Options, tree: PyTree) -> bool:
+  """Whether the step runs on more than one device: ``mesh=`` over several,
+  a mesh of several in context (``jax.set_mesh``), or an argument typed as
+  sharded over several (Explicit axes). A step jitted over several devices
+  on Auto axes without a mesh in context is not seen as such."""
+  if options.mesh is not None and options.mesh.size > 1:
+    return True
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and context.size > 1:
+    return True
+  for x in filter(_compat.is_tracer, jax.tree.leaves(tree)):
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty and mesh.size > 1:
+      return True
+  return False
 
 
 def _scaled(

@@ -508,3 +508,36 @@ def test_the_planner_picks_the_fsdp_mode_that_moves_fewest_bytes_within_budget()
   want = min(fits, key=lambda m: moved[m])
   assert plan.fsdp_gather == want, (plan, peaks, moved)
   assert {row.fsdp_gather for row in plan.table} == set(modes)
+
+
+@pytest.mark.slow
+def test_k1_skip_on_one_chip_costs_no_copy_of_the_parameters():
+  """On one chip ``make_train_step`` at k = 1 compiles to no more than the
+  plain full-batch Adam step: its skip of a non-finite step is a select the
+  update writes in place. (An optimization barrier before the select, which
+  several devices need, kept the new parameters and optimizer state beside
+  the old ones: 263,168 B against this full-batch step's 229,376 on the TPU
+  v5e.)"""
+  import optax  # noqa: PLC0415
+
+  tpu = target("tpu-v5e")
+
+  def loss(p, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"][None]) @ p["w2"] - y) ** 2)
+
+  def full_batch_step(params, opt_state, batch):
+    grads = jax.grad(loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  tx = optax.adam(1e-3)
+  params = {"w1": sds((32, 64)), "b1": sds((64,)), "w2": sds((64, 8))}
+  args = (params, jax.eval_shape(tx.init, params), (sds((64, 32)), sds((64, 8))))
+  full = jaxaccum.compiled_memory(
+    jax.jit(full_batch_step, donate_argnums=(0, 1)), *args, target=tpu
+  )
+  ours = jaxaccum.compiled_memory(
+    jaxaccum.make_train_step(loss, tx, 1), *args, target=tpu
+  )
+  assert ours.peak_bytes <= full.peak_bytes, (ours, full)
