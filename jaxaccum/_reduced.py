@@ -258,14 +258,12 @@ class _Walk:
     sum."""
     at = [n for n, x in enumerate(invals) if self.partial(x)]
     axes = frozenset().union(*(self.partial(invals[n]) for n in at))
-    others = [x for n, x in enumerate(invals) if n not in at]
-    if not any(_shards(_spec_or_empty(x), axes) for x in others):
-      try:
-        out = _linear(eqn, invals, at, axes)
-      except _compat.SHARDING_TYPE_ERRORS:
-        out = None  # reduced below
-      if out is not None:
-        return [out]
+    try:  # JAX refuses a sum meeting rows (an operand sharded over axes)
+      out = _linear(eqn, invals, at, axes)
+    except _compat.SHARDING_TYPE_ERRORS:
+      out = None  # reduced below
+    if out is not None:
+      return [out]
     return _bind(eqn, [_plain(x) if n in at else x for n, x in enumerate(invals)])
 
   def use(

@@ -225,3 +225,21 @@ def test_a_weighted_loss_reduces_its_weight_in_the_loop_only(mesh):
   want, _ = compiled(jax.value_and_grad(full), mesh, params, tok, mask)
   chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
   assert [c.bytes for c in data_collectives(colls, in_loop=True)] == [4], colls
+
+
+@pytest.mark.slow
+def test_a_sum_that_meets_the_rows_again_is_reduced_first(mesh, monkeypatch):
+  """A mean over the rows subtracted from each row (centering) needs the
+  whole sum where it meets the rows: reduced there, as plain jit does, and
+  exact against the step whose reductions the partitioner places."""
+  # mutmut: _reduced._Walk.on_partial
+  params, tok = lm_params(mesh), tokens(mesh)
+
+  def loss(p, tok):
+    rows = lm_rows(p, tok)
+    return jnp.mean((rows - jnp.mean(rows)) ** 2) + jnp.mean(rows)
+
+  out, _ = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, tok)
+  monkeypatch.setattr(_unreduced, "applies", lambda *a: False)
+  want, _ = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, tok)
+  chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
