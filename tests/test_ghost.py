@@ -613,5 +613,11 @@ def test_kernel_tap_holds_one_window_offset_at_a_time():
       compiled = jax.jit(fun).lower(params, batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
-  ghost, vmap = temp("ghost"), temp("vmap")
+  ghost = temp("ghost")
+  # "vmap" refuses a convolution in a process with several devices (XLA's
+  # miscompile of its grouped form on sharded rows); this step has its rows
+  # on one device, the case it is right for, so it is compiled as if alone
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(jax, "device_count", lambda *a: 1)
+    vmap = temp("vmap")
   assert ghost <= 2 * vmap, (ghost, vmap)
