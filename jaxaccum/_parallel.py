@@ -472,12 +472,7 @@ class _Step:
     per_device = self._nested_vmap(loss, o.state_argnum is not None)
 
     def step(diff_args, micro, index, state):
-      diff_args = _unreduced.barrier(
-        diff_args, [p.barrier for p in self.placements], index
-      )
-      micro = jax.tree.map(self._unflatten_devices, micro)
-      if state is not None:
-        state = jax.tree.map(self._unflatten_devices, state)
+      diff_args, micro, state = self._device_inputs(diff_args, micro, index, state)
 
       def total(diff_args):
         losses, (weights, aux, new_state) = per_device(
@@ -501,6 +496,20 @@ class _Step:
       return _engine.MicroOut(losses, weights, aux, new_state, noise), grads
 
     return self.engine.rematerialized(step)
+
+  def _device_inputs(
+    self, diff_args: PyTree, micro: PyTree, index: jax.Array, state: PyTree
+  ) -> tuple[PyTree, PyTree, PyTree]:
+    """A micro step's inputs as the ``vmap`` over the devices takes them:
+    the FSDP leaves through the barrier that keeps their gather in the loop,
+    the micro-batch and the state with a leading axis per device."""
+    diff_args = _unreduced.barrier(
+      diff_args, [p.barrier for p in self.placements], index
+    )
+    micro = jax.tree.map(self._unflatten_devices, micro)
+    if state is not None:
+      state = jax.tree.map(self._unflatten_devices, state)
+    return diff_args, micro, state
 
   def _clipped_micro_step(
     self,
@@ -545,12 +554,7 @@ class _Step:
     per_device = self._nested_vmap(loss, o.state_argnum is not None)
 
     def step(diff_args, micro, index, state):
-      diff_args = _unreduced.barrier(
-        diff_args, [p.barrier for p in self.placements], index
-      )
-      micro = jax.tree.map(self._unflatten_devices, micro)
-      if state is not None:
-        state = jax.tree.map(self._unflatten_devices, state)
+      diff_args, micro, state = self._device_inputs(diff_args, micro, index, state)
 
       def total(diff_args):
         objectives, rest = per_device(diff_args, micro, offsets + index, state)
