@@ -220,8 +220,7 @@ def names_spmd_axis(error: Exception, axes: Sequence[str]) -> bool:
   ``vmap`` whose ``spmd_axis_name`` (``axes``) the annotation names: a
   sharding constraint naming them (a ``ValueError`` that says so), an
   ``out_sharding=`` that does, which the ``vmap`` turns into a spec naming
-  an axis twice (a ``DuplicateSpecError``), or, where jaxaccum made the data
-  axes of an Explicit mesh Auto, an ``out_sharding=`` naming an Auto axis."""
+  an axis twice (a ``DuplicateSpecError``)."""
   from jax._src.named_sharding import DuplicateSpecError  # noqa: PLC0415
 
   if isinstance(error, DuplicateSpecError):
@@ -234,13 +233,7 @@ def names_spmd_axis(error: Exception, axes: Sequence[str]) -> bool:
     ]
     return any(named.count(a) > 1 for a in axes)
   text = str(error)
-  if not isinstance(error, ValueError):
-    return False
-  if "spmd_axis_name" in text and "spec" in text:
-    return True
-  return "of type Auto or Manual" in text and any(
-    f"axis name: {a} of type" in text for a in axes
-  )
+  return isinstance(error, ValueError) and "spmd_axis_name" in text and "spec" in text
 
 
 def lowering_devices(lowered: jax.stages.Lowered) -> tuple[jax.Device, ...]:

@@ -80,6 +80,7 @@ VIEWS = frozenset(
     "expand_dims",
     "broadcast_in_dim",
     "sharding_constraint",
+    "reshard",
   }
 )
 

@@ -60,15 +60,17 @@ The placements, chosen in one place (:meth:`DataParallel.placements`):
     whole gradient accumulated on each and reduce-scattered once after the
     loop. No collective inside the loop.
 
-The step keeps the user's axis types, but for one case: shared (FSDP) leaves
-on Explicit data axes enter the ``vmap`` unmapped while sharded over its
-axis, a type JAX refuses, so that step runs with the data axes Auto and
-types its results on the Explicit mesh again (:meth:`_data_axes_auto`).
+The step keeps the user's axis types: no axis is re-typed. On Explicit axes
+``fun`` sees a blocked (FSDP) leaf typed sharded over the data axes, as
+under ``jax.value_and_grad`` on the same mesh, so it gathers such a weight
+where it uses it (a ``reshard``), as it must there; on Auto axes the
+partitioner places those gathers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -117,6 +119,17 @@ class Placement(NamedTuple):
     """Whether some data axes share the leaf (its gradient is summed over
     them inside the backward pass)."""
     return _fsdp(self.spec) and self.before_loop != "gather"
+
+  @property
+  def blocked(self) -> bool:
+    """Whether the leaf reaches the micro step sharded over the data axes
+    it is shared along (not gathered before the loop)."""
+    return self.shared and self.before_loop == "as_is"
+
+  def mapped(self, axis: str) -> bool:
+    """Whether the ``vmap`` over ``axis`` maps the leaf: along its copies,
+    and along the axes a blocked leaf is sharded over."""
+    return axis in self.copies or self.blocked
 
 
 class DataParallel:
@@ -260,9 +273,7 @@ class DataParallel:
       step = _Step(self, engine, placements, split)
       total = split.num_micro_batches * (1 if step.shared else self.devices)
       _engine.check_noise_estimable(o, total)
-      if not (self.explicit and step.shared):
-        return step(args, kwargs)
-      return self._data_axes_auto(step, args, kwargs)
+      return step(args, kwargs)
 
   def _global(
     self,
@@ -288,38 +299,10 @@ class DataParallel:
         )
     return _GlobalStep(self, engine, placements)(args, kwargs)
 
-  def _data_axes_auto(
-    self, step: _Step, args: tuple[Any, ...], kwargs: dict[str, Any]
-  ) -> _engine.Result:
-    """``step`` with the data axes Auto, its results typed on the Explicit
-    mesh again: only for shared (FSDP) leaves in the default view, which
-    enter the ``vmap`` over the data axes unmapped while sharded over them,
-    a type JAX refuses on Explicit axes (the partitioner places what they
-    need on Auto ones). Every other step keeps the user's axis types."""
-    auto = self.mesh.abstract_mesh.update_axis_types(
-      {a: AxisType.Auto for a in self.axes}
-    )
-    with jax.sharding.use_abstract_mesh(auto):
-      args, kwargs = jax.tree.map(self._without_data_axes, (args, kwargs))
-      result = step(args, kwargs)
-      out_specs = step.out_specs(result)
-    return jax.tree.map(
-      lambda x, spec: jax.sharding.reshard(x, _explicit_only(spec, self.mesh)),
-      result,
-      out_specs,
-    )
-
-  def _without_data_axes(self, x: Any) -> Any:
-    """``x`` typed without the data axes (they are Auto inside the step)."""
-    spec = _compat.explicit_spec(x) if isinstance(x, jax.Array) else None
-    if spec is None:
-      return x
-    return jax.sharding.reshard(x, P(*(_without(e, set(self.axes)) for e in spec)))
-
   def constrain(self, x: jax.Array, spec: P) -> jax.Array:
-    """``x`` laid out as ``spec`` on the mesh of the context (where the data
-    axes are Auto): a reshard along its Explicit axes (a mesh may mix the
-    two), a sharding constraint along the others."""
+    """``x`` laid out as ``spec`` on the mesh of the context: a reshard
+    along its Explicit axes (a mesh may mix the two), a sharding constraint
+    along the others."""
     context = jax.sharding.get_abstract_mesh()
     explicit = {
       n
@@ -399,35 +382,6 @@ class _Step:
     )
     return self.engine.finish(sums, diff_args)
 
-  def out_specs(self, result: _engine.Result) -> Any:
-    """The specs of ``result``'s leaves on the mesh: the gradients like
-    their parameters, the aux rows over the data axes, the rest as traced."""
-    data = _entry(self.axes)
-
-    def traced(x, leading=None):
-      spec = _compat.explicit_spec(x)
-      entries = list(spec) if spec is not None else [None] * jnp.ndim(x)
-      if leading is not None and entries:
-        entries[0] = leading
-      return P(*entries)
-
-    if self.options.state_argnum is None:
-      aux = jax.tree.map(lambda x: traced(x, data), result.aux)
-    else:
-      aux = (
-        jax.tree.map(lambda x: traced(x, data), result.aux[0]),
-        jax.tree.map(traced, result.aux[1]),
-      )
-    return result._replace(
-      value=traced(result.value),
-      aux=aux,
-      grads=self._map(
-        lambda g, p: P() if p.spec is None else p.spec.full_spec(), result.grads
-      ),
-      noise=jax.tree.map(traced, result.noise),
-      total_weight=traced(result.total_weight),
-    )
-
   # -- chapter 1: the leaves as the loop takes them ---------------------------
 
   def _before_loop(self, diff_args: tuple[PyTree, ...]) -> tuple[PyTree, ...]:
@@ -466,8 +420,8 @@ class _Step:
       return self._ghost_micro_step(args, kwargs, offsets)
     if o.clip_per_example is not None:
       return self._clipped_micro_step(args, kwargs, offsets, rows)
-    loss = _explained(
-      self.engine.micro_loss(args, kwargs, self.split, self.devices * k), self.axes
+    loss = self._explained(
+      self.engine.micro_loss(args, kwargs, self.split, self.devices * k), args
     )
     per_device = self._nested_vmap(loss, o.state_argnum is not None)
 
@@ -525,7 +479,7 @@ class _Step:
       args, kwargs, self.split, self.devices * self.split.num_micro_batches, rows
     )
     per_device = self._nested_vmap(
-      _explained(base, self.axes), self.options.state_argnum is not None
+      self._explained(base, args), self.options.state_argnum is not None
     )
 
     def step(diff_args, micro, index, state):
@@ -548,8 +502,8 @@ class _Step:
     them inside the backward pass, into an accumulator sharded like it."""
     o = self.options
     k = self.split.num_micro_batches
-    loss = _explained(
-      self.engine.ghost_loss(args, kwargs, self.split, self.devices * k), self.axes
+    loss = self._explained(
+      self.engine.ghost_loss(args, kwargs, self.split, self.devices * k), args
     )
     per_device = self._nested_vmap(loss, o.state_argnum is not None)
 
@@ -567,16 +521,99 @@ class _Step:
 
     return self.engine.rematerialized(step)
 
+  def _explained(
+    self, step: Callable[..., Any], args: tuple[Any, ...]
+  ) -> Callable[..., Any]:
+    """``step``, with two of JAX's refusals explained in jaxaccum's terms:
+    an annotation that names a data axis, and on Explicit axes a use of a
+    leaf sharded over them (fun sees it typed, as under
+    ``jax.value_and_grad`` on the mesh) that JAX's types refuse."""
+    o = self.options
+    leaves = [
+      f"{o.names(n)}{jax.tree_util.keystr(path)}"
+      for n in o.argnums
+      for path, _ in jax.tree_util.tree_leaves_with_path(args[n])
+    ]
+    blocked = [n for n, p in zip(leaves, self.placements, strict=True) if p.blocked]
+    explain_blocked = self.parallel.explicit and bool(blocked)
+
+    def explained(*inputs):
+      try:
+        return step(*inputs)
+      except _compat.SHARDING_TYPE_ERRORS as error:
+        if not explain_blocked or _compat.names_spmd_axis(error, self.axes):
+          raise
+        raise ValueError(
+          f"fun uses {', '.join(blocked)}, sharded over the data axes "
+          f"{self.axes} (FSDP), and JAX's sharding types refuse a use of "
+          "it. On Explicit axes fun sees such a leaf typed as it is, as "
+          "under jax.value_and_grad on the same mesh, where this code fails "
+          "too: gather the weight where it is used "
+          "(jax.sharding.reshard(w, P(...)) without the data axes), or name "
+          "the result's sharding (out_sharding=). On Auto axes "
+          "(param_specs= says how they are sharded) the partitioner places "
+          f"the gathers itself. JAX said: {error}"
+        ) from error
+
+    return _explained(explained, self.axes)
+
   def _nested_vmap(
     self, loss: Callable[..., Any], has_state: bool
   ) -> Callable[..., Any]:
-    """``loss`` on every device: one ``vmap`` per data axis, each leaf of
-    the differentiated arguments mapped along the axes of its copies."""
-    fun = loss
+    """``loss`` on every device: one ``vmap`` per data axis. Each leaf of
+    the differentiated arguments enters with a leading dimension per data
+    axis (:meth:`_blocks`): its copies, or for a shared (FSDP) leaf its
+    blocks, which ``fun`` gets back whole by an ``all_gather`` over the
+    ``vmap``'s axes. The gather only reshapes, typed sharded like the
+    parameter, so the partitioner gathers each weight where it is used, as
+    under plain ``jit``; its transpose is the reduce-scatter of the leaf's
+    gradient over the devices that share it."""
+    names = {a: f"jaxaccum:{a}" for a in self.axes}
+
+    def whole(x, p):
+      if not p.blocked:
+        return x
+      for dim, over in p.spec.sharded_dims():
+        for a in reversed(over):  # the minor axis's blocks are adjacent
+          x = jax.lax.all_gather(x, names[a], axis=dim, tiled=True)
+      return x
+
+    def on_device(diff_args, *rest):
+      return loss(self._map(whole, diff_args), *rest)
+
+    fun = on_device
     for axis in reversed(self.axes):
-      diff_axes = [0 if axis in p.copies else None for p in self.placements]
-      fun = _vmap_level(fun, axis, diff_axes, has_state)
-    return fun
+      diff_axes = [0 if p.mapped(axis) else None for p in self.placements]
+      fun = _vmap_level(fun, axis, names[axis], diff_axes, has_state)
+    return lambda diff_args, *rest: fun(self._map(self._blocks, diff_args), *rest)
+
+  def _blocks(self, x: jax.Array, p: Placement) -> jax.Array:
+    """A leaf as the ``vmap`` levels take it, one leading dimension per data
+    axis in their order: its copies ``(*copy sizes, ...)`` as they are, and
+    for a blocked leaf each dimension it is sharded over split into the
+    devices' blocks, those moved to the front (no data moves)."""
+    if not p.blocked:
+      return x
+    assert p.spec is not None
+    c = len(p.copies)
+    shape, entries = list(x.shape[:c]), list[Any](p.copies)
+    inner = _inner_spec(p, x.ndim - c)
+    position = {a: i for i, a in enumerate(p.copies)}
+    sharded = dict(p.spec.sharded_dims())
+    for dim, size in enumerate(x.shape[c:]):
+      over = sharded.get(dim, ())
+      for a in over:
+        position[a] = len(shape)
+        shape.append(self.mesh.shape[a])
+        entries.append(a)
+      shape.append(size // math.prod(self.mesh.shape[a] for a in over))
+      entries.append(None if over else inner[dim])
+    if self.parallel.explicit:
+      x = _reshaped(x, tuple(shape), _explicit_only(P(*entries), self.mesh))
+    else:
+      x = x.reshape(shape)
+    order = [position[a] for a in self.axes]
+    return jnp.transpose(x, (*order, *(d for d in range(len(shape)) if d not in order)))
 
   def _noise(
     self, grads: tuple[PyTree, ...], weights: jax.Array, rows: int
@@ -608,7 +645,7 @@ class _Step:
     sliced where it lies), so that every input the ``vmap`` maps is
     sharded alike."""
     shape = (*self.sizes, *x.shape[1:])
-    if not _explicit_in_context(self.axes):
+    if not self.parallel.explicit:
       return x.reshape(shape)
     x = self.parallel.constrain(
       x, P(_entry(self.axes), *(P.UNCONSTRAINED,) * (jnp.ndim(x) - 1))
@@ -619,7 +656,7 @@ class _Step:
   def _flatten_devices(self, x: jax.Array) -> jax.Array:
     shape = (self.devices, *x.shape[len(self.sizes) :])
     spec = _compat.explicit_spec(x)
-    if spec is None or not _explicit_in_context(self.axes):
+    if spec is None or not self.parallel.explicit:
       return x.reshape(shape)
     rest = spec.partitions[len(self.sizes) :]
     return _reshaped(x, shape, P(_entry(self.axes), *rest))
@@ -817,10 +854,15 @@ def _map_placed(
 
 
 def _vmap_level(
-  fun: Callable[..., Any], axis: str, diff_axes: list[int | None], has_state: bool
+  fun: Callable[..., Any],
+  axis: str,
+  name: str,
+  diff_axes: list[int | None],
+  has_state: bool,
 ) -> Callable[..., Any]:
-  """One ``vmap`` level over data axis ``axis``: the micro-batch, the index
-  and the state mapped; each differentiated leaf as ``diff_axes`` says."""
+  """One ``vmap`` level over data axis ``axis`` (named ``name`` for the
+  gathers of blocked leaves): the micro-batch, the index and the state
+  mapped; each differentiated leaf as ``diff_axes`` says."""
 
   def level(diff_args, micro, index, state):
     treedef = jax.tree.structure(diff_args)
@@ -830,7 +872,7 @@ def _vmap_level(
       0,
       0 if has_state else None,
     )
-    return jax.vmap(fun, in_axes=in_axes, spmd_axis_name=axis)(
+    return jax.vmap(fun, in_axes=in_axes, axis_name=name, spmd_axis_name=axis)(
       diff_args, micro, index, state
     )
 
@@ -946,14 +988,6 @@ def _final_key(new: jax.Array, old: jax.Array) -> jax.Array:
     jax.random.key_data(new_zero) != jax.random.key_data(_tree.fold_in(old, 0))
   )
   return _tree.select(changed, new_zero, old)
-
-
-def _explicit_in_context(axes: tuple[str, ...]) -> bool:
-  """Whether the data ``axes`` are Explicit in the mesh of the context (they
-  are Auto in a step of shared leaves, :meth:`DataParallel._data_axes_auto`)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  return any(types.get(a) == AxisType.Explicit for a in axes)
 
 
 def _reshaped(x: jax.Array, shape: tuple[int, ...], spec: P) -> jax.Array:

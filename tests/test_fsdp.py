@@ -200,13 +200,17 @@ def test_per_micro_batch_fsdp_is_at_or_below_a_hand_written_scan(name, mode):
   the scan a user writes by hand, with its accumulator constrained to the
   parameters' shardings, on the same mesh, for every k (XLA's CPU pipeline
   all-reduces the gradients in both; a GPU or TPU reduce-scatters them, see
-  tests/test_targets.py and benchmarks/fsdp.py). On the one-axis FSDP mesh it
-  is also far below gathering once, which holds every weight and a
-  full-size float32 accumulator per device."""
+  tests/test_targets.py and benchmarks/fsdp.py). On Auto axes, where the
+  partitioner places each weight's gather, the one-axis FSDP mesh is also
+  far below gathering once, which holds every weight and a full-size
+  float32 accumulator per device."""
   _, peaks, hand = train_step_peaks(name, mode, (2, 8))
   for k, peak in peaks.items():
     assert peak <= hand[k], (k, peak / 2**20, hand[k] / 2**20)
-  if name == "fsdp":
+  # On Explicit axes the gathers are the user's own reshards, which jaxaccum
+  # leaves where jax.value_and_grad has them (it keeps the user's axis
+  # types): what they hold is the user's program's, as in the hand scan.
+  if mode == AxisType.Auto and name == "fsdp":
     _, once, _ = train_step_peaks(name, mode, (2,), gather="once")
     assert peaks[2] < 0.7 * once[2], (peaks[2] / 2**20, once[2] / 2**20)
 

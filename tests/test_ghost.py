@@ -441,8 +441,11 @@ def test_nnx_train_step_with_noise_equals_vmap():
   "fsdp, view", [(False, "device"), (True, "device"), (True, "global")]
 )
 def test_mesh_ghost_equals_reference(fsdp, view):
-  """On an 8-device mesh=, with the MLP's hidden units sharded over "fsdp"
-  or replicated, in either view, ghost clipping equals the reference."""
+  """On an 8-device mesh= (Explicit axes), with the MLP's hidden units
+  sharded over "fsdp" or replicated, in either view, ghost clipping equals
+  the reference. In the default view fun sees the FSDP leaves with their
+  types, as under jax.value_and_grad on this mesh, so it gathers them where
+  it uses them (ghost follows a parameter through the reshard)."""
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
   axes = ("data", "fsdp")
   params, batch = (
@@ -459,8 +462,14 @@ def test_mesh_ghost_equals_reference(fsdp, view):
       "b1": put(params["b1"], P("fsdp")),
       "w2": put(params["w2"], P("fsdp", None)),
     }
+  loss = mlp_loss
+  if fsdp and view == "device":
+
+    def loss(p, example):
+      return mlp_loss(jax.tree.map(lambda w: jax.sharding.reshard(w, P()), p), example)
+
   fun = jaxaccum.grad(
-    mlp_loss,
+    loss,
     2,
     normalize="sum",
     clip_per_example=clip,

@@ -232,7 +232,11 @@ def test_fsdp_per_micro_batch_reduces_each_micro_batch_into_a_sharded_accumulato
     "w1": shard(mesh, params["w1"], P(None, "data")),
     "w2": shard(mesh, params["w2"], P("data")),
   }
-  fun = jax.jit(jaxaccum.value_and_grad(mlp_loss, k, mesh=mesh, data_axis="data"))
+
+  def gathered_loss(p, batch):  # on Explicit axes the user gathers FSDP weights
+    return mlp_loss(jax.tree.map(lambda w: jax.sharding.reshard(w, P()), p), batch)
+
+  fun = jax.jit(jaxaccum.value_and_grad(gathered_loss, k, mesh=mesh, data_axis="data"))
   value, grads = fun(sharded, shard(mesh, batch))
   assert grads["w1"].sharding.spec == P(None, "data")
   assert grads["w2"].sharding.spec == P("data")

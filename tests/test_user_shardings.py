@@ -112,3 +112,85 @@ def test_a_constraint_on_the_concrete_mesh_in_the_per_device_view(mode, spec):
 
   want = jax.value_and_grad(full)(host, (x, jnp.cos(x[:, 0])))
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+FSDP_MESHES = {
+  "data": ((8,), ("data",), "data", P("data")),
+  "replica_x_fsdp": ((2, 4), ("replica", "fsdp"), ("replica", "fsdp"), P("fsdp")),
+  "data_x_fsdp": ((2, 4), ("data", "fsdp"), ("data", "fsdp"), P(("data", "fsdp"))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp_gather", ["per_micro_batch", "cast_once"])
+@pytest.mark.parametrize("where", list(FSDP_MESHES))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_constraint_on_the_concrete_mesh_with_fsdp_leaves(mode, where, fsdp_gather):
+  """The same constraint where a parameter is sharded over the data axes
+  (FSDP, HSDP): the per-device view keeps the user's axis types for those
+  leaves too (0.3.0 re-typed the data axes to Auto there, and JAX refused
+  the constraint on an Explicit mesh), and the gradient keeps its shards."""
+  shape, names, data_axis, w1_spec = FSDP_MESHES[where]
+  mesh = jax.make_mesh(shape, names, axis_types=(MODES[mode],) * len(names))
+  keys = jax.random.split(jax.random.key(2), 3)
+  host = {"w1": jax.random.normal(keys[0], (F, H)) / 4, "w2": jnp.ones(H) / H}
+  x = jax.random.normal(keys[2], (B, F))
+  rows = P(tuple(names))
+  batch = jax.device_put((x, jnp.cos(x[:, 0])), NamedSharding(mesh, rows))
+  params = {
+    "w1": jax.device_put(host["w1"], NamedSharding(mesh, w1_spec)),
+    "w2": jax.device_put(host["w2"], NamedSharding(mesh, P())),
+  }
+
+  def loss(p, batch):
+    x, y = batch
+    h = jax.lax.with_sharding_constraint(
+      jnp.tanh(x @ p["w1"]), NamedSharding(mesh, P())
+    )
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+  fun = jax.jit(
+    jaxaccum.value_and_grad(
+      loss,
+      K,
+      mesh=mesh,
+      data_axis=data_axis,
+      fsdp_gather=fsdp_gather,
+      gather_dtype=jnp.float32 if fsdp_gather == "cast_once" else None,
+      param_specs={"w1": w1_spec, "w2": P()},
+    )
+  )
+  with jax.set_mesh(mesh):
+    value, grads = fun(params, batch)
+
+  def full(p, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+  want = jax.value_and_grad(full)(host, (x, jnp.cos(x[:, 0])))
+  chex.assert_trees_all_close((value, grads), want, rtol=1e-5, atol=1e-6)
+  g = grads["w1"]
+  assert g.sharding.is_equivalent_to(params["w1"].sharding, 2), g.sharding
+  shard = params["w1"].addressable_shards[0].data.shape
+  assert g.addressable_shards[0].data.shape == shard
+
+
+def test_a_product_with_an_fsdp_leaf_that_explicit_types_refuse_is_explained():
+  """On Explicit axes fun sees an FSDP leaf with its type, as under
+  jax.value_and_grad on the mesh: a product that JAX refuses there (the
+  rows and the weight's columns both over "data") is refused here too, at
+  trace time, with what to do, the leaf named."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  w = jax.device_put(jnp.ones((F, H)), NamedSharding(mesh, P(None, "data")))
+  x = jax.device_put(jnp.ones((B, F)), NamedSharding(mesh, P("data")))
+
+  def loss(p, x):
+    return jnp.mean(jnp.tanh(x @ p["w"]))
+
+  with jax.set_mesh(mesh):
+    with pytest.raises(Exception, match="illegally sharded"):
+      jax.jit(jax.value_and_grad(loss))({"w": w}, x)
+    fun = jax.jit(jaxaccum.value_and_grad(loss, K, mesh=mesh, data_axis="data"))
+    with pytest.raises(ValueError, match=r"\['w'\].*reshard") as ours:
+      fun({"w": w}, x)
+  assert "JAX said" in str(ours.value)
