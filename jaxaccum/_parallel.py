@@ -31,8 +31,11 @@ instead, in global view:
 3. **The gradient** is taken of the *sum* of the devices' losses. A leaf
    each device has its own copy of (a per-device input of the ``vmap``)
    gets its own gradient per device; a leaf shared by the devices of a data
-   axis (an unmapped input along it) gets the gradient summed over them,
-   and the partitioner places that reduction where plain ``jit`` would:
+   axis (FSDP: each device's block mapped, made whole inside by an
+   ``all_gather`` over the ``vmap``'s axis that only reshapes, so it stays
+   typed sharded; gathered before the loop by ``"cast_once"``, an unmapped
+   input) gets the gradient summed over them, and the partitioner
+   places that reduction, and each weight's gather, where plain ``jit`` would:
    inside the model's backward layer loop, a reduce-scatter per layer on a
    GPU or TPU. Each parameter leaf has a :class:`Placement` that says which
    it is. A leaf whose sharding is hidden (Auto axes under ``jit``, no
@@ -541,7 +544,7 @@ class _Step:
       try:
         return step(*inputs)
       except _compat.SHARDING_TYPE_ERRORS as error:
-        if not explain_blocked or _compat.names_spmd_axis(error, self.axes):
+        if not explain_blocked:
           raise
         raise ValueError(
           f"fun uses {', '.join(blocked)}, sharded over the data axes "
