@@ -181,9 +181,9 @@ def make_train_step(
 
 def _on_several_devices(options: _options.Options, tree: PyTree) -> bool:
   """Whether the step runs on more than one device: ``mesh=`` over several,
-  a mesh of several in context (``jax.set_mesh``), or an argument typed as
-  sharded over several (Explicit axes). A step jitted over several devices
-  on Auto axes without a mesh in context is not seen as such."""
+  a mesh of several in context (``jax.set_mesh``), or an argument placed on
+  a mesh of several (under ``jit`` its type carries the mesh, on Auto axes
+  too, where the spec is hidden)."""
   if options.mesh is not None and options.mesh.size > 1:
     return True
   context = jax.sharding.get_abstract_mesh()

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 
@@ -300,3 +301,13 @@ def test_k1_keeps_the_update_apart_from_the_skip_only_on_several_devices(k):
   with jax.set_mesh(explicit):
     step = jaxaccum.make_train_step(sqrt_loss, tx, k)
     assert top_level_barriers(step, *args) == (k == 1)
+  # Plain jit on arrays sharded over an Auto mesh, no mesh in context: the
+  # traced step cannot see the devices, the arrays passed to it can.
+  rows = jax.device_put(args[2], jax.sharding.NamedSharding(mesh, P("data")))
+  assert top_level_barriers(one, *args[:2], rows) == (k == 1)
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), rows
+  )
+  assert top_level_barriers(one, *args[:2], abstract) == (k == 1)
+  new, _, _ = one(params(), tx.init(params()), rows)
+  chex.assert_trees_all_equal(new, params())
