@@ -10,8 +10,9 @@ of behaviour elsewhere:
   mesh axes (the public ``jax.typeof(x).sharding``, read with the rule for
   which meshes make it a promise);
 - :data:`SHARDING_TYPE_ERRORS`: what JAX raises for an operation its
-  sharding types refuse (``ShardingTypeError``, not exported) or have no
-  rule for yet (``NotImplementedError``);
+  sharding types refuse (``ShardingTypeError``, not exported:
+  :data:`SHARDING_TYPE_REFUSALS`) or have no rule for yet
+  (``NotImplementedError``);
 - :func:`names_spmd_axis`: whether an error is JAX's refusal of a sharding
   annotation that names a ``vmap``'s ``spmd_axis_name``, which has no API of
   its own, so its text is matched here and nowhere else;
@@ -55,11 +56,17 @@ from jaxlib import xla_client
 with contextlib.suppress(ImportError):  # jax 0.10.2 to 0.12: jax._src.core
   from jax._src.core import ShardingTypeError
 
+#: What JAX raises for an operation whose operands' sharding types it
+#: refuses (not exported).
+SHARDING_TYPE_REFUSALS: tuple[type[Exception], ...] = (
+  (ShardingTypeError,) if "ShardingTypeError" in globals() else ()
+)
+
 #: What JAX raises for a ``reduced`` or ``unreduced`` operand an operation
 #: refuses, or has no rule for.
 SHARDING_TYPE_ERRORS: tuple[type[Exception], ...] = (
   NotImplementedError,
-  *((ShardingTypeError,) if "ShardingTypeError" in globals() else ()),
+  *SHARDING_TYPE_REFUSALS,
 )
 
 

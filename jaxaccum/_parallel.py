@@ -532,28 +532,33 @@ class _Step:
     leaf sharded over them (fun sees it typed, as under
     ``jax.value_and_grad`` on the mesh) that JAX's types refuse."""
     o = self.options
-    leaves = [
+    paths = [
       f"{o.names(n)}{jax.tree_util.keystr(path)}"
       for n in o.argnums
       for path, _ in jax.tree_util.tree_leaves_with_path(args[n])
     ]
-    blocked = [n for n, p in zip(leaves, self.placements, strict=True) if p.blocked]
-    explain_blocked = self.parallel.explicit and bool(blocked)
+    blocked = [
+      f"{name} (over {', '.join(sorted(p.spec.data_axes_used()))})"
+      for name, p in zip(paths, self.placements, strict=True)
+      if p.blocked and p.spec is not None
+    ]
+    if len(blocked) > 3:
+      blocked = [*blocked[:3], f"{len(blocked) - 3} more"]
 
     def explained(*inputs):
       try:
         return step(*inputs)
-      except _compat.SHARDING_TYPE_ERRORS as error:
-        if not explain_blocked:
+      except _compat.SHARDING_TYPE_REFUSALS as error:
+        if not (self.parallel.explicit and blocked):
           raise
         raise ValueError(
-          f"fun uses {', '.join(blocked)}, sharded over the data axes "
-          f"{self.axes} (FSDP), and JAX's sharding types refuse a use of "
-          "it. On Explicit axes fun sees such a leaf typed as it is, as "
-          "under jax.value_and_grad on the same mesh, where this code fails "
-          "too: gather the weight where it is used "
-          "(jax.sharding.reshard(w, P(...)) without the data axes), or name "
-          "the result's sharding (out_sharding=). On Auto axes "
+          f"JAX's sharding types refuse an operation in fun, which uses "
+          f"parameters sharded over data axes (FSDP): {', '.join(blocked)}. "
+          "On Explicit axes fun sees such a leaf typed as it is, as under "
+          "jax.value_and_grad on the same mesh, where this code fails too "
+          "if the refused operation uses one: gather the weight where it is "
+          "used (jax.sharding.reshard(w, P(...)) without the data axes), or "
+          "name the result's sharding (out_sharding=). On Auto axes "
           "(param_specs= says how they are sharded) the partitioner places "
           f"the gathers itself. JAX said: {error}"
         ) from error
@@ -901,8 +906,8 @@ def _mesh_context(mesh: jax.sharding.Mesh) -> Any:
 
 
 def _explicit_only(spec: P, mesh: jax.sharding.Mesh) -> P:
-  """``spec`` without the axes that are not Explicit (a reshard names only
-  those)."""
+  """``spec`` without the axes that are not Explicit (what a reshard, or a
+  reshape's ``out_sharding``, names)."""
   explicit = {
     n
     for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)

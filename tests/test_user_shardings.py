@@ -115,10 +115,15 @@ def test_a_constraint_on_the_concrete_mesh_in_the_per_device_view(mode, spec):
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+#: mesh shape, axis names, data_axis, w1's spec; the last two shard w1 over
+#: the data axes in another order than data_axis names them, and over two
+#: dimensions (its product then gathers it, as on Explicit axes it must).
 FSDP_MESHES = {
   "data": ((8,), ("data",), "data", P("data")),
   "replica_x_fsdp": ((2, 4), ("replica", "fsdp"), ("replica", "fsdp"), P("fsdp")),
   "data_x_fsdp": ((2, 4), ("data", "fsdp"), ("data", "fsdp"), P(("data", "fsdp"))),
+  "fsdp_x_data": ((2, 4), ("data", "fsdp"), ("fsdp", "data"), P(("data", "fsdp"))),
+  "two_dims": ((2, 4), ("data", "fsdp"), ("fsdp", "data"), P("data", "fsdp")),
 }
 
 
@@ -136,8 +141,7 @@ def test_a_constraint_on_the_concrete_mesh_with_fsdp_leaves(mode, where, fsdp_ga
   keys = jax.random.split(jax.random.key(2), 3)
   host = {"w1": jax.random.normal(keys[0], (F, H)) / 4, "w2": jnp.ones(H) / H}
   x = jax.random.normal(keys[2], (B, F))
-  rows = P(tuple(names))
-  batch = jax.device_put((x, jnp.cos(x[:, 0])), NamedSharding(mesh, rows))
+  batch = jax.device_put((x, jnp.cos(x[:, 0])), NamedSharding(mesh, P(data_axis)))
   params = {
     "w1": jax.device_put(host["w1"], NamedSharding(mesh, w1_spec)),
     "w2": jax.device_put(host["w2"], NamedSharding(mesh, P())),
@@ -145,9 +149,10 @@ def test_a_constraint_on_the_concrete_mesh_with_fsdp_leaves(mode, where, fsdp_ga
 
   def loss(p, batch):
     x, y = batch
-    h = jax.lax.with_sharding_constraint(
-      jnp.tanh(x @ p["w1"]), NamedSharding(mesh, P())
-    )
+    w1 = p["w1"]
+    if where == "two_dims":
+      w1 = jax.sharding.reshard(w1, P())
+    h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w1), NamedSharding(mesh, P()))
     return jnp.mean((h @ p["w2"] - y) ** 2)
 
   fun = jax.jit(
@@ -192,10 +197,12 @@ def test_a_product_with_an_fsdp_leaf_that_explicit_types_refuse_is_explained():
     with pytest.raises(Exception, match="illegally sharded"):
       jax.jit(jax.value_and_grad(loss))({"w": w}, x)
     fun = jax.jit(jaxaccum.value_and_grad(loss, K, mesh=mesh, data_axis="data"))
-    with pytest.raises(ValueError, match=r"fun uses args\[0\]\['w'\], sharded") as ours:
+    with pytest.raises(
+      ValueError, match=r"\(FSDP\): args\[0\]\['w'\] \(over data\)"
+    ) as ours:
       fun({"w": w}, x)
   for words in (
-    "over the data axes ('data',) (FSDP)",
+    "JAX's sharding types refuse an operation in fun",
     "as under jax.value_and_grad on the same mesh",
     "jax.sharding.reshard(w, P(...))",
     "(out_sharding=)",
