@@ -605,7 +605,7 @@ class _Step:
     assert p.spec is not None
     c = len(p.copies)
     shape, entries = list(x.shape[:c]), list[Any](p.copies)
-    inner = _inner_spec(p, x.ndim - c)
+    inner = tuple(p.spec.full_spec())
     position = {a: i for i, a in enumerate(p.copies)}
     sharded = dict(p.spec.sharded_dims())
     for dim, size in enumerate(x.shape[c:]):

@@ -124,6 +124,7 @@ FSDP_MESHES = {
   "data_x_fsdp": ((2, 4), ("data", "fsdp"), ("data", "fsdp"), P(("data", "fsdp"))),
   "fsdp_x_data": ((2, 4), ("data", "fsdp"), ("fsdp", "data"), P(("data", "fsdp"))),
   "two_dims": ((2, 4), ("data", "fsdp"), ("fsdp", "data"), P("data", "fsdp")),
+  "fsdp_x_tp": ((4, 2), ("data", "model"), "data", P("data", "model")),
 }
 
 
@@ -133,9 +134,11 @@ FSDP_MESHES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_constraint_on_the_concrete_mesh_with_fsdp_leaves(mode, where, fsdp_gather):
   """The same constraint where a parameter is sharded over the data axes
-  (FSDP, HSDP): the per-device view keeps the user's axis types for those
-  leaves too (0.3.0 re-typed the data axes to Auto there, and JAX refused
-  the constraint on an Explicit mesh), and the gradient keeps its shards."""
+  (FSDP, HSDP, FSDP with tensor parallelism): the per-device view keeps the
+  user's axis types for those leaves too (0.3.0 re-typed the data axes to
+  Auto there, and JAX refused the constraint on an Explicit mesh); on
+  Explicit axes fun sees the leaf typed as the parameter is, and the
+  gradient keeps its shards."""
   shape, names, data_axis, w1_spec = FSDP_MESHES[where]
   mesh = jax.make_mesh(shape, names, axis_types=(MODES[mode],) * len(names))
   keys = jax.random.split(jax.random.key(2), 3)
@@ -147,12 +150,19 @@ def test_a_constraint_on_the_concrete_mesh_with_fsdp_leaves(mode, where, fsdp_ga
     "w2": jax.device_put(host["w2"], NamedSharding(mesh, P())),
   }
 
+  seen = []
+
   def loss(p, batch):
     x, y = batch
     w1 = p["w1"]
+    seen.append(jax.typeof(w1).sharding.spec)
     if where == "two_dims":
       w1 = jax.sharding.reshard(w1, P())
-    h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w1), NamedSharding(mesh, P()))
+    whole = NamedSharding(mesh, P())
+    h = jnp.tanh(x @ w1)
+    if where == "fsdp_x_tp" and mode == "explicit":  # h is split over "model"
+      h = jax.sharding.reshard(h, whole)
+    h = jax.lax.with_sharding_constraint(h, whole)
     return jnp.mean((h @ p["w2"] - y) ** 2)
 
   fun = jax.jit(
@@ -175,6 +185,8 @@ def test_a_constraint_on_the_concrete_mesh_with_fsdp_leaves(mode, where, fsdp_ga
 
   want = jax.value_and_grad(full)(host, (x, jnp.cos(x[:, 0])))
   chex.assert_trees_all_close((value, grads), want, rtol=1e-5, atol=1e-6)
+  if mode == "explicit" and fsdp_gather == "per_micro_batch":  # fun sees its type
+    assert all(spec == P(*w1_spec, *[None] * (2 - len(w1_spec))) for spec in seen)
   g = grads["w1"]
   assert g.sharding.is_equivalent_to(params["w1"].sharding, 2), g.sharding
   shard = params["w1"].addressable_shards[0].data.shape
