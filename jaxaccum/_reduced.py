@@ -23,6 +23,10 @@ its jaxpr on the ``reduced`` leaves, rewriting each use of a reduced value:
   result reduced, if JAX takes it;
 - **a call** (``jit``, ``checkpoint``, ``scan``, ``cond``): evaluated
   inside, rebuilt as the same call (a ``jit`` inlined);
+- **a convolution of such an operand's images with a reduced kernel** (JAX
+  has no ``reduced`` rule for it), on a mesh of the reduced axes only: its
+  own derivative, the kernel's cotangent each device's share, ``unreduced``
+  (:func:`_kept_kernel_conv`);
 - **any other use** (a gather, a convolution, a custom derivative, a use
   JAX refuses, an output): the operand is made plain first, so that this
   use's cotangent is reduced in the loop by the partitioner, as under plain
@@ -282,6 +286,9 @@ class _Walk:
     axes = frozenset().union(*(self.reduced(invals[n]) for n in at))
     if name == "reshard":
       return self.reshard(eqn, invals, axes, leaves)
+    if name == "conv_general_dilated" and _kernel_of_rows(eqn, invals, at, axes):
+      self.kept |= leaves
+      return [_kept_kernel_conv(eqn, invals[0], invals[1], axes)], [None]
     for rewritten, outcome in self.rewrites(eqn, invals, at, axes):
       try:
         outs = _bind(eqn, rewritten)
@@ -396,6 +403,78 @@ class _Walk:
     )
     outs = [*carry, *ys]
     return outs, [None] * len(outs)
+
+
+def _kernel_of_rows(
+  eqn: Any, invals: list[Any], at: list[int], axes: frozenset[str]
+) -> bool:
+  """A convolution whose only reduced operand is its kernel, replicated but
+  for that, over images whose batch dimension alone is sharded, over the
+  reduced axes exactly (each device's images its own), one batch group, on
+  a mesh of those axes only: the kernel's cotangent is taken in a
+  ``shard_map`` manual over every mesh axis (JAX takes ``unreduced``
+  outputs only so), and with another axis in the mesh jax 0.10.2 returned
+  half of it, silently (a ``(4, 2)`` data x model mesh)."""
+  if at != [1] or eqn.params["batch_group_count"] != 1:
+    return False
+  mesh = jax.typeof(invals[0]).sharding.mesh
+  if any(size > 1 and a not in axes for a, size in mesh.shape.items()):
+    return False
+  images, kernel = (_spec_or_empty(x).partitions for x in invals)
+  batch = eqn.params["dimension_numbers"].lhs_spec[0]
+  return (
+    set(_names(images[batch] if batch < len(images) else None)) == axes
+    and not any(_names(e) for d, e in enumerate(images) if d != batch)
+    and not any(_names(e) for e in kernel)
+  )
+
+
+def _kept_kernel_conv(
+  eqn: Any, images: jax.Array, kernel: jax.Array, axes: frozenset[str]
+) -> jax.Array:
+  """The convolution of :func:`_kernel_of_rows`, on the kernel made plain
+  (no data moves), with a derivative that leaves the kernel's cotangent
+  ``unreduced``: each device's rows' share, a ``shard_map`` over the
+  reduced axes, where JAX, which has no ``reduced`` rule for a convolution,
+  would have the partitioner all-reduce it. The images' cotangent is the
+  convolution's own."""
+  params = eqn.params
+  mesh = jax.typeof(images).sharding.mesh
+  names = tuple(sorted(axes))
+
+  def conv(x: jax.Array, k: jax.Array) -> jax.Array:
+    return eqn.primitive.bind(x, k, **params)
+
+  @jax.custom_vjp
+  def kept(x: jax.Array, k: jax.Array) -> jax.Array:
+    return conv(x, _plain(k))
+
+  def forward(x: jax.Array, k: jax.Array) -> tuple[jax.Array, Any]:
+    return kept(x, k), (x, k)
+
+  def backward(res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, k = res
+    plain = _plain(k)
+    _, images_vjp = jax.vjp(lambda x: conv(x, plain), x)
+    (dx,) = images_vjp(g)
+
+    def local(x: jax.Array, g: jax.Array, k: jax.Array) -> jax.Array:
+      k = jax.lax.pcast(k, names, to="varying")
+      _, kernel_vjp = jax.vjp(lambda k: conv(x, k), k)
+      return jax.lax.pcast(kernel_vjp(g)[0], names, to="unreduced")
+
+    # Manual over every mesh axis: JAX takes unreduced outputs only so.
+    dk = jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(P(*_spec_or_empty(x)), P(*_spec_or_empty(g)), P()),
+      out_specs=P(unreduced=set(names)),
+      axis_names=set(mesh.axis_names),
+    )(x, g, plain)
+    return dx, dk
+
+  kept.defvjp(forward, backward)
+  return kept(images, kernel)
 
 
 def _bind(eqn: Any, invals: list[Any]) -> list[Any]:

@@ -91,9 +91,9 @@ def shard_bytes(tree):
 
 
 def test_the_probe_says_which_leaves_a_use_keeps_reduced(mesh):
-  """Traced only: a matrix product, a bias, a scale and an embedding keep
-  their leaf reduced; a convolution's kernel and a penalty JAX has no
-  reduced rule for (integer_pow) make theirs plain."""
+  """Traced only: a matrix product, a bias, a scale, an embedding and a
+  convolution's kernel keep their leaf reduced; a penalty JAX has no
+  reduced rule for (integer_pow) makes its plain."""
 
   def loss(p, x):
     h = jnp.tanh(x @ p["w"] + p["b"][None]) * p["scale"][None]
@@ -126,7 +126,7 @@ def test_the_probe_says_which_leaves_a_use_keeps_reduced(mesh):
   assert dict(zip(names, kept, strict=True)) == {
     "b": True,
     "embed": True,
-    "kernel": False,
+    "kernel": True,
     "penalty": False,
     "scale": True,
     "w": True,
@@ -144,6 +144,72 @@ def test_an_lm_reduces_nothing_over_data_in_the_loop(mesh):
   assert not data_collectives(colls, in_loop=True), colls
   after = data_collectives(colls, in_loop=False)
   assert [c.bytes for c in after] == [shard_bytes(params) + 4], after
+
+
+def cnn_loss(p, batch):
+  """Two convolutions (NHWC, then NCHW with strides, dilation and two
+  feature groups) with biases, and a dense head."""
+  images, labels = batch
+  h = jax.lax.conv_general_dilated(
+    images, p["k1"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+  h = jnp.tanh(h + p["b1"][None, None, None])
+  h = jax.lax.conv_general_dilated(
+    jnp.transpose(h, (0, 3, 1, 2)),
+    p["k2"],
+    (2, 1),
+    [(1, 0), (2, 2)],
+    rhs_dilation=(1, 2),
+    dimension_numbers=("NCHW", "OIHW", "NCHW"),
+    feature_group_count=2,
+  )
+  logits = jnp.tanh(h).reshape(h.shape[0], -1) @ p["dense"]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], -1))
+
+
+@pytest.mark.parametrize("shape", [(8,), (4, 2)], ids=["data", "data_x_model"])
+def test_a_cnn_reduces_nothing_over_data_in_the_loop(shape):
+  """Convolution kernels (JAX has no reduced rule for a convolution): each
+  device's kernel cotangent is its own rows' share, unreduced, reduced once
+  after the loop with the rest. What the loop still moves over "data" is
+  the model's own: XLA's CPU partitioner gathers this model's activations,
+  the same bytes per step as in the full-batch program. On a mesh with a
+  "model" axis too the kernels are reduced in the loop, where plain jit has
+  them (taken unreduced there, jax 0.10.2 halved them)."""
+  names = ("data", "model")[: len(shape)]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+  keys = jax.random.split(jax.random.key(3), 5)
+  params = put(
+    mesh,
+    {
+      "k1": jax.random.normal(keys[0], (3, 3, 1, 8)) / 3,
+      "b1": 0.1 * jax.random.normal(keys[1], (8,)),
+      "k2": jax.random.normal(keys[2], (8, 4, 3, 3)) / 6,
+      "dense": jax.random.normal(keys[3], (8 * 3 * 6, 2)) / 12,
+    },
+  )
+  images = jax.random.normal(keys[4], (B, 6, 6, 1))
+  labels = (jnp.arange(B) % 2).astype(jnp.int32)
+  batch = put(mesh, (images, labels), P("data"))
+  out, colls = compiled(jaxaccum.value_and_grad(cnn_loss, K), mesh, params, batch)
+  want, full = compiled(jax.value_and_grad(cnn_loss), mesh, params, batch)
+  chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+  kernels = shard_bytes([params["k1"], params["k2"]])
+  reductions = [c for c in colls if c.op.startswith(("all-reduce", "reduce-scatter"))]
+  in_loop = sum(c.bytes for c in reductions if c.in_loop)
+  after = [c.bytes for c in reductions if not c.in_loop]
+  if len(shape) == 1:
+    assert in_loop == 0, reductions
+    assert after == [shard_bytes(params) + 4], reductions
+    gathered = [
+      sum(c.bytes * c.executions for c in cs if c.op == "all-gather")
+      for cs in (colls, full)
+    ]
+    assert gathered[0] == gathered[1], gathered
+  else:
+    assert in_loop == kernels, reductions
+    assert after == [shard_bytes(params) - kernels + 4], reductions
 
 
 @pytest.mark.parametrize(
