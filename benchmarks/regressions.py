@@ -159,26 +159,35 @@ def cpu_rows() -> dict[str, dict]:
 
 
 def target_rows() -> dict[str, dict]:
-  """The replicated and FSDP plain-jit steps for 8 H100s and a TPU v5e 2x4."""
+  """The replicated and FSDP plain-jit steps for 8 H100s and a TPU v5e 2x4,
+  and the FSDP step through ``mesh=`` on Auto axes (the per-device view's
+  blocked leaves, where the partitioner places the gathers)."""
   rows = {}
   for name in ("h100", "tpu-v5e"):
     target = jaxaccum.compile_target(
       name, topology="1x1x8" if name == "h100" else "2x4"
     )
-    for layout in ("replicated", "fsdp"):
+    for layout, path in (("replicated", "plain"), ("fsdp", "plain"), ("fsdp", "mesh")):
       _, names, data, specs = LAYOUTS[layout]
-      mesh = target.mesh((8,), names, axis_types=(AxisType.Explicit,))
+      kind = AxisType.Explicit if path == "plain" else AxisType.Auto
+      mesh = target.mesh((8,), names, axis_types=(kind,))
       params, batch = arrays(jax.make_mesh((8,), names), specs, data)
       placed = (
         {n: target.place(a, specs.get(n, P()), mesh=mesh) for n, a in params.items()},
         target.place(batch, P(data[0]), mesh=mesh),
       )
-      step = jax.jit(jaxaccum.value_and_grad(mlp(False, True), K))
+      every = {n: specs.get(n, P()) for n in params}
+      options = (
+        {}
+        if path == "plain"
+        else {"mesh": mesh, "data_axis": data[0], "param_specs": every}
+      )
+      step = jax.jit(jaxaccum.value_and_grad(mlp(False, path == "plain"), K, **options))
       with jax.set_mesh(mesh):
         stats = jaxaccum.compiled_memory(step, *placed, target=target)
         text = testing.compiled_text(step, *placed, target=target)
       colls = testing.collectives(text)
-      rows[f"{name}/{layout}/plain"] = {
+      rows[f"{name}/{layout}/{path}"] = {
         "peak_bytes": int(stats.peak_bytes),
         "collective_bytes": sum(c.bytes * c.executions for c in colls),
         "data_bytes_in_loop": sum(c.bytes * c.executions for c in colls if c.in_loop),
