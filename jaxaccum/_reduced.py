@@ -286,7 +286,7 @@ class _Walk:
     axes = frozenset().union(*(self.reduced(invals[n]) for n in at))
     if name == "reshard":
       return self.reshard(eqn, invals, axes, leaves)
-    if name == "conv_general_dilated" and _kernel_of_rows(eqn, invals, at, axes):
+    if name == "conv_general_dilated" and _kernel_of_rows(eqn, invals, axes):
       self.kept |= leaves
       return [_kept_kernel_conv(eqn, invals[0], invals[1], axes)], [None]
     for rewritten, outcome in self.rewrites(eqn, invals, at, axes):
@@ -405,29 +405,23 @@ class _Walk:
     return outs, [None] * len(outs)
 
 
-def _kernel_of_rows(
-  eqn: Any, invals: list[Any], at: list[int], axes: frozenset[str]
-) -> bool:
-  """A convolution whose only reduced operand is its kernel, replicated but
-  for that, over images whose batch dimension alone is sharded, over the
-  reduced axes exactly (each device's images its own), one batch group, on
-  a mesh of those axes only: the kernel's cotangent is taken in a
+def _kernel_of_rows(eqn: Any, invals: list[Any], axes: frozenset[str]) -> bool:
+  """A convolution of images whose batch dimension is sharded over the
+  reduced axes exactly (each device's images its own; the kernel then is
+  the reduced operand), one batch group, on a mesh of those axes only
+  (other axes of size 1): the kernel's cotangent is taken in a
   ``shard_map`` manual over every mesh axis (JAX takes ``unreduced``
   outputs only so), and with another axis in the mesh jax 0.10.2 returned
   half of it, silently (a ``(4, 2)`` data x model mesh; not isolated from
   this derivative; 0.12.1 returned it whole)."""
-  if at != [1] or eqn.params["batch_group_count"] != 1:
-    return False
   mesh = jax.typeof(invals[0]).sharding.mesh
-  if any(size > 1 and a not in axes for a, size in mesh.shape.items()):
+  if eqn.params["batch_group_count"] != 1 or any(
+    size > 1 and a not in axes for a, size in mesh.shape.items()
+  ):
     return False
-  images, kernel = (_spec_or_empty(x).partitions for x in invals)
+  images = _spec_or_empty(invals[0]).partitions
   batch = eqn.params["dimension_numbers"].lhs_spec[0]
-  return (
-    set(_names(images[batch] if batch < len(images) else None)) == axes
-    and not any(_names(e) for d, e in enumerate(images) if d != batch)
-    and not any(_names(e) for e in kernel)
-  )
+  return batch < len(images) and set(_names(images[batch])) == axes
 
 
 def _kept_kernel_conv(
@@ -464,13 +458,13 @@ def _kept_kernel_conv(
       _, kernel_vjp = jax.vjp(lambda k: conv(x, k), k)
       return jax.lax.pcast(kernel_vjp(g)[0], names, to="unreduced")
 
-    # Manual over every mesh axis: JAX takes unreduced outputs only so.
+    # Manual over every mesh axis (the default): JAX takes unreduced
+    # outputs only so.
     dk = jax.shard_map(
       local,
       mesh=mesh,
       in_specs=(P(*_spec_or_empty(x)), P(*_spec_or_empty(g)), P()),
       out_specs=P(unreduced=set(names)),
-      axis_names=set(mesh.axis_names),
     )(x, g, plain)
     return dx, dk
 

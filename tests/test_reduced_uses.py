@@ -101,7 +101,15 @@ def test_the_probe_says_which_leaves_a_use_keeps_reduced(mesh):
     c = jax.lax.conv_general_dilated(
       h[:, None, :], p["kernel"], (1,), "SAME", dimension_numbers=("NCH", "OIH", "NCH")
     )
-    return jnp.mean(e) + jnp.mean(c) + jnp.sum(p["penalty"] ** 2)
+    grouped = jax.lax.conv_general_dilated(  # two batch groups: no rule
+      h.reshape(B // 2, 2, D),
+      p["grouped"],
+      (1,),
+      "SAME",
+      dimension_numbers=("NCH", "OIH", "NCH"),
+      batch_group_count=2,
+    )
+    return jnp.mean(e) + jnp.mean(c) + jnp.mean(grouped) + jnp.sum(p["penalty"] ** 2)
 
   params = put(
     mesh,
@@ -111,6 +119,7 @@ def test_the_probe_says_which_leaves_a_use_keeps_reduced(mesh):
       "scale": jnp.ones((D,)),
       "embed": jnp.ones((D, D)),
       "kernel": jnp.ones((1, 1, 3)),
+      "grouped": jnp.ones((2, 2, 3)),
       "penalty": jnp.ones((3,)),
     },
   )
@@ -126,6 +135,7 @@ def test_the_probe_says_which_leaves_a_use_keeps_reduced(mesh):
   assert dict(zip(names, kept, strict=True)) == {
     "b": True,
     "embed": True,
+    "grouped": False,
     "kernel": True,
     "penalty": False,
     "scale": True,
@@ -168,7 +178,9 @@ def cnn_loss(p, batch):
   return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], -1))
 
 
-@pytest.mark.parametrize("shape", [(8,), (4, 2)], ids=["data", "data_x_model"])
+@pytest.mark.parametrize(
+  "shape", [(8,), (8, 1), (4, 2)], ids=["data", "data_x_unit", "data_x_model"]
+)
 def test_a_cnn_reduces_nothing_over_data_in_the_loop(shape):
   """Convolution kernels (JAX has no reduced rule for a convolution): each
   device's kernel cotangent is its own rows' share, unreduced, reduced once
@@ -199,7 +211,7 @@ def test_a_cnn_reduces_nothing_over_data_in_the_loop(shape):
   reductions = [c for c in colls if c.op.startswith(("all-reduce", "reduce-scatter"))]
   in_loop = sum(c.bytes for c in reductions if c.in_loop)
   after = [c.bytes for c in reductions if not c.in_loop]
-  if len(shape) == 1:
+  if shape[1:] in ((), (1,)):  # an axis of size 1 shards nothing
     assert in_loop == 0, reductions
     assert after == [shard_bytes(params) + 4], reductions
     gathered = [
