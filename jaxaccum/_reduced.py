@@ -291,7 +291,7 @@ class _Walk:
       return [_kept_kernel_conv(eqn, invals[0], invals[1], axes)], [None]
     for rewritten, outcome in self.rewrites(eqn, invals, at, axes):
       try:
-        outs = _bind(eqn, rewritten)
+        outs = _bind(eqn, rewritten, axes if outcome == "reduced" else frozenset())
       except _compat.SHARDING_TYPE_ERRORS:
         if outcome == "plain":
           raise
@@ -472,8 +472,24 @@ def _kept_kernel_conv(
   return kept(images, kernel)
 
 
-def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
-  out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+#: The parameters in which an operation carries its result's sharding, as
+#: traced (``vmap`` gives the bias it broadcasts one).
+_OUT_SHARDINGS = ("sharding", "out_sharding")
+
+
+def _bind(
+  eqn: Any, invals: list[Any], reduced: frozenset[str] = frozenset()
+) -> list[Any]:
+  """``eqn`` on ``invals``; with ``reduced``, its result typed reduced over
+  those axes where a parameter fixes the result's sharding (as traced, on
+  plain types, it would make the result plain)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  for key in _OUT_SHARDINGS:
+    fixed = params.get(key) if reduced else None
+    if isinstance(fixed, jax.sharding.NamedSharding):
+      spec = P(*fixed.spec.partitions, reduced=set(fixed.spec.reduced) | reduced)
+      params[key] = fixed.update(spec=spec)
+  out = eqn.primitive.bind(*invals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
 

@@ -178,6 +178,27 @@ def cnn_loss(p, batch):
   return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], -1))
 
 
+def test_a_per_example_loss_under_vmap_reduces_nothing_in_the_loop(mesh):
+  """A loss written per example and vmapped over the batch: vmap broadcasts
+  the bias with an output sharding of its own, which the walk types reduced
+  too (taken as traced, it made the bias plain: reduced every micro-batch)."""
+  params = put(mesh, {"w": jnp.ones((D, D)) / D, "b": jnp.linspace(-1, 1, D)})
+  x = put(mesh, jax.random.normal(jax.random.key(4), (B, D)), P("data"))
+
+  def one(p, x):
+    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+  def loss(p, x):
+    return jnp.mean(jax.vmap(one, in_axes=(None, 0))(p, x))
+
+  out, colls = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, x)
+  want, _ = compiled(jax.value_and_grad(loss), mesh, params, x)
+  chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+  assert not data_collectives(colls, in_loop=True), colls
+  after = data_collectives(colls, in_loop=False)
+  assert [c.bytes for c in after] == [shard_bytes(params) + 4], after
+
+
 @pytest.mark.parametrize(
   "shape", [(8,), (8, 1), (4, 2)], ids=["data", "data_x_unit", "data_x_model"]
 )
