@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_ghost_mesh import cnn8_batch, convs_loss, convs_params
 
 import jaxaccum
 from jaxaccum import _reduced, _unreduced, testing
@@ -157,25 +158,9 @@ def test_an_lm_reduces_nothing_over_data_in_the_loop(mesh):
 
 
 def cnn_loss(p, batch):
-  """Two convolutions (NHWC, then NCHW with strides, dilation and two
-  feature groups) with biases, and a dense head."""
-  images, labels = batch
-  h = jax.lax.conv_general_dilated(
-    images, p["k1"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-  )
-  h = jnp.tanh(h + p["b1"][None, None, None])
-  h = jax.lax.conv_general_dilated(
-    jnp.transpose(h, (0, 3, 1, 2)),
-    p["k2"],
-    (2, 1),
-    [(1, 0), (2, 2)],
-    rhs_dilation=(1, 2),
-    dimension_numbers=("NCHW", "OIHW", "NCHW"),
-    feature_group_count=2,
-  )
-  logits = jnp.tanh(h).reshape(h.shape[0], -1) @ p["dense"]
-  logp = jax.nn.log_softmax(logits)
-  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], -1))
+  """test_ghost_mesh's two convolutions (NHWC, then NCHW with strides,
+  dilation and two feature groups) per example, averaged over the batch."""
+  return jnp.mean(jax.vmap(convs_loss, in_axes=(None, 0))(p, batch))
 
 
 def test_a_per_example_loss_under_vmap_reduces_nothing_in_the_loop(mesh):
@@ -212,18 +197,8 @@ def test_a_cnn_reduces_nothing_over_data_in_the_loop(shape):
   them (taken unreduced there, jax 0.10.2 halved them)."""
   names = ("data", "model")[: len(shape)]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
-  keys = jax.random.split(jax.random.key(3), 5)
-  params = put(
-    mesh,
-    {
-      "k1": jax.random.normal(keys[0], (3, 3, 1, 8)) / 3,
-      "b1": 0.1 * jax.random.normal(keys[1], (8,)),
-      "k2": jax.random.normal(keys[2], (8, 4, 3, 3)) / 6,
-      "dense": jax.random.normal(keys[3], (8 * 3 * 6, 2)) / 12,
-    },
-  )
-  images = jax.random.normal(keys[4], (B, 6, 6, 1))
-  labels = (jnp.arange(B) % 2).astype(jnp.int32)
+  params = put(mesh, convs_params())
+  images, labels = cnn8_batch()
   batch = put(mesh, (images, labels), P("data"))
   out, colls = compiled(jaxaccum.value_and_grad(cnn_loss, K), mesh, params, batch)
   want, full = compiled(jax.value_and_grad(cnn_loss), mesh, params, batch)
