@@ -80,7 +80,7 @@ from jaxaccum._train_step import make_train_step as make_train_step
 from jaxaccum._value_and_grad import grad as grad
 from jaxaccum._value_and_grad import value_and_grad as value_and_grad
 
-__version__ = "0.3.0"  # the one place: pyproject.toml reads it
+__version__ = "0.4.0"  # the one place: pyproject.toml reads it
 
 __all__ = [
   "AccumulateState",
