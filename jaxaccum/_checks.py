@@ -317,3 +317,9 @@ def check_total_weight(total: jax.Array, grad_sums: PyTree) -> None:
     "not zero: the weights count no rows that the loss sums over.",
     total=total,
   )
+
+
+def check_number(name: str, value: Any) -> None:
+  """A ``TypeError`` unless ``value`` is a real number (not a bool)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a number, got {value!r}.")

@@ -31,7 +31,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _aux, _checks, _noise, _normalize, _privacy, _split, _tree
+from jaxaccum import _aux, _checks, _noise_scale, _normalize, _privacy, _split, _tree
 from jaxaccum._options import Options
 
 PyTree = Any
@@ -115,7 +115,7 @@ class Sums(NamedTuple):
   aux: PyTree
   state: PyTree
   losses: jax.Array
-  noise: _noise.NoiseSums | None
+  noise: _noise_scale.NoiseSums | None
   weights: jax.Array
   rows: int
   shards: int
@@ -137,7 +137,7 @@ class Result(NamedTuple):
   value: jax.Array
   aux: PyTree
   grads: tuple[PyTree, ...]
-  noise: _noise.GradientNoise | None
+  noise: _noise_scale.GradientNoise | None
   total_weight: jax.Array
 
   def arranged(self, options: Options) -> Any:
@@ -441,7 +441,7 @@ class Engine:
       aux=out.aux,
       state=state,
       losses=out.loss,
-      noise=None if out.noise is None else _noise.NoiseSums.of(*out.noise),
+      noise=None if out.noise is None else _noise_scale.NoiseSums.of(*out.noise),
       weights=out.weight,
       rows=split.micro_batch_size // split.shards
       if per_block

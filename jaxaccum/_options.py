@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _aux, _ghost, _normalize
+from jaxaccum import _aux, _normalize
 
 PyTree = Any
 
@@ -342,7 +342,9 @@ def check_clip_norm(name: str, value: Any) -> float | None:
 def _check_clip_method(clip_method: Any, clip: float | None) -> str:
   """``clip_method``, checked: one of the methods, and ``"ghost"`` only with
   ``clip_per_example``."""
-  method = _ghost.check_method(clip_method)
+  from jaxaccum._privacy import ghost  # noqa: PLC0415 (moves into the privacy group)
+
+  method = ghost.check_method(clip_method)
   if method != "vmap" and clip is None:
     raise ValueError(
       f"{clip_method=} says how each example's gradient is clipped; it needs "

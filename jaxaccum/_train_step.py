@@ -28,8 +28,8 @@ from jaxaccum import (
   _value_and_grad,
 )
 from jaxaccum._engine import Result
-from jaxaccum._loss_scale import DynamicLossScale
-from jaxaccum._opt_state import find_loss_scale
+from jaxaccum._optim.loss_scale import DynamicLossScale
+from jaxaccum._optim.opt_state import find_loss_scale
 
 PyTree = Any
 

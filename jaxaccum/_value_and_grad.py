@@ -2,7 +2,7 @@
 
 These validate their options once (:mod:`jaxaccum._options`) and run the
 engine (:mod:`jaxaccum._engine`) on one device, or its data-parallel form
-(:mod:`jaxaccum._parallel`) with ``mesh=``. Called outside ``jit``, the step
+(:mod:`jaxaccum._parallel.data_parallel`) with ``mesh=``. Called outside ``jit``, the step
 is compiled once per configuration and kept (:mod:`jaxaccum._calls`), and the
 arguments are validated once per configuration, so an eager call costs what
 an eager ``jax.value_and_grad`` call costs; under an outer transformation it
@@ -18,17 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import (
-  _calls,
-  _compat,
-  _engine,
-  _options,
-  _parallel,
-  _privacy,
-  _split,
-  _static,
-  _unreduced,
-)
+from jaxaccum import _calls, _compat, _engine, _options, _privacy, _split, _static
+from jaxaccum._parallel import data_parallel as _parallel
+from jaxaccum._parallel import unreduced as _unreduced
 
 PyTree = Any
 
@@ -81,7 +73,7 @@ def value_and_grad(
   each into its own sharding. ``fun`` is traced on the parameters' own types
   and evaluated with each use of a parameter rewritten into one JAX types (a
   bias or a norm's scale broadcast into the activations' rows, an embedding
-  table gathered by them; ``jaxaccum/_reduced.py``). A use JAX has no rule
+  table gathered by them; ``jaxaccum/_parallel/reduced.py``). A use JAX has no rule
   for (a convolution kernel) takes the parameter as it is, its gradient
   there reduced each micro-batch, as plain ``jit`` does; a loss used other
   than linearly (its log, a penalty added to it) is reduced where it is

@@ -31,14 +31,14 @@ from flax import nnx as flax_nnx
 from jaxaccum import (
   _calls,
   _engine,
-  _equivalence,
-  _opt_state,
   _options,
   _privacy,
   _train_step,
   _tree,
   _value_and_grad,
 )
+from jaxaccum._inspect import equivalence as _equivalence
+from jaxaccum._optim import opt_state as _opt_state
 
 __all__ = ["grad", "make_train_step", "value_and_grad", "verify_equivalence"]
 

@@ -35,10 +35,12 @@ from typing import Any
 
 import jax
 
-from jaxaccum import _agreement, _compat, _hlo
-from jaxaccum._agreement import Divergence
-from jaxaccum._compiled import CompiledStep, compile_step, read_compiled
-from jaxaccum._hlo import (
+from jaxaccum import _compat
+from jaxaccum._inspect import agreement as _agreement
+from jaxaccum._inspect import hlo as _hlo
+from jaxaccum._inspect.agreement import Divergence
+from jaxaccum._inspect.compiled import CompiledStep, compile_step, read_compiled
+from jaxaccum._inspect.hlo import (
   Collective,
   Loop,
   bytes_communicated,
@@ -78,7 +80,7 @@ def compiled_text(
   compiler for that accelerator makes, as :func:`jaxaccum.compiled_memory`
   compiles it.
   """
-  from jaxaccum._memory import compile_for  # noqa: PLC0415
+  from jaxaccum._inspect.memory import compile_for  # noqa: PLC0415
 
   return compile_for(fun, args, kwargs, target).as_text()
 
@@ -97,7 +99,7 @@ def divergent_decisions(
   follows every value of the compiled, partitioned HLO from its sources
   (sharded parameters, device ids) through the collectives that make it
   the same within their groups, and lists what could differ (see
-  :mod:`jaxaccum._agreement` for the rules; it is conservative).
+  :mod:`jaxaccum._inspect.agreement` for the rules; it is conservative).
 
   Args:
     compiled: ``jax.jit(f).lower(...).compile()``, for ``mesh``'s devices.

@@ -1,4 +1,4 @@
-"""The rules of ``jaxaccum._agreement``, one at a time, on HLO text written by
+"""The rules of ``jaxaccum._inspect.agreement``, one at a time, on HLO text written by
 hand: which values differ between devices, along which mesh axes.
 
 Every program here runs on a (2, 4) mesh of axes ``data`` and ``model``
@@ -11,7 +11,7 @@ HLO that XLA compiles for jaxaccum's steps.
 import numpy as np
 import pytest
 
-from jaxaccum import _agreement
+from jaxaccum._inspect import agreement as _agreement
 
 SHAPE, NAMES = (2, 4), ("data", "model")
 

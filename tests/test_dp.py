@@ -477,13 +477,13 @@ def test_accumulate_window_update_equals_full_batch_dp_sgd_with_the_same_key():
 
 def test_accumulate_draws_noise_once_per_window_across_calls(monkeypatch):
   draws = []
-  original = _privacy._gaussian
+  original = _privacy.noise._gaussian
 
   def counted(key, like):
     jax.debug.callback(lambda: draws.append(1))
     return original(key, like)
 
-  monkeypatch.setattr(_privacy, "_gaussian", counted)
+  monkeypatch.setattr(_privacy.noise, "_gaussian", counted)
   params, batch = params0(), data()
   acc = jaxaccum.accumulate(dp_tx(1.0, jax.random.key(0)), 4)
   grad = jaxaccum.grad(

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _ghost
+from jaxaccum._privacy import ghost as _ghost
 
 RTOL = 1e-5
 ROWS = 16

@@ -1,4 +1,4 @@
-"""``jaxaccum._hlo``, the one reader of XLA's HLO text, on programs written
+"""``jaxaccum._inspect.hlo``, the one reader of XLA's HLO text, on programs written
 by hand: which collectives a step runs, how many bytes each delivers and how
 often it runs per call.
 
@@ -10,7 +10,8 @@ would pass or fail those for the wrong reason.
 
 import pytest
 
-from jaxaccum import _hlo, testing
+from jaxaccum import testing
+from jaxaccum._inspect import hlo as _hlo
 
 ADD = """%add (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)

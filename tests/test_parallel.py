@@ -11,8 +11,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _hlo as hlo_text_reader
 from jaxaccum import testing as _hlo
+from jaxaccum._inspect import hlo as hlo_text_reader
 
 D = 8  # devices, from conftest.py's XLA_FLAGS
 B, F, H = 64, 4, 6

@@ -24,7 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import testing
-from jaxaccum._pipeline import PipelineBubbleWarning, ReplicatedLayersWarning, Schedule
+from jaxaccum._pipeline.pipeline import (
+  PipelineBubbleWarning,
+  ReplicatedLayersWarning,
+  Schedule,
+)
 
 # The unit roundoff u of float32: half the spacing of its numbers at 1.
 U = float(jnp.finfo(jnp.float32).eps) / 2

@@ -1,5 +1,5 @@
 """Each use of a parameter typed ``reduced`` in plain jit's step
-(:mod:`jaxaccum._reduced`): a bias, a norm's scale, an embedding table, a
+(:mod:`jaxaccum._parallel.reduced`): a bias, a norm's scale, an embedding table, a
 penalty on the weights, layers inside ``jit``, ``checkpoint``, ``scan`` and
 ``cond``, and the loss's own sum. Every step is compared with
 ``jax.value_and_grad`` on the whole batch under the same ``jit`` on the same
@@ -16,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 from test_ghost_mesh import cnn8_batch, convs_loss, convs_params
 
 import jaxaccum
-from jaxaccum import _reduced, _unreduced, testing
+from jaxaccum import testing
+from jaxaccum._parallel import reduced as _reduced
+from jaxaccum._parallel import unreduced as _unreduced
 
 V, D, S, B, K = 32, 16, 8, 32, 4
 

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxaccum._scaling import (
+from jaxaccum._optim.scaling import (
   AdamHyperparams,
   kappa,
   scale_adam_sqrt,

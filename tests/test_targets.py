@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import _compat as _aot
-from jaxaccum import _targets
+from jaxaccum._inspect import targets as _targets
 
 MiB = 2**20
 pytestmark = pytest.mark.targets  # conftest.py: skipped without the extra
@@ -402,7 +402,7 @@ def gpu_fsdp_problem():
 
 def gpu_peak(compiled):
   """XLA's peak of a program compiled for the GPUs themselves."""
-  return jaxaccum._memory._memory_of(compiled, None).peak_bytes
+  return jaxaccum._inspect.memory._memory_of(compiled, None).peak_bytes
 
 
 def test_gpu_fsdp_reduce_scatters_in_the_backward_layer_loop():

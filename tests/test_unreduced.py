@@ -353,7 +353,7 @@ def test_a_use_jax_refuses_as_reduced_falls_back_with_a_warning(monkeypatch):
   """Where JAX refuses a use the walk let through (here the walk is told
   that a product with a constant contracts rows: the transpose fails),
   the step warns and reduces every micro-batch, still exact."""
-  from jaxaccum import _reduced  # noqa: PLC0415
+  from jaxaccum._parallel import reduced as _reduced  # noqa: PLC0415
 
   monkeypatch.setattr(_reduced, "_contracts_rows", lambda *a: True)
   mesh = explicit_mesh((8,), ("data",))
@@ -375,7 +375,7 @@ def test_a_program_the_walk_does_not_know_reduces_every_micro_batch(monkeypatch)
   """A failure of the jaxpr walk (a primitive's parameters renamed by a
   new jax, as scan's were) costs bytes, never the step: a warning, and
   every gradient reduced by the partitioner, still exact."""
-  from jaxaccum import _reduced  # noqa: PLC0415
+  from jaxaccum._parallel import reduced as _reduced  # noqa: PLC0415
 
   def broken(self, eqn, invals, sources):
     raise KeyError("num_consts")

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Union
 
 import numpy as np
 
-from jaxaccum import _hlo
+from jaxaccum._inspect import hlo as _hlo
 
 Axes = frozenset[int]
 Taint = Union[Axes, tuple["Taint", ...]]  # noqa: UP007  (a recursive alias)

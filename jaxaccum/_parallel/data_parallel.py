@@ -3,11 +3,11 @@
 Which path runs when:
 
 - **No** ``mesh=``, plain ``jit``: on Explicit axes that the batch's rows
-  are sharded over, :mod:`jaxaccum._unreduced` (parameters ``reduced``,
+  are sharded over, :mod:`jaxaccum._parallel.unreduced` (parameters ``reduced``,
   accumulators ``unreduced``, one reduction after the loop); otherwise the
   engine's own step, whose reductions the partitioner places.
 - ``mesh=`` with ``view="global"``: on Explicit data axes that the batch is
-  sharded over, the same :mod:`jaxaccum._unreduced` step (``mesh=`` only
+  sharded over, the same :mod:`jaxaccum._parallel.unreduced` step (``mesh=`` only
   names the data axes); otherwise :class:`_GlobalStep`, the partitioner's.
 - ``mesh=`` (``view="device"``, the default): this module's
   :class:`_Step`, below.
@@ -83,9 +83,12 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat, _engine, _ghost, _normalize, _sharding, _tree, _unreduced
+from jaxaccum import _compat, _engine, _normalize, _tree
 from jaxaccum._engine import Engine
 from jaxaccum._options import Options
+from jaxaccum._parallel import specs as _sharding
+from jaxaccum._parallel import unreduced as _unreduced
+from jaxaccum._privacy import ghost as _ghost
 
 PyTree = Any
 Layout = tuple["_sharding.SplitSpec | None", ...]

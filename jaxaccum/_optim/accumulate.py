@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _autopilot, _compat, _noise, _normalize, _privacy, _static, _tree
-from jaxaccum._loss_scale import DynamicLossScale
+from jaxaccum import _compat, _noise_scale, _normalize, _privacy, _static, _tree
+from jaxaccum._optim import autopilot as _autopilot
+from jaxaccum._optim.loss_scale import DynamicLossScale
 
 PyTree = Any
 
@@ -28,7 +29,7 @@ class WindowNoise(NamedTuple):
   """The gradient-noise measurements of :func:`accumulate`.
 
   Attributes:
-    window: the current window's :class:`~jaxaccum._noise.NoiseSums`: over
+    window: the current window's :class:`~jaxaccum._noise_scale.NoiseSums`: over
       its kept micro-batches of positive weight, ``|g_i / w_i|²`` and the
       weights (``w_i = 1`` without ``weight=``).
     last: the last completed window's :class:`GradientNoise`, in units of
@@ -37,8 +38,8 @@ class WindowNoise(NamedTuple):
       (``has_estimate()`` is False, and ``noise_scale_update`` leaves it out).
   """
 
-  window: _noise.NoiseSums
-  last: _noise.GradientNoise
+  window: _noise_scale.NoiseSums
+  last: _noise_scale.GradientNoise
 
 
 class AccumulateState(NamedTuple):
@@ -63,7 +64,7 @@ class AccumulateState(NamedTuple):
     window_size: the current window's length, in micro-batches; shape=(),
       int32. Read it with :func:`jaxaccum.window_size`.
     autopilot: with ``every_k=jaxaccum.auto_k(...)``, its
-      :class:`~jaxaccum._autopilot.AutoKState` (the smoothed ``B_simple``,
+      :class:`~jaxaccum._optim.autopilot.AutoKState` (the smoothed ``B_simple``,
       the learning-rate factor); None otherwise.
   """
 
@@ -114,7 +115,7 @@ def _next_window(
   state: AccumulateState,
   done: jax.Array,
   applied: jax.Array,
-  noise: _noise.GradientNoise,
+  noise: _noise_scale.GradientNoise,
 ) -> tuple[jax.Array, _autopilot.AutoKState | None]:
   """The next window's length (and the autopilot's state) where the window
   ended; the current ones otherwise. ``state`` is the state after the call
@@ -186,7 +187,7 @@ def _init_state(
     acc_weight=_scalar(0.0),
     inner_state=_inner_init(inner, params),
     num_skipped=_scalar(0, jnp.int32),
-    noise=WindowNoise(_noise.NoiseSums.zeros(), _noise.no_estimate()),
+    noise=WindowNoise(_noise_scale.NoiseSums.zeros(), _noise_scale.no_estimate()),
     loss_scale=None if loss_scale is None else jax.tree.map(jnp.copy, loss_scale),
     window_finite=_scalar(True, jnp.bool_),
     updated=_scalar(False, jnp.bool_),
@@ -262,7 +263,7 @@ def _add_micro_batch(
   noise = state.noise
   if noise_stats:
     counted = valid & (weight > 0)
-    this = _noise.NoiseSums.of(
+    this = _noise_scale.NoiseSums.of(
       _tree.sq_norm(summand),
       jnp.where(counted, weight, 1.0),
       jnp.where(counted, weight, 0.0),

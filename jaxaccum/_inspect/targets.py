@@ -9,7 +9,7 @@ its memory analysis is what :func:`jaxaccum.compiled_memory`,
 when given ``target=``.
 
 The device descriptions ship with jaxaccum as package data
-(``jaxaccum/_target_data``): a GPU's ``GpuTargetConfigProto`` text proto, a
+(``jaxaccum/_inspect/_target_data``): a GPU's ``GpuTargetConfigProto`` text proto, a
 TPU's name and per-chip memory. On a machine without a GPU or TPU set
 ``JAX_PLATFORMS=cpu`` before JAX starts: otherwise the CUDA plugin tries to
 initialize a GPU, fails, and does not register its compiler. libtpu prints
@@ -45,12 +45,12 @@ _EXTRA = 'pip install "jaxaccum[targets]"'
 
 @functools.cache
 def _catalog() -> dict[str, dict[str, Any]]:
-  text = (importlib.resources.files("jaxaccum") / _DATA / "targets.json").read_text()
+  text = (importlib.resources.files("jaxaccum._inspect") / _DATA / "targets.json").read_text()
   return json.loads(text)
 
 
 def _data_file(name: str) -> str:
-  return (importlib.resources.files("jaxaccum") / _DATA / name).read_text()
+  return (importlib.resources.files("jaxaccum._inspect") / _DATA / name).read_text()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

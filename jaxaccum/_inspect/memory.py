@@ -26,8 +26,10 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxaccum import _hlo, _options, _parallel, _split, _value_and_grad
-from jaxaccum._targets import CompileTarget
+from jaxaccum import _options, _split, _value_and_grad
+from jaxaccum._inspect import hlo as _hlo
+from jaxaccum._inspect.targets import CompileTarget
+from jaxaccum._parallel import data_parallel as _parallel
 
 
 class MemoryStats(NamedTuple):

@@ -75,7 +75,7 @@ def kappa(base_batch_size: int, batch_size: int) -> float:
   Raises:
     ValueError: if either size is not a positive int.
 
-  >>> from jaxaccum._scaling import kappa
+  >>> from jaxaccum._optim.scaling import kappa
   >>> kappa(256, 1024)
   4.0
   """
@@ -108,7 +108,7 @@ def scale_lr_linear(
   Raises:
     ValueError: if either batch size is not a positive int.
 
-  >>> from jaxaccum._scaling import scale_lr_linear
+  >>> from jaxaccum._optim.scaling import scale_lr_linear
   >>> scale_lr_linear(0.1, base_batch_size=256, batch_size=1024)
   0.4
   """
@@ -232,7 +232,7 @@ def scale_adam_sqrt(
       outside [0, 1), ``eps`` is negative, or ``κ (1 - b) >= 1``.
 
   >>> import optax
-  >>> from jaxaccum._scaling import scale_adam_sqrt
+  >>> from jaxaccum._optim.scaling import scale_adam_sqrt
   >>> hp = scale_adam_sqrt(1e-3, base_batch_size=256, batch_size=1024)
   >>> hp.learning_rate, round(hp.b1, 6), round(hp.b2, 6), hp.eps
   (0.002, 0.6, 0.996, 5e-09)
@@ -295,7 +295,7 @@ def warmup(
     ValueError: if ``warmup_steps`` is not an int >= 0, or ``decay_steps`` is
       neither None nor a positive int.
 
-  >>> from jaxaccum._scaling import warmup
+  >>> from jaxaccum._optim.scaling import warmup
   >>> schedule = warmup(0.4, warmup_steps=100, init_learning_rate=0.1)
   >>> [round(float(schedule(step)), 4) for step in (0, 50, 100, 1000)]
   [0.1, 0.25, 0.4, 0.4]

@@ -17,8 +17,8 @@ import jax
 import optax
 from flax import nnx
 
-from jaxaccum._accumulate import AccumulateState
-from jaxaccum._loss_scale import DynamicLossScale
+from jaxaccum._optim.accumulate import AccumulateState
+from jaxaccum._optim.loss_scale import DynamicLossScale
 
 PyTree = Any
 

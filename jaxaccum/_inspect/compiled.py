@@ -1,9 +1,9 @@
 """A compiled step, read: what it communicates, in which loops, and its peak.
 
-:func:`read_compiled` puts together what :mod:`jaxaccum._hlo` reads from the
+:func:`read_compiled` puts together what :mod:`jaxaccum._inspect.hlo` reads from the
 optimized HLO (every collective with its bytes, replica groups and the while
 loops around it; every loop with its trip count) and what
-:mod:`jaxaccum._memory` reads from XLA's memory analysis (the peak). It is
+:mod:`jaxaccum._inspect.memory` reads from XLA's memory analysis (the peak). It is
 what jaxaccum's own structure tests and benchmarks check a step by, for a
 user checking theirs.
 """
@@ -14,10 +14,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jaxaccum import _hlo, _memory
-from jaxaccum._hlo import Collective, Loop
-from jaxaccum._memory import MemoryStats
-from jaxaccum._targets import CompileTarget
+from jaxaccum._inspect import hlo as _hlo
+from jaxaccum._inspect import memory as _memory
+from jaxaccum._inspect.hlo import Collective, Loop
+from jaxaccum._inspect.memory import MemoryStats
+from jaxaccum._inspect.targets import CompileTarget
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``fun`` run with its parameters typed ``reduced``, each use rewritten into
 one that JAX takes.
 
-Plain ``jit``'s step (:mod:`jaxaccum._unreduced`) types each leaf that is
+Plain ``jit``'s step (:mod:`jaxaccum._parallel.unreduced`) types each leaf that is
 replicated over the batch's axes ``reduced`` over them: no data moves, and
 its cotangent comes back ``unreduced``, each device holding its own rows'
 share, to be reduced once after the loop. JAX takes a ``reduced`` operand

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _noise
+from jaxaccum import _noise_scale
 
 LR_RULES = {"sqrt": 0.5, "linear": 1.0, None: 0.0}
 
@@ -57,7 +57,7 @@ class AutoKState(NamedTuple):
       ``(k / k0) ** p``; shape=(), float32.
   """
 
-  noise: _noise.NoiseScaleState
+  noise: _noise_scale.NoiseScaleState
   b_simple: jax.Array
   k0: jax.Array
   lr_factor: jax.Array
@@ -84,7 +84,7 @@ class AutoK:
   def init(self) -> AutoKState:
     """The state before the first window, whose length is ``min_k``."""
     return AutoKState(
-      noise=_noise.noise_scale_init(),
+      noise=_noise_scale.noise_scale_init(),
       b_simple=jnp.full((), jnp.inf, jnp.float32),
       k0=jnp.full((), self.min_k, jnp.int32),
       lr_factor=jnp.ones((), jnp.float32),
@@ -94,19 +94,19 @@ class AutoK:
     self,
     state: AutoKState,
     k: jax.Array,
-    noise: _noise.GradientNoise,
+    noise: _noise_scale.GradientNoise,
     applied: jax.Array,
   ) -> tuple[jax.Array, AutoKState]:
     """The next window's length and state, after a window of length ``k``
     that was ``applied`` (its noise measured as ``noise``)."""
     measured = applied & noise.has_estimate()
     decay = 1.0 - 1.0 / self.horizon
-    tracker = _noise.noise_scale_update(state.noise, noise, decay=decay)
+    tracker = _noise_scale.noise_scale_update(state.noise, noise, decay=decay)
     tracker = jax.tree.map(
       lambda new, old: jnp.where(measured, new, old), tracker, state.noise
     )
     per_micro_batch = jnp.where(noise.b_small > 0, noise.b_small, 1.0)
-    b_simple = _noise.critical_batch_size(tracker) / per_micro_batch
+    b_simple = _noise_scale.critical_batch_size(tracker) / per_micro_batch
     b_simple = jnp.where(measured, b_simple, state.b_simple)
     # An infinite estimate (the averaged |G|^2 not positive) says nothing
     # reliable from windows this small: hold the window rather than ratchet it.
@@ -139,7 +139,7 @@ def auto_k(
 
   Each window's length is ``clip(round(B_simple / micro-batch), min_k,
   max_k)``, with ``B_simple`` the gradient noise scale measured over the
-  windows so far (McCandlish et al. 2018); see :mod:`jaxaccum._autopilot`
+  windows so far (McCandlish et al. 2018); see :mod:`jaxaccum._optim.autopilot`
   for the rule. Read the current length with :func:`jaxaccum.window_size`,
   and the measurements in ``state.autopilot``.
 

@@ -16,7 +16,7 @@ say what the step needs:
   is added where it was computed, and one reshard into the parameter's own
   sharding after the loop is the step's one reduction. ``fun`` is
   evaluated from its jaxpr with each use of such a leaf rewritten into one
-  JAX types (:mod:`jaxaccum._reduced`): a bias or a norm's scale is
+  JAX types (:mod:`jaxaccum._parallel.reduced`): a bias or a norm's scale is
   broadcast into the activations' rows, an embedding table gathered by
   them, and a use that has no rows (a penalty on the weights alone) takes
   the leaf made plain.
@@ -55,8 +55,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat, _engine, _normalize, _reduced, _split
+from jaxaccum import _compat, _engine, _normalize, _split
 from jaxaccum._engine import Engine
+from jaxaccum._parallel import reduced as _reduced
 
 PyTree = Any
 
@@ -119,7 +120,7 @@ class Leaf(NamedTuple):
 def plan_leaf(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Leaf:
   """The :class:`Leaf` for ``x`` with the batch on data ``axes`` under
   ``fsdp_gather=mode``; ``reducible`` says whether some use of it in
-  ``fun`` keeps it ``reduced`` (:meth:`jaxaccum._reduced.Evaluated.probe`)."""
+  ``fun`` keeps it ``reduced`` (:meth:`jaxaccum._parallel.reduced.Evaluated.probe`)."""
   spec = _compat.explicit_spec(x)
   if spec is None:
     return Leaf(None, frozenset(), "as_is", None)
@@ -183,7 +184,7 @@ class UnreducedStep:
     self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, flat: list[Any]
   ) -> tuple[Engine, list[bool]]:
     """The engine whose ``fun`` takes ``reduced`` leaves
-    (:class:`jaxaccum._reduced.Evaluated`), and which leaves some use of
+    (:class:`jaxaccum._parallel.reduced.Evaluated`), and which leaves some use of
     ``fun``'s keeps reduced: those enter the loop reduced. Probed on the
     shapes of one micro-batch (nothing of it is computed)."""
     o = self.options
@@ -374,7 +375,7 @@ def run_or_fall_back(
   fallback: Callable[[tuple[Any, ...], dict[str, Any]], _engine.Result],
 ) -> _engine.Result:
   """:class:`UnreducedStep`; where JAX refuses a ``reduced`` leaf in a use
-  :mod:`jaxaccum._reduced` let through, a warning and ``fallback`` (the
+  :mod:`jaxaccum._parallel.reduced` let through, a warning and ``fallback`` (the
   partitioner's step, which reduces every micro-batch)."""
   try:
     return UnreducedStep(engine, axes)(args, kwargs, split)
