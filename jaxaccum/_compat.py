@@ -23,6 +23,9 @@ of behaviour elsewhere:
   it (in a ``shard_map`` that leaves an Explicit axis to the partitioner:
   0.12 always, 0.10.2 when the operand is sharded along such an axis), as an
   all-to-all and a sum;
+- :func:`type_of` and :func:`cotangent_type`: a value's type, and the type
+  of its cotangent (``reduced`` becomes ``unreduced``: JAX's
+  ``to_ct_aval``), as ``ShapeDtypeStruct`` values for ``jax.eval_shape``;
 - :func:`spmd_vmap_axes`: the mesh axes of the ``vmap``s (with
   ``spmd_axis_name``) that map a value, which a ``shard_map`` inside them
   must count among its manual axes (jaxaccum's ``mesh=`` path runs the loss
@@ -118,6 +121,30 @@ def explicit_spec(x: Any) -> jax.sharding.PartitionSpec | None:
   if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     return None
   return sharding.spec
+
+
+def type_of(x: Any) -> jax.ShapeDtypeStruct:
+  """``x``'s type, its sharding included (``reduced`` and ``unreduced`` axes
+  too), as a ``ShapeDtypeStruct``.
+
+  >>> type_of(jnp.ones(2))
+  ShapeDtypeStruct(shape=(2,), dtype=float32...)
+  """
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(
+    aval.shape, aval.dtype, sharding=aval.sharding, weak_type=aval.weak_type
+  )
+
+
+def cotangent_type(x: Any) -> jax.ShapeDtypeStruct:
+  """The type of ``x``'s cotangent: ``float0`` for an integer, and on a
+  mesh ``reduced`` and ``unreduced`` axes swapped (JAX's ``to_ct_aval``).
+
+  >>> cotangent_type(jnp.ones(2, jnp.int32)).dtype
+  dtype([('float0', 'V')])
+  """
+  aval = jax.typeof(x).to_ct_aval()
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding)
 
 
 def visible_spec(x: Any) -> jax.sharding.PartitionSpec | None:

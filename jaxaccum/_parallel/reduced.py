@@ -41,16 +41,16 @@ plain gains nothing from entering the loop reduced.
 
 from __future__ import annotations
 
-import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat
+from jaxaccum import _compat, _jaxpr
 
 PyTree = Any
 
@@ -80,8 +80,19 @@ ELEMENTWISE = frozenset(
 #: is an ``unreduced`` scatter-add.
 TYPED = frozenset({"gather"})
 
-_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call"})
-_REMAT = frozenset({"remat2", "checkpoint"})
+#: What JAX raises for a form of a use it refuses, forward or backward:
+#: its sharding-type refusals, and the ``ValueError`` and ``TypeError`` of
+#: rules that do not take ``reduced`` types yet (``jnp.sort``'s
+#: ``pspec[...]``, a select whose operand is sharded over the reduced axes).
+_REFUSED: tuple[type[Exception], ...] = (
+  *_compat.SHARDING_TYPE_ERRORS,
+  ValueError,
+  TypeError,
+)
+
+#: A rule that fails otherwise (a jaxaccum bug, a primitive whose parameters
+#: a new jax renamed): its use takes the plain form, with a warning.
+_FAILED_USE = Exception
 
 
 class Evaluated:
@@ -175,53 +186,26 @@ def _trace(
   return closed, out_tree, arrays
 
 
-@dataclasses.dataclass
-class _Walk:
+class _Walk(_jaxpr.Walker):
   """Evaluates a jaxpr on values some of which are reduced over ``axes``,
-  rewriting their uses (module docstring). ``kept`` collects the leaves
-  (the origins the top-level inputs carry) that some use kept reduced."""
+  rewriting their uses (module docstring). The metadata beside a value is
+  the set of leaves (the origins the top-level inputs carry, when probing)
+  that reach it reduced; ``kept`` collects the leaves that some use kept
+  reduced. Every use falls back to its plain form alone: a rewrite that
+  JAX refuses, forward or backward, or a rule that fails, costs that use's
+  reduction in the loop, never the step's."""
 
-  axes: frozenset[str]
-  kept: set[int] = dataclasses.field(default_factory=set)
+  rules: ClassVar[dict[str, str]] = {
+    "reshard": "reshard",
+    "conv_general_dilated": "conv",
+    "scan": "call",
+    "cond": "call",
+    **{name: "call" for name in _jaxpr.REMAT},
+  }
 
-  def run(
-    self,
-    jaxpr: Any,
-    consts: Sequence[Any],
-    args: Sequence[Any],
-    origins: Sequence[frozenset[int] | None] | None = None,
-  ) -> tuple[list[Any], list[frozenset[int] | None]]:
-    env: dict[Any, Any] = {}
-    origin: dict[Any, frozenset[int]] = {}
-
-    def read(v: Any) -> Any:
-      return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-      env[v] = x
-    origins = [None] * len(args) if origins is None else origins
-    for v, x, o in zip(jaxpr.invars, args, origins, strict=True):
-      env[v] = x
-      if o:
-        origin[v] = o
-    for eqn in jaxpr.eqns:
-      invals = [read(v) for v in eqn.invars]
-      sources = [
-        None if isinstance(v, jex_core.Literal) else origin.get(v) for v in eqn.invars
-      ]
-      with eqn.ctx.manager:
-        if any(self.reduced(x) for x in invals):
-          outs, out_origins = self.use(eqn, invals, sources)
-        else:
-          outs, out_origins = self.value(eqn, invals), [None] * len(eqn.outvars)
-      for v, x, o in zip(eqn.outvars, outs, out_origins, strict=True):
-        env[v] = x
-        if o:
-          origin[v] = o
-    outvars = jaxpr.outvars
-    return [read(v) for v in outvars], [
-      None if isinstance(v, jex_core.Literal) else origin.get(v) for v in outvars
-    ]
+  def __init__(self, axes: frozenset[str]):
+    self.axes = axes
+    self.kept: set[int] = set()
 
   def reduced(self, x: Any) -> frozenset[str]:
     """The axes of ``self.axes`` that ``x`` is reduced over."""
@@ -234,23 +218,55 @@ class _Walk:
     spec = _spec(x)
     return frozenset() if spec is None else frozenset(spec.unreduced) & self.axes
 
-  def value(self, eqn: Any, invals: list[Any]) -> list[Any]:
-    """``eqn`` on values none of which is reduced: a sum of rows to a
-    scalar (a loss, a count) is left ``unreduced`` over the data axes, and
-    an operation on such sums is written as one JAX types on them
-    (:meth:`on_partial`); the rest as it is."""
-    name = eqn.primitive.name
-    if any(self.partial(x) for x in invals):
-      return self.on_partial(eqn, invals)
-    if name == "reduce_sum" and not eqn.outvars[0].aval.shape:
+  def follows(self, eqn: Any, invals: list[Any], meta: list[Any]) -> bool:
+    del eqn, meta
+    return any(self.reduced(x) or self.partial(x) for x in invals)
+
+  def plain(self, eqn: Any, invals: list[Any]) -> list[Any]:
+    """``eqn`` on values none of which is reduced or partial: a sum of rows
+    to a scalar (a loss, a count) is left ``unreduced`` over the data axes;
+    the rest as it is."""
+    if eqn.primitive.name == "reduce_sum" and not eqn.outvars[0].aval.shape:
       parts = _spec_or_empty(invals[0]).partitions
       axes = frozenset().union(*map(_names, parts)) & self.axes
       spec = _aval_spec(eqn.outvars[0].aval)
       if axes and spec is not None and not spec.unreduced:
         out = eqn.outvars[0].aval.sharding.update(spec=P(unreduced=axes))
-        params = {**eqn.params, "out_sharding": out}
-        return [eqn.primitive.bind(*invals, **params)]
+        return _jaxpr.bind(eqn, invals, out_sharding=out)
     return _bind(eqn, invals)
+
+  def equation(
+    self, eqn: Any, invals: list[Any], meta: list[Any]
+  ) -> tuple[list[Any], list[Any]]:
+    """The walker's dispatch, with a rule that fails for a reason other
+    than JAX's refusal of the user's own program (a jaxaccum bug, a
+    primitive whose parameters a new jax renamed) taking that use's plain
+    form, with a warning."""
+    try:
+      return super().equation(eqn, invals, meta)
+    except _FAILED_USE as error:
+      fallen = error
+    outs = self.as_plain(eqn, invals)  # the user's own error raises here
+    warnings.warn(
+      f"jaxaccum could not rewrite a use ({eqn.primitive.name}) of a parameter "
+      "typed reduced, so that use's gradient is reduced every micro-batch, as "
+      "plain jit does; the other uses keep theirs. Please report it. The walk "
+      f"said: {type(fallen).__name__}: {fallen}",
+      stacklevel=2,
+    )
+    return outs, [None] * len(outs)
+
+  def as_plain(self, eqn: Any, invals: list[Any]) -> list[Any]:
+    """``eqn`` with its reduced and partial operands made plain: plain
+    ``jit``'s own use of them."""
+    return _bind(eqn, [_plain(x) for x in invals])
+
+  def default(
+    self, eqn: Any, invals: list[Any], meta: list[Any]
+  ) -> tuple[list[Any], list[Any]]:
+    if any(self.reduced(x) for x in invals):
+      return self.use(eqn, invals, meta)
+    return self.on_partial(eqn, invals), [None] * len(eqn.outvars)
 
   def on_partial(self, eqn: Any, invals: list[Any]) -> list[Any]:
     """``eqn`` on sums ``unreduced`` over data axes: added to or subtracted
@@ -264,38 +280,30 @@ class _Walk:
     axes = frozenset().union(*(self.partial(invals[n]) for n in at))
     try:  # JAX refuses a sum meeting rows (an operand sharded over axes)
       out = _linear(eqn, invals, at, axes)
-    except _compat.SHARDING_TYPE_ERRORS:
+    except _REFUSED:
       out = None  # reduced below
     if out is not None:
       return [out]
-    return _bind(eqn, [_plain(x) if n in at else x for n, x in enumerate(invals)])
+    return self.as_plain(eqn, invals)
 
   def use(
     self, eqn: Any, invals: list[Any], sources: list[frozenset[int] | None]
   ) -> tuple[list[Any], list[frozenset[int] | None]]:
     """``eqn`` on ``invals``, some reduced, rewritten to a use JAX takes:
-    the first of :meth:`rewrites` that it types."""
-    name = eqn.primitive.name
+    the first of :meth:`rewrites` that it types forward and transposes."""
     leaves = frozenset().union(*(s for s in sources if s))
-    if name in _INLINED:
-      inner = eqn.params["jaxpr"]
-      return self.run(inner.jaxpr, inner.consts, invals, sources)
-    if name in _REMAT or name in {"scan", "cond"}:
-      return self.call(eqn, invals, sources)
     at = [n for n, x in enumerate(invals) if self.reduced(x)]
     axes = frozenset().union(*(self.reduced(invals[n]) for n in at))
-    if name == "reshard":
-      return self.reshard(eqn, invals, axes, leaves)
-    if name == "conv_general_dilated" and _kernel_of_rows(eqn, invals, axes):
-      self.kept |= leaves
-      return [_kept_kernel_conv(eqn, invals[0], invals[1], axes)], [None]
-    for rewritten, outcome in self.rewrites(eqn, invals, at, axes):
-      try:
-        outs = _bind(eqn, rewritten, axes if outcome == "reduced" else frozenset())
-      except _compat.SHARDING_TYPE_ERRORS:
-        if outcome == "plain":
-          raise
-        continue  # JAX has no rule for it: the next form
+    for form, outcome in self.rewrites(eqn, invals, at, axes):
+      if outcome == "plain":
+        outs = _bind(eqn, form(invals))
+      else:
+        result = axes if outcome == "reduced" else frozenset()
+        try:
+          outs = _bind(eqn, form(invals), result)
+          _check_transpose(eqn, invals, at, form, result=result, outs=outs)
+        except _REFUSED:
+          continue  # JAX has no rule for it, or no transpose: the next form
       if outcome == "kept":
         self.kept |= leaves
       return outs, [(leaves or None) if outcome == "reduced" else None] * len(outs)
@@ -303,45 +311,72 @@ class _Walk:
 
   def rewrites(
     self, eqn: Any, invals: list[Any], at: list[int], axes: frozenset[str]
-  ) -> Iterator[tuple[list[Any], str]]:
-    """The forms of ``eqn`` to try, with what each makes of the reduced
-    operands (at positions ``at``, reduced over ``axes``): ``"kept"`` (the
-    use contracts or broadcasts them into rows: their cotangent comes back
-    unreduced), ``"reduced"`` (the result is reduced too) or ``"plain"``
-    (made plain first; always the last)."""
+  ) -> Iterator[tuple[Callable[[list[Any]], list[Any]], str]]:
+    """The forms of ``eqn`` to try, each a rewrite of its operands (the
+    reduced ones at positions ``at``, reduced over ``axes``), with what it
+    makes of them: ``"kept"`` (the use contracts or broadcasts them into
+    rows: their cotangent comes back unreduced), ``"reduced"`` (the result
+    is reduced too) or ``"plain"`` (made plain first; always the last)."""
     name = eqn.primitive.name
     others = [_spec(x) for n, x in enumerate(invals) if n not in at]
     out = eqn.outvars[0].aval
     if name == "dot_general" and _contracts_rows(eqn, invals, at, axes):
-      yield invals, "kept"
+      yield list, "kept"
     elif (
       name in ELEMENTWISE
       and _covers(_aval_spec(out), axes)
       and any(_covers(s, axes) for s in others)
     ):  # broadcast into the sharded operand's rows
-      yield [_broadcast(x, out) if n in at else x for n, x in enumerate(invals)], "kept"
+      yield (
+        (
+          lambda vals: [
+            _broadcast(x, out) if n in at else x for n, x in enumerate(vals)
+          ]
+        ),
+        "kept",
+      )
     elif name in TYPED:  # JAX's own rule, where it has one
-      yield invals, "kept"
+      yield list, "kept"
     elif (name in ELEMENTWISE or len(invals) == 1) and not (
       _has_jaxpr(eqn) or any(s is not None and _shards(s, axes) for s in others)
     ):  # a view, a cast, an op of reduced and replicated values
       yield (
-        [
-          x if n in at else _as_reduced(x, invals[at[0]], axes)
-          for n, x in enumerate(invals)
-        ],
+        (
+          lambda vals: [
+            x if n in at else _as_reduced(x, vals[at[0]], axes)
+            for n, x in enumerate(vals)
+          ]
+        ),
         "reduced",
       )
-    yield [_plain(x) if n in at else x for n, x in enumerate(invals)], "plain"
+    yield (
+      lambda vals: [_plain(x) if n in at else x for n, x in enumerate(vals)],
+      "plain",
+    )
+
+  def conv(
+    self, eqn: Any, invals: list[Any], sources: list[frozenset[int] | None]
+  ) -> tuple[list[Any], list[frozenset[int] | None]]:
+    """A convolution of rows with a reduced kernel: its own derivative
+    (:func:`_kept_kernel_conv`) where :func:`_kernel_of_rows` allows it."""
+    axes = frozenset().union(*(self.reduced(x) for x in invals))
+    if self.reduced(invals[1]) and _kernel_of_rows(eqn, invals, axes):
+      self.kept |= frozenset().union(*(s for s in sources if s))
+      return [_kept_kernel_conv(eqn, invals[0], invals[1], axes)], [None]
+    return self.default(eqn, invals, sources)
 
   def reshard(
-    self, eqn: Any, invals: list[Any], axes: frozenset[str], leaves: frozenset[int]
+    self, eqn: Any, invals: list[Any], sources: list[frozenset[int] | None]
   ) -> tuple[list[Any], list[frozenset[int] | None]]:
     """A ``reshard`` of a reduced value: one that keeps it replicated over
     the reduced axes keeps it reduced; one that shards it over them takes
     each device's part (no data moves), and one onto Auto axes leaves it
     to the partitioner (``.at[].get(out_sharding=)``'s own reshard of a
     gathered table): either way its cotangent comes back ``unreduced``."""
+    axes = self.reduced(invals[0])
+    if not axes:
+      return self.default(eqn, invals, sources)
+    leaves = frozenset().union(*(s for s in sources if s))
     dst = eqn.params["dst_sharding"]
     explicit = {
       a
@@ -350,9 +385,8 @@ class _Walk:
     }
     if axes <= explicit and not _shards(dst.spec, axes):
       spec = P(*dst.spec.partitions, reduced=set(dst.spec.reduced) | axes)
-      params = {**eqn.params, "dst_sharding": dst.update(spec=spec)}
-      out = eqn.primitive.bind(*invals, **params)
-      return [out], [leaves or None]
+      out = _jaxpr.bind(eqn, invals, dst_sharding=dst.update(spec=spec))
+      return out, [leaves or None]
     self.kept |= leaves
     return _bind(eqn, invals), [None]
 
@@ -362,9 +396,11 @@ class _Walk:
     """A ``checkpoint``, ``scan`` or ``cond`` rebuilt around the walk of its
     jaxprs. A scan's carry and a scan's or a cond's outputs are made plain:
     their types must match across iterations and branches."""
+    if not any(self.reduced(x) for x in invals):
+      return self.default(eqn, invals, sources)
     p = eqn.params
     name = eqn.primitive.name
-    if name in _REMAT:
+    if name in _jaxpr.REMAT:
       found: list[Any] = []
 
       def inner(*args: Any) -> list[Any]:
@@ -375,7 +411,6 @@ class _Walk:
       remat = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])
       return remat(*invals), found
     if name == "cond":
-      body = p["branches"]
 
       def branch(closed: Any) -> Callable[..., list[Any]]:
         def run(*ops: Any) -> list[Any]:
@@ -384,7 +419,7 @@ class _Walk:
 
         return run
 
-      outs = jax.lax.switch(invals[0], [branch(b) for b in body], *invals[1:])
+      outs = jax.lax.switch(invals[0], [branch(b) for b in p["branches"]], *invals[1:])
       return list(outs), [None] * len(outs)
     consts, carried = _compat.scan_operand_counts(p, len(invals))
     fixed, init = invals[:consts], [_plain(x) for x in invals[consts:][:carried]]
@@ -403,6 +438,39 @@ class _Walk:
     )
     outs = [*carry, *ys]
     return outs, [None] * len(outs)
+
+
+def _check_transpose(
+  eqn: Any,
+  invals: list[Any],
+  at: list[int],
+  form: Callable[[list[Any]], list[Any]],
+  *,
+  result: frozenset[str],
+  outs: list[Any],
+) -> None:
+  """Raises JAX's own refusal where it cannot transpose ``eqn`` rewritten
+  by ``form``, from cotangents of ``outs``'s types back to the reduced
+  operands at ``at`` (on types only): a form JAX takes forward but not
+  backward fails here, at its use, not later in the step's backward pass."""
+  if not any(jnp.issubdtype(invals[n].dtype, jnp.inexact) for n in at):
+    return
+
+  def transpose(reduced: list[Any], cotangents: list[Any]) -> Any:
+    def rebuilt(*reduced: Any) -> list[Any]:
+      vals = list(invals)
+      for n, x in zip(at, reduced, strict=True):
+        vals[n] = x
+      return _bind(eqn, form(vals), result)
+
+    _, pullback = jax.vjp(rebuilt, *reduced)
+    return pullback(cotangents)
+
+  jax.eval_shape(
+    transpose,
+    [_compat.type_of(invals[n]) for n in at],
+    [_compat.cotangent_type(x) for x in outs],
+  )
 
 
 def _kernel_of_rows(eqn: Any, invals: list[Any], axes: frozenset[str]) -> bool:

@@ -21,7 +21,7 @@ say what the step needs:
   them, and a use that has no rows (a penalty on the weights alone) takes
   the leaf made plain.
 - **The loss**, a sum over the rows, is left ``unreduced`` too and reduced
-  with the gradients, after the loop (:meth:`_reduced._Walk.value`).
+  with the gradients, after the loop (:meth:`jaxaccum._parallel.reduced._Walk.plain`).
 - **A leaf sharded over a data axis** (FSDP) keeps its modes
   (``fsdp_gather``): ``"per_micro_batch"`` leaves it as it is, so that each
   micro-batch's gradient is reduce-scattered where plain ``jit`` would,
@@ -205,23 +205,16 @@ class UnreducedStep:
     index = jax.ShapeDtypeStruct((), jnp.int32)
     diff_args = tuple(args[n] for n in o.argnums)
     entry = [plan_leaf(x, self.axes, o.fsdp_gather, True) for x in flat]
-    try:
-      kept = fun.probe(
-        lambda *a: loss(*a)[0],
-        lambda diff: self._map(self._enter, entry, diff),
-        diff_args,
-        micro,
-        index,
-        state,
-      )
-    except Exception as error:  # a program the walk does not know
-      warnings.warn(
-        "jaxaccum could not read fun's uses of its parameters, so this step "
-        "reduces every micro-batch's gradient, as plain jit does. Please "
-        f"report it. The walk said: {type(error).__name__}: {error}",
-        stacklevel=4,
-      )
-      return self.engine, [False] * len(flat)
+    # A use the walk cannot rewrite takes its leaf plain there alone; an
+    # error here is fun's own (JAX's, as under jax.value_and_grad).
+    kept = fun.probe(
+      lambda *a: loss(*a)[0],
+      lambda diff: self._map(self._enter, entry, diff),
+      diff_args,
+      micro,
+      index,
+      state,
+    )
     return (engine if any(kept) else self.engine), kept
 
   # -- the leaves in the loop, their accumulators, the one reduction --------
@@ -374,9 +367,11 @@ def run_or_fall_back(
   *,
   fallback: Callable[[tuple[Any, ...], dict[str, Any]], _engine.Result],
 ) -> _engine.Result:
-  """:class:`UnreducedStep`; where JAX refuses a ``reduced`` leaf in a use
-  :mod:`jaxaccum._parallel.reduced` let through, a warning and ``fallback`` (the
-  partitioner's step, which reduces every micro-batch)."""
+  """:class:`UnreducedStep`. Each use the walk rewrites is checked where it
+  is made, forward and backward (:mod:`jaxaccum._parallel.reduced`), and a
+  use JAX refuses takes its leaf plain there alone; should JAX still refuse
+  a ``reduced`` leaf in the step (a jaxaccum bug), a warning asking for a
+  report and ``fallback``, the partitioner's step, as the last resort."""
   try:
     return UnreducedStep(engine, axes)(args, kwargs, split)
   except _REFUSALS as error:
@@ -386,8 +381,8 @@ def run_or_fall_back(
   warnings.warn(
     "jaxaccum: JAX refused a parameter typed reduced (replicated over the "
     f"batch's axes {axes}, its cotangent unreduced) in a use of fun's, so "
-    "this step reduces every micro-batch's gradient, as plain jit does. JAX "
-    f"said: {text.splitlines()[0]}",
+    "this step reduces every micro-batch's gradient, as plain jit does. "
+    f"Please report it. JAX said: {text.splitlines()[0]}",
     stacklevel=3,
   )
   return fallback(args, kwargs)
