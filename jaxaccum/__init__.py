@@ -68,6 +68,7 @@ from jaxaccum._optim.scaling import micro_batch_momentum as micro_batch_momentum
 from jaxaccum._optim.scaling import scale_adam_sqrt as scale_adam_sqrt
 from jaxaccum._optim.scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._optim.scaling import warmup as warmup
+from jaxaccum._parallel import DataParallel as DataParallel
 from jaxaccum._pipeline.pipeline import pipeline as pipeline
 from jaxaccum._privacy import ClipRecord as ClipRecord
 from jaxaccum._privacy import DPNoiseState as DPNoiseState
@@ -88,6 +89,7 @@ __all__ = [
   "ClipRecord",
   "CompileTarget",
   "DPNoiseState",
+  "DataParallel",
   "Deviation",
   "DynamicLossScale",
   "GhostFallbackWarning",

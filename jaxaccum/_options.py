@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,9 +30,6 @@ import numpy as np
 from jaxaccum import _aux, _normalize
 
 PyTree = Any
-
-FSDP_MODES = ("per_micro_batch", "cast_once", "once")
-VIEWS = ("device", "global")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +70,9 @@ class Options:
     as one tree rather than a tuple (as in ``jax.value_and_grad``);
   - ``shared_argnums``, ``public_argnums``: tuples;
   - ``normalization``: the mode as a value (:mod:`jaxaccum._normalize`);
-  - ``data_axes``: ``data_axis`` as a tuple (None without a mesh);
+  - ``parallel``: the ``jaxaccum.DataParallel`` group (its shorthands,
+    ``mesh=`` and the rest, routed into it), read through the properties
+    below;
   - ``names``: how errors name argument positions;
   - ``example_mask``: with ``clip_per_example``, the engine position of the
     row mask that the call's ``example_mask=`` keyword became (one of
@@ -92,12 +91,7 @@ class Options:
   state_argnum: int | None = None
   shared_argnums: tuple[int, ...] = ()
   remat: bool | Callable[..., Any] = False
-  mesh: jax.sharding.Mesh | None = None
-  data_axes: tuple[str, ...] | None = None
-  param_specs: PyTree | None = None
-  fsdp_gather: str = "per_micro_batch"
-  gather_dtype: Any = None
-  view: str = "device"
+  parallel: Any = None
   noise_stats: bool = False
   value_checks: bool = False
   clip_per_example: float | None = None
@@ -119,13 +113,37 @@ class Options:
     extra = tuple(n for n in (self.rng_argnum, self.state_argnum) if n is not None)
     return self.argnums + self.batch_argnums + extra
 
+  # -- the data-parallel group, as the core reads it --------------------------
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh | None:
+    return None if self.parallel is None else self.parallel.mesh
+
+  @property
+  def data_axes(self) -> tuple[str, ...] | None:
+    return None if self.parallel is None else self.parallel.data_axes
+
+  @property
+  def param_specs(self) -> PyTree | None:
+    return None if self.parallel is None else self.parallel.param_specs
+
+  @property
+  def fsdp_gather(self) -> str:
+    return "per_micro_batch" if self.parallel is None else self.parallel.fsdp_gather
+
+  @property
+  def gather_dtype(self) -> Any:
+    return None if self.parallel is None else self.parallel.gather_dtype
+
+  @property
+  def view(self) -> str:
+    return "device" if self.parallel is None else self.parallel.view
+
   @property
   def data_devices(self) -> int:
     """Devices the batch is split over: the product of the data axes' sizes
     (1 without a mesh)."""
-    if self.mesh is None or self.data_axes is None:
-      return 1
-    return math.prod(self.mesh.shape[a] for a in self.data_axes)
+    return 1 if self.parallel is None else self.parallel.data_devices
 
   def replace(self, **changes: Any) -> Options:
     return dataclasses.replace(self, **changes)
@@ -186,11 +204,88 @@ class Options:
     )
 
 
-# The keyword arguments of jaxaccum.value_and_grad.
-KEYWORDS = frozenset(
+#: The option groups, by the keyword of ``value_and_grad`` that takes them:
+#: each feature registers its group (:func:`register`), and :func:`create`
+#: routes the group's flat shorthands into it. The core imports no feature:
+#: it reads a group through the properties of :class:`Options` and calls
+#: its ``_check``.
+GROUPS: dict[str, Any] = {}
+
+
+def register(group: Any) -> Any:
+  """Registers an option group: a frozen dataclass that validates itself,
+  with class attributes ``keyword`` (its keyword in ``value_and_grad``) and
+  ``shorthands`` (flat keyword -> field), and a method ``_check(options)``
+  for its constraints on the other options."""
+  GROUPS[group.keyword] = group
+  return group
+
+
+#: The core keyword arguments of jaxaccum.value_and_grad.
+CORE_KEYWORDS = frozenset(
   {f.name for f in dataclasses.fields(Options)}
-  - {"data_axes", "tree_grads", "names", "example_mask"}
-) | {"data_axis"}
+  - {"tree_grads", "names", "example_mask", "parallel"}
+)
+
+
+def keywords() -> frozenset[str]:
+  """Every keyword of :func:`jaxaccum.value_and_grad`: the core's, each
+  group's, and each group's shorthands."""
+  flat = {name for g in GROUPS.values() for name in g.shorthands}
+  return CORE_KEYWORDS | set(GROUPS) | flat
+
+
+def flat(kwargs: dict[str, Any]) -> dict[str, Any]:
+  """``kwargs`` with each group given by its keyword spelled as its
+  shorthands instead (the fields that differ from the group's defaults),
+  for a caller that varies one of them (the memory planner's search)."""
+  out = dict(kwargs)
+  for keyword, group in GROUPS.items():
+    given = out.pop(keyword, None)
+    if given is None:
+      continue
+    default = group()
+    for name, field in group.shorthands.items():
+      value = getattr(given, field)
+      if not _same(value, getattr(default, field)):
+        out[name] = value
+  return out
+
+
+def _same(value: Any, default: Any) -> bool:
+  """Whether a shorthand's value is its field's default (spelled out, as
+  the signature's defaults are)."""
+  if value is default:
+    return True
+  try:
+    return bool(value == default)
+  except Exception:  # an array, or a tree of them: not a default
+    return False
+
+
+def _groups(kwargs: dict[str, Any]) -> dict[str, Any]:
+  """Each registered group, from its keyword or from its shorthands in
+  ``kwargs`` (which loses them), else its defaults; a group and its
+  shorthands together are a ``TypeError`` naming both."""
+  groups = {}
+  for keyword, group in GROUPS.items():
+    names = group.shorthands
+    default = group()
+    flat = {names[n]: kwargs.pop(n) for n in list(kwargs) if n in names}
+    flat = {f: v for f, v in flat.items() if not _same(v, getattr(default, f))}
+    given = kwargs.pop(keyword, None)
+    if given is not None and flat:
+      shown = ", ".join(f"{n}=" for n in names if names[n] in flat)
+      raise TypeError(
+        f"{shown} and {keyword}= were both given: {shown} "
+        f"{'is a shorthand' if len(flat) == 1 else 'are shorthands'} for a "
+        f"field of {keyword}=jaxaccum.{group.__name__}(...). Pass the group "
+        "alone, with that field in it."
+      )
+    if given is not None and not isinstance(given, group):
+      raise TypeError(f"{keyword}= takes a jaxaccum.{group.__name__}, got {given!r}.")
+    groups[keyword] = given if given is not None else group(**flat)
+  return groups
 
 
 def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Options:
@@ -200,12 +295,15 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   ``ValueError`` or ``TypeError`` naming the argument, at definition time.
   Defaults are the :class:`Options` fields'.
   """
-  unknown = sorted(set(kwargs) - KEYWORDS)
+  known = keywords()
+  unknown = sorted(set(kwargs) - known)
   if unknown:
     raise TypeError(
       f"Unknown option(s) {unknown}; the options are those of "
-      f"jaxaccum.value_and_grad: {sorted(KEYWORDS | {'num_micro_batches'})}."
+      f"jaxaccum.value_and_grad: {sorted(known | {'num_micro_batches'})}."
     )
+  kwargs = dict(kwargs)
+  groups = _groups(kwargs)
   if fun is not None and not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r}.")
   defaults = Options()
@@ -231,24 +329,12 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   _normalize.get(normalize)
   accum_dtype = get("accum_dtype")
   _normalize.check_accum_dtype(accum_dtype)
-  fsdp_gather = get("fsdp_gather")
-  if fsdp_gather not in FSDP_MODES:
-    raise ValueError(f"Unknown {fsdp_gather=}; choose one of {list(FSDP_MODES)}.")
-  gather_dtype = _gather_dtype(fsdp_gather, get("gather_dtype"))
-  view = get("view")
-  if view not in VIEWS:
-    raise ValueError(f"Unknown {view=}; choose one of {list(VIEWS)}.")
-  mesh, data_axes = _mesh_and_axes(get("mesh"), kwargs.get("data_axis"))
   clip = check_clip_norm("clip_per_example", get("clip_per_example"))
   if clip is not None:
     _check_clip_compatible(state_argnum, bool(get("noise_stats")))
   clip_record = bool(get("clip_record"))
   _check_clip_record(clip_record, clip, argnums)
   clip_method = _check_clip_method(get("clip_method"), clip)
-  if get("param_specs") is not None and mesh is None:
-    raise ValueError("param_specs is for the data-parallel path; pass mesh= too.")
-  if kwargs.get("view", "device") != "device" and mesh is None:
-    raise ValueError("view= says what fun sees under mesh=; pass mesh= too.")
   options = Options(
     num_micro_batches=None if num_micro_batches is None else int(num_micro_batches),
     micro_batch_size=None if micro_batch_size is None else int(micro_batch_size),
@@ -262,12 +348,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     state_argnum=state_argnum,
     shared_argnums=shared,
     remat=_check_remat(get("remat")),
-    mesh=mesh,
-    data_axes=data_axes,
-    param_specs=get("param_specs"),
-    fsdp_gather=fsdp_gather,
-    gather_dtype=gather_dtype,
-    view=view,
+    **groups,
     noise_stats=bool(get("noise_stats")),
     value_checks=bool(get("value_checks")),
     clip_per_example=clip,
@@ -276,6 +357,8 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     clip_method=clip_method,
     tree_grads=isinstance(argnums, numbers.Integral),
   )
+  for group in groups.values():
+    group._check(options)
   # Positions that are all counted from the front can be checked now.
   listed = options.array_argnums + options.shared_argnums + options.public_argnums
   if all(n >= 0 for n in listed):
@@ -445,28 +528,6 @@ def _one_position(name: str, n: Any) -> int | None:
   return _as_tuple(n, name)[0]
 
 
-def _gather_dtype(fsdp_gather: str, gather_dtype: Any) -> Any:
-  """``gather_dtype`` checked: a floating dtype, given for ``"cast_once"``
-  (which needs it) and only then."""
-  if fsdp_gather != "cast_once":
-    if gather_dtype is not None:
-      raise ValueError(
-        f"gather_dtype={gather_dtype!r} is for fsdp_gather='cast_once', not "
-        f"{fsdp_gather=}."
-      )
-    return None
-  if gather_dtype is None:
-    raise ValueError(
-      "fsdp_gather='cast_once' casts the FSDP leaves to gather_dtype before "
-      "gathering them once per step: name it, e.g. gather_dtype=jnp.bfloat16 "
-      "(exact when fun's first use of each FSDP leaf is that cast)."
-    )
-  dtype = jnp.dtype(gather_dtype)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"gather_dtype must be a floating dtype, got {dtype}.")
-  return dtype
-
-
 def _check_remat(remat: Any) -> bool | Callable[..., Any]:
   if isinstance(remat, bool) or (callable(remat) and not isinstance(remat, type)):
     return remat
@@ -474,47 +535,3 @@ def _check_remat(remat: Any) -> bool | Callable[..., Any]:
     "remat must be a bool or a jax.checkpoint_policies policy (a callable), "
     f"got {remat!r}."
   )
-
-
-def _mesh_and_axes(
-  mesh: Any, data_axis: Any
-) -> tuple[jax.sharding.Mesh | None, tuple[str, ...] | None]:
-  """``mesh`` checked, and ``data_axis`` as a tuple of its axis names."""
-  if mesh is None and data_axis is None:
-    return None, None
-  if mesh is None:
-    raise ValueError(f"{data_axis=} needs mesh=, the mesh that holds that axis.")
-  if data_axis is None:
-    raise ValueError("mesh= needs data_axis=, the name of the mesh's data axis.")
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}.")
-  return mesh, data_axes(mesh, data_axis)
-
-
-def data_axes(mesh: jax.sharding.Mesh, data_axis: Any) -> tuple[str, ...]:
-  """``data_axis`` (a name or a tuple of names) checked against ``mesh``.
-
-  >>> mesh = jax.make_mesh((1,), ("data",))
-  >>> data_axes(mesh, "data")
-  ('data',)
-  """
-  axes = (data_axis,) if isinstance(data_axis, str) else data_axis
-  if (
-    not isinstance(axes, Sequence)
-    or isinstance(axes, str)
-    or not axes
-    or not all(isinstance(a, str) for a in axes)
-  ):
-    raise TypeError(
-      "data_axis must be a mesh axis name or a non-empty tuple of them, got "
-      f"{data_axis!r}."
-    )
-  axes = tuple(axes)
-  for a in axes:
-    if a not in mesh.axis_names:
-      raise ValueError(
-        f"data_axis {a!r} is not an axis of the mesh, whose axes are {mesh.axis_names}."
-      )
-  if len(set(axes)) != len(axes):
-    raise ValueError(f"data_axis={data_axis!r} repeats an axis.")
-  return axes

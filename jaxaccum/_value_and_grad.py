@@ -52,6 +52,7 @@ def value_and_grad(
   public_argnums: int | Sequence[int] = (),
   clip_record: bool = False,
   clip_method: str = "vmap",
+  parallel: Any = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 

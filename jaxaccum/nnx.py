@@ -20,6 +20,7 @@ there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -204,8 +205,11 @@ def _accumulated_results(
       specs = user.param_specs
       if specs is not None and user.tree_grads:
         specs = (specs,)
+      parallel = user.parallel
+      if specs is not None:
+        parallel = dataclasses.replace(parallel, param_specs=specs)
       engine_options = user.shifted(2, hidden=_HIDDEN).replace(
-        argnums=(0,), state_argnum=1, has_aux=True, param_specs=specs
+        argnums=(0,), state_argnum=1, has_aux=True, parallel=parallel
       )
       step = _value_and_grad.Step(
         _pure(fun, layout, wrt, options.has_aux), engine_options

@@ -30,6 +30,7 @@ from jaxaccum import _options, _split, _value_and_grad
 from jaxaccum._inspect import hlo as _hlo
 from jaxaccum._inspect.targets import CompileTarget
 from jaxaccum._parallel import data_parallel as _parallel
+from jaxaccum._parallel.options import FSDP_MODES
 
 
 class MemoryStats(NamedTuple):
@@ -376,10 +377,11 @@ def plan_micro_batches(
       )
     memory_limit_bytes = target.budget_bytes
   builder = _is_step_builder(fun)
+  value_and_grad_kwargs = _options.flat(value_and_grad_kwargs)
   known = {
     name: value
     for name, value in value_and_grad_kwargs.items()
-    if name in _options.KEYWORDS
+    if name in _options.keywords()
     and name not in ("num_micro_batches", "micro_batch_size", "gather_dtype")
   }
   options = _options.create(None, 1, **known)
@@ -486,8 +488,8 @@ def _fsdp_modes(
   if not any(s is not None and s.sharded_dims() for s in layout):
     return (None,)
   if kwargs.get("gather_dtype") is not None:
-    return _options.FSDP_MODES
-  return tuple(m for m in _options.FSDP_MODES if m != "cast_once")
+    return FSDP_MODES
+  return tuple(m for m in FSDP_MODES if m != "cast_once")
 
 
 def _choose(

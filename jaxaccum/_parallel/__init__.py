@@ -7,6 +7,10 @@ are reduced across devices once per step.
   on JAX's ``reduced``/``unreduced`` types;
 - :mod:`~jaxaccum._parallel.reduced`: ``fun`` evaluated with its parameters
   typed ``reduced``, each use rewritten into one JAX types;
+- :mod:`~jaxaccum._parallel.options`: :class:`DataParallel`, the group of
+  data-parallel options;
 - :mod:`~jaxaccum._parallel.specs`: how a ``PartitionSpec`` splits into its
   data part and the rest.
 """
+
+from jaxaccum._parallel.options import DataParallel as DataParallel
