@@ -18,7 +18,9 @@ clipping's taps at each use (:mod:`jaxaccum._privacy.ghost`). Both are
   to its ``default`` rule.
 
 :func:`find` searches nested jaxprs at any depth, for the checks that only
-look (a convolution grouped over examples, a JAX bug's trigger).
+look (a convolution grouped over examples, a JAX bug's trigger), and
+:func:`inlined` traces a function with its calls evaluated inline, for the
+analyses that read one flat program (:mod:`jaxaccum._rowsums`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
+import jax
 from jax.extend import core as jex_core
 
 #: JAX's call primitives whose body the walker evaluates inline, and the
@@ -190,3 +193,35 @@ class Walker:
   ) -> tuple[list[Any], list[Any]]:
     """The rule for every primitive not in ``rules``."""
     raise NotImplementedError
+
+
+class _Inline(Walker):
+  """Evaluates every equation, calls inline (the walker's own rule)."""
+
+  def follows(self, eqn: Any, invals: list[Any], meta: list[Any]) -> bool:
+    del eqn, invals, meta
+    return True
+
+  def default(
+    self, eqn: Any, invals: list[Any], meta: list[Any]
+  ) -> tuple[list[Any], list[Any]]:
+    return self.plain(eqn, invals), [None] * len(eqn.outvars)
+
+
+def inlined(fun: Callable[..., Any], args: Sequence[Any]) -> Any:
+  """``fun(*args)``'s ``ClosedJaxpr`` (``args`` flat: arrays or
+  ``ShapeDtypeStruct``\\ s), with every call of :data:`CALLS` evaluated
+  inline, at any depth outside other primitives' bodies; its outputs flat.
+
+  >>> import jax, jax.numpy as jnp
+  >>> f = lambda x: jax.jit(jnp.sin)(x) * 2
+  >>> [e.primitive.name for e in inlined(f, [jnp.ones(2)]).jaxpr.eqns]
+  ['sin', 'mul']
+  """
+  closed = jax.make_jaxpr(lambda *xs: jax.tree.leaves(fun(*xs)))(*args)
+
+  def flat(*xs: Any) -> list[Any]:
+    outs, _ = _Inline().run(closed.jaxpr, closed.consts, xs)
+    return outs
+
+  return jax.make_jaxpr(flat)(*args)
