@@ -16,10 +16,10 @@ The layout is MaxText's circular pipeline, written as one function of
   iterations (``m`` the pipeline micro-batches): ``r·m + S - 1`` when ``m >=
   S`` or ``r = 1``; with ``m < S`` and ``r > 1`` a micro-batch is back at
   stage 0 only ``S`` iterations after it left, so the repeats start every
-  ``S`` iterations, ``r·S + m - 1`` in all. Each iteration every stage runs its ``n`` layers on one
-  micro-batch, then the activations move one stage on (a
-  ``collective-permute``; the last stage's goes back to the first for the
-  next repeat). Stage 0 reads its inputs from, and parks the returning
+  ``S`` iterations, ``r·S + m - 1`` in all. Each iteration every stage runs
+  its ``n`` layers on one micro-batch, then the activations move one stage
+  on (a ``collective-permute``; the last stage's goes back to the first for
+  the next repeat). Stage 0 reads its inputs from, and parks the returning
   activations in, one buffer of the batch; the last stage writes the results
   into its own. Stages written as one body over a named stage axis: a
   ``shard_map`` over the mesh's stage axis, or, without a mesh, a ``vmap``

@@ -22,6 +22,7 @@ def check_options(
   rng_argnum: Any,
   stage_axis: Any,
 ) -> None:
+  """``pipeline()``'s options, checked where it is called."""
   for name, value in (
     ("num_stages", num_stages),
     ("num_micro_batches", num_micro_batches),
@@ -114,6 +115,7 @@ def _agreed(sizes: dict[str, int], message: str) -> int:
 
 
 def divisors(n: int) -> str:
+  """``n``'s divisors, listed for an error message."""
   found = [d for d in range(1, n + 1) if n % d == 0]
   return ", ".join(map(str, found))
 
