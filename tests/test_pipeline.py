@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import testing
-from jaxaccum._pipeline.pipeline import (
+from jaxaccum._pipeline import (
   PipelineBubbleWarning,
   ReplicatedLayersWarning,
   Schedule,

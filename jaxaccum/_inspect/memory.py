@@ -370,45 +370,12 @@ def plan_micro_batches(
   >>> plan.num_micro_batches, plan.memory_limit_bytes == tpu.budget_bytes
   (8, True)
   """
-  if memory_limit_bytes is None:
-    if target is None:
-      raise ValueError(
-        "Give memory_limit_bytes, or a target whose memory sets the budget."
-      )
-    memory_limit_bytes = target.budget_bytes
+  memory_limit_bytes = _budget(memory_limit_bytes, target)
   builder = _is_step_builder(fun)
   value_and_grad_kwargs = _options.flat(value_and_grad_kwargs)
-  known = {
-    name: value
-    for name, value in value_and_grad_kwargs.items()
-    if name in _options.keywords()
-    and name not in ("num_micro_batches", "micro_batch_size", "gather_dtype")
-  }
-  options = _options.create(None, 1, **known)
-  if builder:
-    nums: Sequence[int] = (
-      len(args) - 1 if step_batch_argnum is None else step_batch_argnum,
-    )
-  elif step_batch_argnum is not None:
-    raise ValueError(
-      "step_batch_argnum is for a step builder; for a loss, pass batch_argnums."
-    )
-  else:
-    nums = options.resolve(len(args)).batch_argnums
-  batch_size = _split.leading_batch_size({f"args[{n}]": args[n] for n in nums})
-  devices = options.data_devices
-  if batch_size % devices:
-    raise ValueError(
-      f"The global {batch_size=} is not divisible by the {devices} devices "
-      f"of data axes {options.data_axes}."
-    )
-  batch_size //= devices
-  if candidates is None:
-    candidates = [
-      2**i for i in range(batch_size.bit_length()) if batch_size % 2**i == 0
-    ]
-  if not candidates:
-    raise ValueError("No candidate num_micro_batches to try.")
+  options = _planning_options(value_and_grad_kwargs)
+  batch_size = _batch_per_device(args, options, builder, step_batch_argnum)
+  candidates = _candidates(candidates, batch_size)
 
   def compile_one(k: int, mode: str | None) -> Candidate:
     kwargs = dict(value_and_grad_kwargs)
@@ -433,6 +400,68 @@ def plan_micro_batches(
     for mode in modes
   }
   return _choose(tables, memory_limit_bytes)
+
+
+def _budget(memory_limit_bytes: int | None, target: CompileTarget | None) -> int:
+  """The budget per device: as given, else the target's."""
+  if memory_limit_bytes is not None:
+    return memory_limit_bytes
+  if target is None:
+    raise ValueError(
+      "Give memory_limit_bytes, or a target whose memory sets the budget."
+    )
+  return target.budget_bytes
+
+
+def _planning_options(kwargs: dict[str, Any]) -> _options.Options:
+  """The options the plan reads (batch arguments, mesh, data axes); ``k``
+  is the planner's, and ``gather_dtype`` its FSDP search's."""
+  known = {
+    name: value
+    for name, value in kwargs.items()
+    if name in _options.keywords()
+    and name not in ("num_micro_batches", "micro_batch_size", "gather_dtype")
+  }
+  return _options.create(None, 1, **known)
+
+
+def _batch_per_device(
+  args: Sequence[Any],
+  options: _options.Options,
+  builder: bool,
+  step_batch_argnum: int | None,
+) -> int:
+  """The rows of the batch (a step builder's ``step_batch_argnum``, by
+  default its last argument; a loss's ``batch_argnums``) per data device."""
+  if builder:
+    nums: Sequence[int] = (
+      len(args) - 1 if step_batch_argnum is None else step_batch_argnum,
+    )
+  elif step_batch_argnum is not None:
+    raise ValueError(
+      "step_batch_argnum is for a step builder; for a loss, pass batch_argnums."
+    )
+  else:
+    nums = options.resolve(len(args)).batch_argnums
+  batch_size = _split.leading_batch_size({f"args[{n}]": args[n] for n in nums})
+  devices = options.data_devices
+  if batch_size % devices:
+    raise ValueError(
+      f"The global {batch_size=} is not divisible by the {devices} devices "
+      f"of data axes {options.data_axes}."
+    )
+  return batch_size // devices
+
+
+def _candidates(candidates: Sequence[int] | None, batch_size: int) -> Sequence[int]:
+  """The ``k`` to try: as given, else the powers of two dividing the batch."""
+  if candidates is None:
+    candidates = [
+      2**i for i in range(batch_size.bit_length()) if batch_size % 2**i == 0
+    ]
+  if not candidates:
+    raise ValueError("No candidate num_micro_batches to try.")
+  return candidates
 
 
 def _measure(

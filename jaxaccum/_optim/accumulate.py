@@ -415,20 +415,8 @@ def accumulate(
       noise_config=noise_config,
       noise_stats=noise_stats,
     )
-
-    def no_update(acc_grads, acc_weight, inner_state, noise):
-      shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state, noise)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
-      return zeros, inner_state, noise
-
-    updates, inner_state, noise = jax.lax.cond(
-      apply,
-      inner_update,
-      no_update,
-      window.acc_grads,
-      window.acc_weight,
-      state.inner_state,
-      window.noise,
+    updates, inner_state, noise = _inner_or_zeros(
+      apply, inner_update, window, state.inner_state
     )
     new_state = _next_state(state, window, done, apply, (inner_state, noise))
     window_size, autopilot = _next_window(every_k, new_state, done, apply, noise.last)
@@ -487,6 +475,32 @@ def _inner_update(
     return updates, new_inner_state, noise
 
   return inner_update
+
+
+def _inner_or_zeros(
+  apply: jax.Array,
+  inner_update: Callable[..., Any],
+  window: _Window,
+  inner_state: PyTree,
+) -> tuple[PyTree, PyTree, WindowNoise]:
+  """``(updates, inner_state, noise)``: ``inner_update`` on the window where
+  ``apply``, else zero updates of its dtypes with the state and the noise
+  as they are; one ``lax.cond``."""
+
+  def no_update(acc_grads, acc_weight, inner_state, noise):
+    shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state, noise)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+    return zeros, inner_state, noise
+
+  return jax.lax.cond(
+    apply,
+    inner_update,
+    no_update,
+    window.acc_grads,
+    window.acc_weight,
+    inner_state,
+    window.noise,
+  )
 
 
 def _partitioning(
