@@ -58,7 +58,7 @@ def test_unknown_target_names_the_known_ones():
 
 def test_h100_description_agrees_with_the_catalog():
   """The text proto XLA compiles for and the budget's memory are one fact."""
-  data = importlib.resources.files("jaxaccum") / "_target_data"
+  data = importlib.resources.files("jaxaccum._inspect") / "_target_data"
   proto = (data / "h100.txtpb").read_text()
   spec = _targets._catalog()["h100"]
   (memory,) = re.findall(r"device_memory_size: (\d+)", proto)
