@@ -122,6 +122,18 @@ def split_micro_batches(batch: PyTree, k: int) -> list[PyTree]:
   ]
 
 
+def train_step(value_and_grad: Any, tx: optax.GradientTransformation) -> Any:
+  """The jitted, donated step ``(params, opt_state, batch) -> (params,
+  opt_state, value)``: ``value_and_grad(params, batch)``, then one update."""
+
+  def step(params, opt_state, batch):
+    value, grads = value_and_grad(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
 @functools.cache
 def full_batch_step(loss: Any, tx: optax.GradientTransformation) -> Any:
   """The jitted, donated full-batch step ``(params, opt_state, batch)``.
@@ -129,13 +141,82 @@ def full_batch_step(loss: Any, tx: optax.GradientTransformation) -> Any:
   Cached, so that every ``k`` of a model reuses one jitted function (and its
   compilations, one per batch shape).
   """
+  return train_step(jax.value_and_grad(loss), tx)
+
+
+def full_batch_select_step(loss: Any, tx: optax.GradientTransformation) -> Any:
+  """The full-batch step with ``make_train_step``'s skip written by hand: the
+  new parameters and optimizer state kept only where the loss and every
+  gradient are finite (``jnp.where``), without an optimization barrier."""
 
   def step(params, opt_state, batch):
     value, grads = jax.value_and_grad(loss)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+    leaves = [value, *jax.tree.leaves(grads)]
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = functools.partial(jax.tree.map, lambda n, o: jnp.where(ok, n, o))
+    return keep(new_params, params), keep(new_state, opt_state), value
 
   return jax.jit(step, donate_argnums=(0, 1))
+
+
+def hand_scan(
+  loss: Any, k: int, *, split: str = "contiguous", shardings: PyTree = None
+) -> Any:
+  """Accumulation written by hand, the peers' baseline: ``(params, batch) ->
+  (value, grads)``, a ``lax.scan`` over ``k`` micro-batches adding each
+  gradient into a float32 accumulator, then the mean.
+
+  Args:
+    loss: ``loss(params, micro_batch)``, a mean.
+    k: the number of micro-batches.
+    split: ``"contiguous"``, micro-batch ``i`` is rows ``i·B/k`` to
+      ``(i+1)·B/k - 1`` (a C-order ``batch.reshape(k, B // k, ...)``); or
+      ``"strided"``, rows ``i, i + k, ...`` (``(B, ...) -> (B/k, k, ...) ->
+      (k, B/k, ...)``, MaxText's, which keeps every device's rows on it).
+    shardings: with them (the parameters' ``NamedSharding``s), the
+      parameters, the accumulator and the gradients are constrained to
+      them, as MaxText does, so that each micro-batch's gradient is reduced
+      into a sharded accumulator.
+  """
+
+  def constrain(tree: PyTree) -> PyTree:
+    if shardings is None:
+      return tree
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+  def split_batch(x: jax.Array) -> jax.Array:
+    if split == "strided":
+      return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+  def value_and_grad(params, batch):
+    params = constrain(params)
+
+    def body(carry, micro_batch):
+      value, grads = jax.value_and_grad(loss)(params, micro_batch)
+      acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry[1], grads)
+      return (carry[0] + value, constrain(acc)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (jnp.zeros((), jnp.float32), constrain(zeros))
+    (total, acc), _ = jax.lax.scan(body, init, jax.tree.map(split_batch, batch))
+    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    return total / k, constrain(grads)
+
+  return value_and_grad
+
+
+def optax_microbatch(loss: Any, micro_batch_size: int) -> Any:
+  """``optax.microbatching.microbatch(jax.value_and_grad(loss), ...)``, MEAN:
+  ``(params, batch) -> (value, grads)``."""
+  return optax.microbatching.microbatch(
+    jax.value_and_grad(loss),
+    argnums=1,
+    microbatch_size=micro_batch_size,
+    accumulator=optax.microbatching.AccumulationType.MEAN,
+  )
 
 
 class Approach(abc.ABC):
@@ -238,19 +319,7 @@ class OptaxMicrobatch(OneCallStep):
 
   def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
     super().__init__(model, tx, k)
-    value_and_grad = optax.microbatching.microbatch(
-      jax.value_and_grad(model.loss),
-      argnums=1,
-      microbatch_size=self.micro_batch_size,
-      accumulator=optax.microbatching.AccumulationType.MEAN,
-    )
-
-    def step(params, opt_state, batch):
-      value, grads = value_and_grad(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, value
-
-    self.fn = jax.jit(step, donate_argnums=(0, 1))
+    self.fn = train_step(optax_microbatch(model.loss, self.micro_batch_size), tx)
 
 
 class OptaxMultiSteps(Approach):

@@ -14,10 +14,9 @@ that ``_report.py`` itself writes no prose about a benchmark.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from _report import bullet_list, count, date, listing, met, table
+from _report import count, date, met, table
 
 # ---------------------------------------------------------------- input pipelines
 
@@ -47,16 +46,25 @@ PIPELINE_ALONE = {
 
 
 def input_pipeline_machine(runs: dict[str, Any]) -> str:
-  parts = []
-  for placement, r in runs.items():
-    parts.append(f"`{r['command']}` ({placement}: {date(r['date'])})")
-  first = next(iter(runs.values()))
-  return (
-    f"Measured on a {first['machine']}, jax "
-    f"{first['jax']}, with " + listing(parts) + f": {first['steps']} training "
-    f"steps of {first['batch_size']} images as {first['num_micro_batches']} "
-    "micro-batches, then each feeding timed from fresh parameters."
-  )
+  """Each run: its command, and the training it timed."""
+  header = ["batch in", "command", "measured", "machine", "jax", "steps"]
+  header += ["batch (micro-batches)", "test accuracy", "final loss", "steps/s"]
+  rows = [
+    [
+      f"`{placement}`",
+      f"`{r['command']}`",
+      date(r["date"]),
+      r["machine"],
+      r["jax"],
+      r["steps"],
+      f"{r['batch_size']} ({r['num_micro_batches']})",
+      f"{r['test_accuracy']:.3f}",
+      f"{r['final_loss']:.4f}",
+      f"{r['train_steps_per_s']:.0f}",
+    ]
+    for placement, r in runs.items()
+  ]
+  return table(header, rows)
 
 
 def input_pipeline_steps(runs: dict[str, Any]) -> str:
@@ -89,61 +97,6 @@ def input_pipeline_alone(runs: dict[str, Any]) -> str:
     *(f"ms to the first batch ({p} run)" for p in placements),
   ]
   return table(header, rows)
-
-
-def input_pipeline_summary(runs: dict[str, Any]) -> str:
-  def each(fn: Callable[[dict[str, Any]], float], fmt: str = "{:.2f}") -> str:
-    return " / ".join(fmt.format(fn(r)) for r in runs.values())
-
-  def s(r: dict[str, Any], key: str) -> float:
-    return r["steps_per_s"][key]
-
-  def b(r: dict[str, Any], key: str) -> float:
-    return r["batches_per_s"][key]
-
-  order = " / ".join(runs)
-  bullets = [
-    "**A loader that keeps up costs little.** Whole-batch sources from Grain "
-    "and the plain loop run at "
-    + each(lambda r: s(r, "grain_batches_source") / s(r, "resident"))
-    + " and "
-    + each(lambda r: s(r, "python_loop") / s(r, "resident"))
-    + f" × the speed of resident data ({order}). The step takes "
-    + each(lambda r: 1e3 / s(r, "resident"), "{:.0f}")
-    + " ms and a whole batch "
-    + each(lambda r: 1e3 / b(r, "batches_per_batch"), "{:.1f}")
-    + " ms to build.",
-    "**Transform batches, not examples.** Per-example augmentation makes the "
-    "pipeline alone "
-    + each(lambda r: b(r, "rows_per_batch") / b(r, "rows_per_example_0w"), "{:.1f}")
-    + " × slower than per-batch augmentation, and the training "
-    + each(lambda r: s(r, "grain") / s(r, "grain_per_example_0w"))
-    + " × slower.",
-    "**Workers and threads help only when cores are free.** With nothing "
-    "training, 2 worker processes make the per-example pipeline "
-    + each(lambda r: b(r, "rows_per_example_2w") / b(r, "rows_per_example_0w"))
-    + " × faster (after "
-    + each(lambda r: r["first_batch_s"]["rows_per_example_2w"], "{:.1f}")
-    + " s to start them); while the step runs, they make per-example training "
-    + each(lambda r: s(r, "grain_per_example_2w") / s(r, "grain_per_example_0w"))
-    + " × as fast, and Grain's default read threads make the row pipeline "
-    + each(lambda r: s(r, "grain_default_read_threads") / s(r, "grain"))
-    + " × as fast as no threads.",
-    "**Keep the dispatch asynchronous.** Reading the loss after every step "
-    "runs the Python loop at "
-    + each(lambda r: s(r, "python_loop_loss_every_step") / s(r, "python_loop"))
-    + " × and resident data at "
-    + each(lambda r: s(r, "resident_loss_every_step") / s(r, "resident"))
-    + " × its speed with the loss read every few steps.",
-    "**Host placement.** The test accuracy after training is "
-    + each(lambda r: r["test_accuracy"], "{:.3f}")
-    + f" ({order}), the final training loss "
-    + each(lambda r: r["final_loss"], "{:.4f}")
-    + ", and training runs at "
-    + each(lambda r: r["train_steps_per_s"], "{:.0f}")
-    + " steps/s.",
-  ]
-  return bullet_list(bullets)
 
 
 # ---------------------------------------------------------------- autopilot
@@ -191,23 +144,23 @@ def autopilot_table(results: dict[str, Any]) -> str:
 
 
 def autopilot_summary(results: dict[str, Any]) -> str:
-  lines = []
-  for task, result in results["tasks"].items():
-    g = result.get("goal")
-    if not g:
-      continue
-    runs = result["runs"]
-    lines.append(
-      f"**{task}**: the autopilot reached a held-out loss of "
-      f"{runs['autopilot']['final_loss_mean']:.3f} against "
-      f"{runs['fixed_small']['final_loss_mean']:.3f} for the small fixed batch, "
-      f"in {g['steps_ratio']:.2f} × its optimizer steps at equal "
-      f"{result.get('token_unit', 'tokens')}."
-    )
+  rows = [
+    [
+      task,
+      f"{result['runs']['autopilot']['final_loss_mean']:.3f}",
+      f"{result['runs']['fixed_small']['final_loss_mean']:.3f}",
+      f"{result['goal']['steps_ratio']:.2f}",
+      result.get("token_unit", "tokens"),
+    ]
+    for task, result in results["tasks"].items()
+    if result.get("goal")
+  ]
+  header = ["task", "autopilot: held-out loss", "small fixed batch: held-out loss"]
+  header += ["autopilot's optimizer steps ÷ the small batch's", "at equal"]
   return (
-    f"On {listing(list(results['tasks']))}, {len(results.get('seeds', []))} "
-    "seeds each, from `examples/autopilot.py`:\n\n"
-    + bullet_list(lines)
+    "The autopilot against the small fixed batch, "
+    f"{len(results.get('seeds', []))} seeds each, from `examples/autopilot.py`:\n\n"
+    + table(header, rows)
     + "\n\n![held-out loss against tokens and steps, and k for each schedule]"
     "(../benchmarks/results/autopilot.png)"
     + "\n\nThe four schedules, how they are compared and the goal each "
@@ -272,7 +225,6 @@ BLOCKS = {
   "input_pipeline machine": input_pipeline_machine,
   "input_pipeline steps": input_pipeline_steps,
   "input_pipeline alone": input_pipeline_alone,
-  "input_pipeline summary": input_pipeline_summary,
   "autopilot table": autopilot_table,
   "autopilot summary": autopilot_summary,
   "dp_lm result": dp_lm_result,

@@ -18,6 +18,7 @@ Three models:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 PyTree = Any
@@ -195,19 +197,27 @@ def _layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   return y.astype(x.dtype) * p["scale"] + p["bias"]
 
 
+def _causal_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, scores_dtype: Any = None
+) -> jax.Array:
+  """Causal attention of ``(batch, seq, heads, head_dim)`` queries, keys and
+  values, the heads merged back: the scores taken in ``scores_dtype`` (the
+  einsum's ``preferred_element_type``), the softmax in float32."""
+  b, t, h, head = q.shape
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=scores_dtype)
+  scores = scores.astype(jnp.float32) / math.sqrt(head)
+  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, h * head)
+
+
 def _attention(x: jax.Array, layer: dict[str, jax.Array], num_heads: int) -> jax.Array:
   """Causal multi-head self-attention; softmax in float32."""
   b, t, d = x.shape
-  head = d // num_heads
   q, k, v = jnp.split(x @ layer["qkv"], 3, axis=-1)
-  q, k, v = (a.reshape(b, t, num_heads, head) for a in (q, k, v))
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-  scores = scores / math.sqrt(head)
-  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-  out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
-  return out @ layer["out"]
+  q, k, v = (a.reshape(b, t, num_heads, d // num_heads) for a in (q, k, v))
+  return _causal_attention(q, k, v) @ layer["out"]
 
 
 def make_transformer_loss(cfg: TransformerConfig) -> Loss:
@@ -240,6 +250,166 @@ def make_transformer(
   return Model(
     name, title, make_transformer_loss(cfg), transformer_init(key_p, cfg), tokens, cfg
   )
+
+
+# ---------------------------------------------------------------- Llama
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """A Llama-style decoder: RMSNorm, rotary attention, SwiGLU, untied heads;
+  float32 master weights cast to bfloat16 in the loss, the layers stacked
+  and scanned, each rematerialized (``fsdp.py``, ``pipeline.py``).
+
+  Attributes:
+    vocab: vocabulary size.
+    d_model: residual width (``num_heads`` divides it).
+    num_heads: attention heads.
+    num_layers: decoder layers, stacked and scanned.
+    d_ff: the SwiGLU's hidden width.
+    seq_len: tokens predicted per sequence (a row holds ``seq_len + 1``).
+    batch_size: the global batch, in sequences.
+  """
+
+  vocab: int
+  d_model: int
+  num_heads: int
+  num_layers: int
+  d_ff: int
+  seq_len: int
+  batch_size: int = 128
+
+  def describe(self) -> dict[str, Any]:
+    """The configuration as JSON-friendly numbers."""
+    return {
+      "kind": "llama",
+      **dataclasses.asdict(self),
+      "param_dtype": "float32",
+      "compute_dtype": "bfloat16",
+      "remat": "full (each layer: only its input is saved)",
+    }
+
+
+LLAMAS = {
+  "llama_1b": LlamaConfig(
+    vocab=32_000, d_model=2048, num_heads=16, num_layers=16, d_ff=5632, seq_len=2048
+  ),
+  # pipeline.py's larger model, where pipelining is weighed against FSDP.
+  "llama_2.7b": LlamaConfig(
+    vocab=32_000, d_model=2560, num_heads=20, num_layers=32, d_ff=6912, seq_len=2048
+  ),
+  "llama_quick": LlamaConfig(
+    vocab=512, d_model=128, num_heads=4, num_layers=3, d_ff=352, seq_len=64
+  ),
+}
+
+
+@functools.cache
+def llama_optimizer() -> optax.GradientTransformation:
+  """``optax.adamw(3e-4, weight_decay=0.1)``: one object for every step of
+  the Llama (the steps' caches key on it)."""
+  return optax.adamw(3e-4, weight_decay=0.1)
+
+
+def llama_shapes(cfg: LlamaConfig) -> dict[str, Any]:
+  """The parameters' shapes, float32 master weights; the layers stacked."""
+  d, f, n, v = cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.vocab
+  layers = {"attn_norm": (n, d), "wq": (n, d, d), "wk": (n, d, d), "wv": (n, d, d)}
+  layers |= {"wo": (n, d, d), "mlp_norm": (n, d), "w_gate": (n, d, f)}
+  layers |= {"w_up": (n, d, f), "w_down": (n, f, d)}
+
+  def f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+  return {
+    "embed": f32(v, d),
+    "layers": {k: f32(*s) for k, s in layers.items()},
+    "final_norm": f32(d),
+    "unembed": f32(d, v),
+  }
+
+
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """RMSNorm with float32 statistics, returned in ``x``'s dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + 1e-6)
+  return y.astype(x.dtype) * scale
+
+
+def _rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotary embedding of ``x`` (batch, seq, heads, head_dim), half-split form."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  c, s = cos[:, None, :], sin[:, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def llama_layer(
+  cfg: LlamaConfig,
+  out: Callable[[jax.Array], jax.Array] = lambda x: x,
+  cast: bool = False,
+) -> Callable[[jax.Array, Any], jax.Array]:
+  """One decoder layer, ``layer(x, w) -> out(x)``, rematerialized with
+  nothing saved but its input (MaxText's ``remat_policy: full``): attention
+  with rotary embeddings, scores and softmax in float32, then the SwiGLU;
+  with ``cast``, the weights cast to bfloat16 first (inside the remat)."""
+  head = cfg.d_model // cfg.num_heads
+  inv_freq = 1.0 / (10_000 ** (np.arange(0, head, 2, dtype=np.float32) / head))
+  angles = np.arange(cfg.seq_len, dtype=np.float32)[:, None] * inv_freq[None, :]
+  cos_np, sin_np = np.cos(angles), np.sin(angles)
+
+  def layer(x, w):
+    if cast:
+      w = jax.tree.map(lambda a: a.astype(jnp.bfloat16), w)
+    cos, sin = jnp.asarray(cos_np, x.dtype), jnp.asarray(sin_np, x.dtype)
+    h = rms_norm(x, w["attn_norm"])
+    b, t, _ = h.shape
+    q, k, v = (
+      (h @ w[n]).reshape(b, t, cfg.num_heads, head) for n in ("wq", "wk", "wv")
+    )
+    q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+    x = x + _causal_attention(q, k, v, jnp.float32) @ w["wo"]
+    h = rms_norm(x, w["mlp_norm"])
+    return out(x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"])
+
+  return jax.checkpoint(
+    layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+  )
+
+
+def llama_loss(
+  cfg: LlamaConfig, batch_sharding: Any = None
+) -> Callable[[PyTree, jax.Array], jax.Array]:
+  """``loss(params, tokens)``: the mean next-token cross-entropy.
+
+  ``tokens`` is ``(batch, seq_len + 1)`` int32. The parameters are cast to
+  bfloat16 first (their gradients come back float32); the layers run under
+  ``lax.scan``. With ``batch_sharding`` the activations are constrained to
+  it after the embedding and after every layer, as MaxText constrains them,
+  so that the partitioner gathers the weights where they are used and leaves
+  the activations sharded by batch (without, XLA's partitioner reshards the
+  SwiGLU's activations with all-to-alls and gathers other devices'
+  activations). Under plain ``jit`` that is ``P("data")``; inside jaxaccum,
+  where ``fun`` sees one device's micro-batch and the data axis is
+  jaxaccum's (naming it is an error), ``P()``: jaxaccum's ``vmap`` over the
+  devices adds ``"data"`` to the batch axis.
+  """
+
+  def constrain(x: jax.Array) -> jax.Array:
+    if batch_sharding is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, batch_sharding)
+
+  layer = llama_layer(cfg, constrain)
+
+  def loss(params: PyTree, tokens: jax.Array) -> jax.Array:
+    p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    x = constrain(p["embed"][inputs])
+    x, _ = jax.lax.scan(lambda x, w: (layer(x, w), None), x, p["layers"])
+    logits = (rms_norm(x, p["final_norm"]) @ p["unembed"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  return loss
 
 
 # ---------------------------------------------------------------- presets
