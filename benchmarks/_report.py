@@ -28,7 +28,6 @@ as it is. ``tests/test_manuals.py`` checks that each committed page is what
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib.util
 import json
@@ -367,7 +366,9 @@ def render(
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Rewrites the pages (or, with ``--check``, diffs them); the exit code."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  import _paths  # noqa: PLC0415  (benchmarks/ is on the path from the module's end)
+
+  parser = _paths.parser(__doc__, out=False)
   parser.add_argument(
     "--check",
     action="store_true",

@@ -20,7 +20,6 @@ Outputs ``readme_commands.json`` in ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -33,6 +32,7 @@ import tempfile
 import time
 from typing import Any
 
+import _paths
 from _report import cpu_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -178,9 +178,7 @@ BLOCKS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks/results")
-  args = parser.parse_args(argv)
+  args = _paths.parser(__doc__).parse_args(argv)
   commit = subprocess.run(
     ["git", "rev-parse", "--short", "HEAD"],
     cwd=ROOT,

@@ -31,13 +31,13 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _paths
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
@@ -211,7 +211,7 @@ def regressions(rows: dict[str, dict], baseline: dict[str, dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = _paths.parser(__doc__, out=False)
   parser.add_argument("--check", action="store_true", help="compare (the default)")
   parser.add_argument("--rebaseline", action="store_true", help="rewrite the baseline")
   parser.add_argument("--targets", action="store_true", help="add the H100/TPU rows")
