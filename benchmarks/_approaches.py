@@ -1,47 +1,20 @@
-"""The ways to take one optimizer step on an effective batch of ``B`` rows.
+"""The ways to take one optimizer step on an effective batch of ``B`` rows,
+and the peers' baselines the other benchmarks share.
 
-Each approach wraps the same ``loss(params, batch)`` and the same optax
-optimizer ``tx``, and offers the same interface (:class:`Approach`):
+Each :class:`Approach` wraps the same ``loss(params, batch)`` and optax
+optimizer ``tx``: ``reset()`` gives it fresh parameters and optimizer state,
+``step()`` processes the whole batch (``k`` micro-batches) and applies one
+update, ``memory()`` compiles (never runs) what a step executes and returns
+XLA's memory analysis (``peak = argument + output + temp - alias``). For
+MultiSteps, the peak of its per-micro-batch call; for the naive loop, the
+larger of its two compiled functions' (``resident_bytes`` adds the
+accumulator and optimizer state alive outside them). Every jitted step
+donates the parameters and the optimizer state; MultiSteps and the naive
+loop get their micro-batches sliced once, before timing.
 
-- ``reset()`` gives it fresh copies of the model's initial parameters and a
-  fresh optimizer state;
-- ``step()`` processes the whole effective batch (``k`` micro-batches) and
-  applies exactly one optimizer update; it returns a pytree to block on;
-- ``memory()`` compiles (never runs) what a step executes and returns XLA's
-  memory analysis.
-
-The approaches:
-
-1. :class:`FullBatch`: ``jax.value_and_grad`` on all ``B`` rows, one jit.
-2. :class:`JaxAccum`: ``jaxaccum.make_train_step(loss, tx, k)``, which also
-   checks that the loss and gradients are finite and skips the update if not;
-   :class:`JaxAccumNoSkip` is the same with ``skip_nonfinite=False``, what the
-   peers compute (none of them checks).
-3. :class:`OptaxMicrobatch`: ``optax.microbatching.microbatch`` around
-   ``jax.value_and_grad``, one jit.
-4. :class:`OptaxMultiSteps`: ``optax.MultiSteps(tx, k)``; a step is ``k``
-   jitted calls (gradient on one micro-batch, MultiSteps update, apply).
-5. :class:`NaiveLoop`: ``k`` calls of a jitted ``jax.grad``, summed in Python
-   (eager jax ops on device arrays), then one jitted update on ``sum / k``.
-
-Every jitted step donates the parameters and the optimizer state, as a
-training loop would.
-
-What ``memory()`` measures (``peak = argument + output + temp - alias``, the
-formula of ``jaxaccum.MemoryStats``):
-
-- single-call approaches (1-3, and jaxaccum without the skip): the peak of
-  the compiled step, with the whole batch as an argument;
-- MultiSteps: the peak of its per-micro-batch call. Its arguments hold one
-  micro-batch, the parameters and the MultiSteps state (inner state and the
-  float32 accumulator). The rest of the batch lives outside the call;
-- naive loop: the larger of the peaks of its two compiled functions, the
-  micro-batch gradient and the update. While the gradient function runs the
-  Python-side accumulator (one gradient tree) and the optimizer state are
-  also alive, outside that call; ``resident_bytes`` adds them.
-
-For 4 and 5 the micro-batches are sliced from the batch once, before timing:
-the timed step does not pay for slicing, which favours them.
+The baselines: :func:`train_step`, :func:`full_batch_step`,
+:func:`full_batch_select_step`, :func:`optax_microbatch` and the hand-written
+scan, :func:`hand_scan`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The benchmark models, in plain JAX: parameter pytrees and mean losses.
 
-Every approach in ``step_time.py`` differentiates the very same
-``loss(params, batch)``. Each loss is a per-example (or per-token) mean, so the
-mean of ``k`` equal micro-batch means is the full-batch mean and every approach
-must produce the same update.
-
-Three models:
-
-- ``dispatch_mlp`` (a): a tiny MLP on small micro-batches. A step is a few
-  microseconds of arithmetic, so per-call dispatch overhead dominates.
-- ``compute_mlp`` (b): a wide MLP on a large batch, so matmul FLOPs dominate.
-- ``transformer`` (c): a small pre-LayerNorm causal transformer language model
-  with a token-level cross-entropy mean; its dtype is configurable (bfloat16 on
-  an accelerator).
+Every approach differentiates the very same ``loss(params, batch)``, a
+per-example (or per-token) mean, so the mean of ``k`` equal micro-batch
+means is the full-batch mean. :data:`PRESETS` sizes three models:
+``dispatch_mlp``, a tiny MLP whose step is dominated by dispatch;
+``compute_mlp``, a wide MLP whose step is matmul FLOPs; and ``transformer``,
+a small pre-LayerNorm causal language model. :class:`LlamaConfig`
+(:data:`LLAMAS`) is the Llama-style decoder of ``fsdp.py`` and
+``pipeline.py``.
 """
 
 from __future__ import annotations
@@ -35,12 +30,8 @@ Loss = Callable[[PyTree, PyTree], jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-  """A ReLU MLP classifier trained with softmax cross-entropy.
-
-  Attributes:
-    widths: layer widths, input first and number of classes last.
-    batch_size: the effective batch ``B``.
-  """
+  """A ReLU MLP classifier with a softmax cross-entropy: its layer widths,
+  input first and classes last, and the effective batch ``B``."""
 
   widths: tuple[int, ...]
   batch_size: int
@@ -52,19 +43,10 @@ class MLPConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """A decoder-only transformer language model.
-
-  Attributes:
-    vocab: vocabulary size.
-    d_model: residual width.
-    num_heads: attention heads (``d_model`` divisible by it).
-    num_layers: transformer blocks.
-    d_ff: hidden width of the feed-forward block.
-    seq_len: tokens per example that are predicted (the batch holds
-      ``seq_len + 1`` tokens per row: inputs and shifted targets).
-    batch_size: the effective batch ``B`` in sequences.
-    dtype: the dtype of parameters and compute; the loss is taken in float32.
-  """
+  """A decoder-only transformer language model. A row holds ``seq_len + 1``
+  tokens (inputs and shifted targets); ``batch_size`` is ``B`` in
+  sequences; ``dtype`` is the parameters' and compute's (the loss is taken
+  in float32)."""
 
   vocab: int
   d_model: int
@@ -82,16 +64,9 @@ class TransformerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """A model ready to benchmark.
-
-  Attributes:
-    name: a short identifier, used in file names.
-    title: a human-readable description.
-    loss: ``loss(params, batch) -> scalar``, a per-example mean.
-    params: the initial parameters.
-    batch: the whole effective batch; every leaf has leading axis ``B``.
-    config: the configuration, for the report.
-  """
+  """A model ready to benchmark: ``loss(params, batch) -> scalar``, a
+  per-example mean; its initial parameters; the whole effective batch
+  (every leaf's leading axis is ``B``); its configuration, for the report."""
 
   name: str
   title: str
@@ -256,34 +231,20 @@ def make_transformer(
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  """A Llama-style decoder: RMSNorm, rotary attention, SwiGLU, untied heads;
-  float32 master weights cast to bfloat16 in the loss, the layers stacked
-  and scanned, each rematerialized (``fsdp.py``, ``pipeline.py``).
+class LlamaConfig(TransformerConfig):
+  """The Llama-style decoder of ``fsdp.py`` and ``pipeline.py``: RMSNorm,
+  rotary attention, SwiGLU, untied heads; float32 master weights cast to
+  bfloat16 in the loss (``dtype`` is unused), the layers stacked and scanned,
+  each rematerialized; ``batch_size`` is the global batch."""
 
-  Attributes:
-    vocab: vocabulary size.
-    d_model: residual width (``num_heads`` divides it).
-    num_heads: attention heads.
-    num_layers: decoder layers, stacked and scanned.
-    d_ff: the SwiGLU's hidden width.
-    seq_len: tokens predicted per sequence (a row holds ``seq_len + 1``).
-    batch_size: the global batch, in sequences.
-  """
-
-  vocab: int
-  d_model: int
-  num_heads: int
-  num_layers: int
-  d_ff: int
-  seq_len: int
   batch_size: int = 128
 
   def describe(self) -> dict[str, Any]:
     """The configuration as JSON-friendly numbers."""
+    fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "dtype"}
     return {
       "kind": "llama",
-      **dataclasses.asdict(self),
+      **fields,
       "param_dtype": "float32",
       "compute_dtype": "bfloat16",
       "remat": "full (each layer: only its input is saved)",

@@ -8,19 +8,12 @@ Usage::
   python benchmarks/_report.py          # rewrite the generated blocks
   python benchmarks/_report.py --check  # exit 1 with a diff if one is stale
 
-Every generated table sits between a pair of markers such as
-``<!-- begin: step_time dispatch_mlp -->`` and ``<!-- end: step_time
-dispatch_mlp -->``: the first word names the JSON file
-(``benchmarks/results/step_time.json``), the rest the block. Each benchmark
-script defines ``BLOCKS``, its block names mapped to the functions that write
-them from its JSON, next to the code that measures (:data:`SCRIPTS`;
-importing a script for them sets up no devices). This module collects them,
-puts each on its page (:data:`ELSEWHERE`, else the benchmarks' manual) and
-holds the formatting helpers the scripts share (:func:`mib`, :func:`ratio`,
-:func:`table`, ...). :func:`render` replaces what stands between the markers
-and leaves the rest of a page, fixed text that states no measured number,
-as it is. ``tests/test_manuals.py`` checks that each committed page is what
-:func:`render` writes.
+A block stands between ``<!-- begin: step_time dispatch_mlp -->`` and
+``<!-- end: step_time dispatch_mlp -->``: the first word names the JSON, the
+rest the block. Each script's ``BLOCKS`` maps its block names to the
+functions that write them (:data:`SCRIPTS`); :func:`render` replaces what
+stands between the markers and leaves the fixed text around them as it is.
+``tests/test_manuals.py`` checks that each committed page is what it writes.
 """
 
 # The manual's typography: en dashes for a missing value.

@@ -1,15 +1,12 @@
 """What the timing benchmarks share: interleaved rounds, and the CPUs they
 run on.
 
-``step_time.py``, ``communication.py`` and ``eager_calls.py`` time steps on
-the host's CPUs in interleaved rounds (:func:`interleaved`), with an A/A
-control (one approach timed twice; ``_report.timed_verdict`` says which
-goals it decides). On a machine that runs other jobs beside them,
+``step_time.py``, ``communication.py`` and ``eager_calls.py`` time steps in
+interleaved rounds (:func:`interleaved`), with an A/A control (one approach
+timed twice; ``_report.timed_verdict`` says which goals it decides).
 ``--cpus`` keeps a run on chosen cores: :func:`pin` sets this process's CPU
-affinity before JAX starts its backends, and XLA sizes its CPU thread pools
-(intra-op and the devices' executions) from that affinity, so that every
-thread it starts stays there. ``taskset -c 0-3 python ...`` does the same
-from outside.
+affinity before JAX starts, and XLA sizes its CPU thread pools from it
+(``taskset -c 0-3 python ...`` does the same from outside).
 """
 
 from __future__ import annotations

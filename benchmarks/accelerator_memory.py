@@ -4,53 +4,22 @@ Usage::
 
   python benchmarks/accelerator_memory.py [--quick] [--targets h100,tpu-v5e]
 
-XLA compiles for a GPU or a TPU without the hardware (the ``targets`` extra:
-the CUDA compiler plugin and libtpu). For every target, benchmark model
-(``_models.py``) and number of micro-batches ``k`` this script compiles, and
-never runs, one optimizer step (Adam, parameters and state donated) and reads
-XLA's memory analysis of one device:
+For every compile-only target (the ``targets`` extra), benchmark model
+(``_models.py``) and ``k``, one Adam step (parameters and state donated) is
+compiled, never run, and XLA's memory analysis of one device read
+(:func:`measure_row`): the full batch, jaxaccum's bound, jaxaccum with the
+batch in device memory and streamed from ``pinned_host`` memory (also at
+twice the batch), and optax.microbatch. :func:`checks` holds each row to
+three targets; a miss is reported, never raised. ``NOTES`` says how each
+backend's analysis reads; a step XLA refuses has a null peak and an error.
+The results go to ``<out>/accelerator_memory[_quick].json`` and ``.png``, and
+the rows to the last lines of the output, one JSON object each.
 
-- ``full_peak``: the full-batch step (``jax.value_and_grad`` on all ``B`` rows);
-- ``bound``: the full-batch step compiled at the micro-batch size ``B / k``,
-  plus one float32 accumulator the size of the parameters, plus the other
-  ``B - B / k`` rows of the batch: what accumulation must hold at least;
-- ``jaxaccum_peak``: ``jaxaccum.make_train_step(loss, tx, k)``, batch in
-  device memory;
-- ``streamed_peak``: the same step with the batch in host memory
-  (``memory_kind="pinned_host"``), which jaxaccum streams to the device one
-  micro-batch at a time; ``streamed_peak_2x``: the same with twice the
-  batch at the same micro-batch size (``2k`` micro-batches);
-- ``microbatch_peak``: ``optax.microbatching.microbatch``, batch in device
-  memory;
-- ``batch_bytes``: the batch itself.
-
-Every peak is ``argument + output + temp - alias`` of device memory only
-(``jaxaccum.MemoryStats.peak_bytes``: host memory is counted apart, and on
-TPU temp is read from XLA's own peak, see the notes in the JSON). A step that
-XLA's TPU compiler refuses because it exceeds the chip's memory is reported
-as ``null`` with the compiler's message.
-
-The targets checked, per row (PASS / MISS / n/a; misses are reported, the
-script never fails on them):
-
-- jaxaccum's peak <= 1.05 x bound;
-- for k >= 2 the streamed step saves at least 0.9 x (batch bytes - one
-  micro-batch) against jaxaccum's in-device step;
-- for k >= 2 the streamed peak stays within 2% when the batch doubles (at
-  k = 1 the one micro-batch is the whole batch).
-
-The last lines of the output are one JSON object per row. The results go to
-``<out>/accelerator_memory[_quick].json`` and ``.png``.
-
-``--causes`` compiles instead the control steps that say why rows miss the
-first target, into ``<out>/accelerator_memory_causes.json``: on the TPU
-v5e, jaxaccum at ``k = 1`` with and without its finite check
-(``skip_nonfinite``) against the full-batch step, and the large MLP's
-jaxaccum step (at each ``k >= 2``) and the small MLP's (at ``k = 16``)
-against a ``lax.scan`` written without jaxaccum. ``--causes --live-peaks``
-adds to that JSON, for the small MLP's three steps, the bytes live at each
-program's peak by XLA's own live-range dump (``--xla_dump_to``, one process
-per step), and keeps the rest.
+``--causes`` compiles instead the control steps that say why rows miss
+(:func:`measure_causes`, on the TPU v5e), into
+``<out>/accelerator_memory_causes.json``; ``--causes --live-peaks`` adds the
+bytes live at the small MLP's programs' peaks by XLA's live-range dump
+(:func:`live_peaks`). ``benchmarks/README.md`` reads both.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -98,7 +67,6 @@ PyTree = Any
 DEFAULT_KS = (1, 2, 4, 8, 16)
 QUICK_KS = (1, 4)
 MODEL_NAMES = ("dispatch_mlp", "compute_mlp", "transformer")
-TARGETS = ("h100", "tpu-v5e")
 BOUND_TARGET = 1.05  # jaxaccum's peak at most 1.05 x its bound (checks)
 
 NOTES = {
@@ -340,10 +308,22 @@ CAUSE_MODELS = ("dispatch_mlp", "compute_mlp")
 SMALL_SCAN_K = 16  # the small MLP's row above its bound on the TPU v5e
 
 
-def hand_scan_step(loss: Any, tx: optax.GradientTransformation, k: int) -> Any:
-  """One Adam step over ``k`` micro-batches in a ``lax.scan`` written without
-  jaxaccum (``_approaches.hand_scan``), jitted and donated like the others."""
-  return _approaches.train_step(_approaches.hand_scan(loss, k), tx)
+def scan_steps(
+  name: str, preset: str, dtype: str, k: int
+) -> tuple[dict[str, Any], tuple]:
+  """Model ``name``'s jaxaccum step at ``k``, the same without its finite
+  check, and a ``lax.scan`` written without jaxaccum
+  (``_approaches.hand_scan``), all Adam steps jitted and donated; and their
+  arguments."""
+  tx = optax.adam(1e-3)
+  model = abstract_model(name, preset, dtype)
+  args = (model.params, jax.eval_shape(tx.init, model.params), model.batch)
+  steps = {
+    "jaxaccum_peak": _approaches.JaxAccum(model, tx, k).fn,
+    "no_skip_peak": _approaches.JaxAccumNoSkip(model, tx, k).fn,
+    "scan_peak": _approaches.train_step(_approaches.hand_scan(model.loss, k), tx),
+  }
+  return steps, args
 
 
 def measure_causes(preset: str, dtype: str, ks: Sequence[int]) -> dict[str, Any]:
@@ -366,31 +346,18 @@ def measure_causes(preset: str, dtype: str, ks: Sequence[int]) -> dict[str, Any]
       k1.append(row)
       print(json.dumps(row), file=sys.stderr, flush=True)
   model = abstract_model("compute_mlp", preset, dtype)
-  state = jax.eval_shape(tx.init, model.params)
-  scan = []
-  for k in ks:
-    if k < 2 or model.batch_size % k:
-      continue
-    steps = {
-      "jaxaccum_peak": _approaches.JaxAccum(model, tx, k).fn,
-      "no_skip_peak": _approaches.JaxAccumNoSkip(model, tx, k).fn,
-      "scan_peak": hand_scan_step(model.loss, tx, k),
-    }
-    row = {"k": k}
-    row |= {
-      key: measure(step, (model.params, state, model.batch), tpu)["peak"]
-      for key, step in steps.items()
-    }
-    scan.append(row)
-    print(json.dumps(row), file=sys.stderr, flush=True)
   small = abstract_model("dispatch_mlp", preset, dtype)
   small_k = max(k for k in (*ks, SMALL_SCAN_K) if small.batch_size % k == 0)
-  steps, small_args = small_steps(preset, dtype, small_k)
-  small_scan = {"k": small_k}
-  small_scan |= {
-    key: measure(step, small_args, tpu)["peak"] for key, step in steps.items()
-  }
-  print(json.dumps(small_scan), file=sys.stderr, flush=True)
+  scan = []
+  for name, k in [
+    *(("compute_mlp", k) for k in ks if k >= 2 and model.batch_size % k == 0),
+    ("dispatch_mlp", small_k),
+  ]:
+    steps, args = scan_steps(name, preset, dtype, k)
+    row = {"k": k} | {key: measure(s, args, tpu)["peak"] for key, s in steps.items()}
+    scan.append(row)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+  *scan, small_scan = scan
   return {
     "target": {"name": tpu.name, "title": tpu.title},
     "preset": preset,
@@ -674,28 +641,12 @@ def machine(argv: Sequence[str], wall: float) -> dict[str, Any]:
   }
 
 
-def small_steps(preset: str, dtype: str, k: int) -> tuple[dict[str, Any], tuple]:
-  """The small MLP's jaxaccum step, without its finite check, and a
-  ``lax.scan`` written without jaxaccum, at ``k``; and their arguments."""
-  tx = optax.adam(1e-3)
-  small = abstract_model("dispatch_mlp", preset, dtype)
-  args = (small.params, jax.eval_shape(tx.init, small.params), small.batch)
-  steps = {
-    "jaxaccum_peak": _approaches.JaxAccum(small, tx, k).fn,
-    "no_skip_peak": _approaches.JaxAccumNoSkip(small, tx, k).fn,
-    "scan_peak": hand_scan_step(small.loss, tx, k),
-  }
-  return steps, args
-
-
 def live_peaks(preset: str, dtype: str, k: int) -> dict[str, int]:
-  """For each of :func:`small_steps`, the bytes live at its program's peak
-  by XLA's live-range dump for the TPU v5e: each compiled in a process of
-  its own, whose ``XLA_FLAGS`` (read once, when JAX's backends start) dump
-  there. XLA's peak memory counts these buffers padded and placed; this
-  counts them as the program holds them."""
+  """For each of the small MLP's :func:`scan_steps`, the bytes live at its
+  program's peak by XLA's live-range dump for the TPU v5e, each compiled in
+  a process of its own (``XLA_FLAGS`` are read when JAX's backends start)."""
   peaks = {}
-  for name in small_steps(preset, dtype, k)[0]:
+  for name in scan_steps("dispatch_mlp", preset, dtype, k)[0]:
     with tempfile.TemporaryDirectory() as dump:
       env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump}"}
       command = [sys.executable, __file__, "--live-peak-of", name, "--ks", str(k)]
@@ -740,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   names = args.models
   tx = optax.adam(1e-3)
   if args.live_peak_of:  # a child of live_peaks: compile, XLA dumps
-    steps, step_args = small_steps(preset, args.dtype, ks[0])
+    steps, step_args = scan_steps("dispatch_mlp", preset, args.dtype, ks[0])
     tpu = jaxaccum.compile_target("tpu-v5e")
     return [measure(steps[args.live_peak_of], step_args, tpu)]
   if args.causes:

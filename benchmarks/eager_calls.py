@@ -4,24 +4,11 @@ Run: ``python benchmarks/eager_calls.py [--rounds 30] [--out benchmarks/results]
 (``--quick``: 5 rounds, to the temporary folder; ``--min-sample-ms`` repeats
 a call within a sample, ``--cpus`` pins the run).
 
-``jax.value_and_grad(loss)(params, batch)`` called outside ``jit`` runs op by
-op. ``jaxaccum.value_and_grad(loss, 4)`` called the same way compiles its
-step once per configuration and keeps it (``jaxaccum/_calls.py``), and
-validates its arguments once per configuration. Side by side, in one run and
-interleaved call by call, on each benchmark model (``_models.py``):
-
-- ``jax``: eager ``jax.value_and_grad(loss)``, the reference a drop-in is
-  compared with;
-- ``jax_again``: the same timed a second time, the A/A control: its median
-  over ``jax``'s (``aa_ratio``) is the noise floor of the ratios;
-- ``jaxaccum``: eager ``jaxaccum.value_and_grad(loss, k)``;
-- ``jit``: ``jax.jit(jax.value_and_grad(loss))``, for scale.
-
-The first call of each (compilation) and one untimed round are left out;
-each round then times every approach once, in an order rotated by the
-round, and the medians are
-reported, with each approach's ratio to ``jax``. Outputs
-``eager_calls.json`` in ``--out``.
+Eager ``jax.value_and_grad(loss)`` (``jax``, and again as ``jax_again``, the
+A/A control), eager ``jaxaccum.value_and_grad(loss, k)``, which compiles its
+step once per configuration and keeps it, and ``jax.jit`` of the first
+(``jit``), timed in interleaved rounds on two of ``_models.py``'s models.
+Outputs ``eager_calls.json`` in ``--out``.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en

@@ -7,41 +7,21 @@ Usage::
                             [--out benchmarks/results] [--hlo-dir DIR]
   python benchmarks/fsdp.py --collectives-from DIR   # recount a saved run
 
-Compile-only: nothing runs, and no accelerator is needed (the ``targets``
-extra). The model is ``_models.LlamaConfig``'s ``llama_1b`` (953M float32
-parameters cast to bfloat16 in the loss, 16 scanned layers, each
-rematerialized: MaxText's ``scan_layers`` with ``remat_policy: full``).
-Every weight matrix is sharded over the mesh's one ``Auto`` axis ``"data"``
-of 8 devices along its larger dimension (:func:`fsdp_spec`), the batch of 128
-sequences too, and jaxaccum is told the shardings with ``param_specs=``. The
-activations are constrained after the embedding and every layer, as MaxText
-constrains them: ``P("data")`` under plain ``jit``, ``P()`` inside jaxaccum
-(``_models.llama_loss``). One step is ``optax.adamw``, parameters and
-optimizer state donated, over ``k`` micro-batches. The approaches
-(:data:`APPROACHES`, :func:`build_step`): the full batch, with and without
-``make_train_step``'s skip of a non-finite step; jaxaccum with
-``fsdp_gather="per_micro_batch"`` (its default), ``"once"``, ``"cast_once"``
-(bfloat16) and ``view="global"``; the hand-written scan of MaxText's pattern
-(``_approaches.hand_scan(split="strided", shardings=...)``); and
-optax.microbatch.
-
-The targets: 8 H100s and a TPU v5e ``2x4`` slice. Per device:
-``peak_bytes`` (``jaxaccum.compiled_memory``), ``collective_bytes`` (every
-collective's result bytes times the trip counts of the loops around it,
-``jaxaccum.testing``) and ``in_loop_collectives`` (the collectives inside
-the micro-batch loop, :func:`micro_batch_loop`). Where a step's HLO holds a
-form of collective that ``jaxaccum.testing`` misreads
-(:func:`testing_misreads`), its collective numbers are null. On the H100s the
-HLO comes from the step traced on the target's own compile-only devices,
-compiled with XLA's buffer-assignment dump (``largest_live_buffers_at_peak``,
-``peak_bytes_hlo``, a cross-check of the peak).
+Compile-only (the ``targets`` extra). ``_models.py``'s ``llama_1b``, every
+weight matrix sharded over one ``Auto`` axis ``"data"`` of 8 devices
+(:func:`fsdp_spec`), its activations constrained as MaxText constrains them
+(``_models.llama_loss``); one ``optax.adamw`` step over ``k`` micro-batches
+by each of :data:`APPROACHES` (:func:`build_step`), compiled for 8 H100s and
+a TPU v5e ``2x4`` slice. Per device (:func:`measure`): the peak, the
+collective bytes per step and the collectives in the micro-batch loop
+(:func:`collective_stats`); on the H100s the HLO comes from the step traced
+on the target's own devices, with XLA's buffer-assignment dump
+(:func:`live_at_peak`). ``NOTES`` says what the JSON's numbers mean.
 
 Outputs ``fsdp.json`` and ``fsdp.png`` in ``--out`` (``fsdp_quick.*`` with
-``--quick``: a 3-layer model, k in 1 and 4; ``fsdp_llama_2.7b.*`` with
-``--model llama_2.7b``, which ``pipeline.py`` weighs pipelining against).
-A GPU compile takes 10 to 30 s whatever the model's size, so on two CPU
-cores ``--quick`` takes about 5 minutes and ``--quick --targets tpu-v5e``
-about one; the full sweep took 73 minutes.
+``--quick``: a 3-layer model, k in 1 and 4, about 5 minutes on two CPU
+cores; ``fsdp_llama_2.7b.*`` with ``--model llama_2.7b``, which
+``pipeline.py`` weighs pipelining against). The full sweep took 73 minutes.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -59,7 +39,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import pathlib
@@ -168,19 +147,10 @@ def param_specs(cfg: _models.LlamaConfig) -> PyTree:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """A model on one mesh: its losses and the abstract, sharded arguments.
-
-  Attributes:
-    name: the model's name.
-    cfg: its configuration.
-    mesh: the mesh, one ``Auto`` axis ``"data"``.
-    jit_loss: the loss for ``jit`` of the whole batch (activations
-      constrained to ``P("data")``).
-    accum_loss: the loss for jaxaccum (activations constrained to ``P()``
-      in its per-device view).
-    specs: the parameters' ``PartitionSpec``s.
-    args: ``(params, opt_state, tokens)`` as sharded ``ShapeDtypeStruct``s.
-  """
+  """A model on one mesh (one ``Auto`` axis ``"data"``): the loss for
+  ``jit`` of the whole batch (activations constrained to ``P("data")``) and
+  for jaxaccum's per-device view (to ``P()``), the parameters' specs, and
+  ``(params, opt_state, tokens)`` as sharded ``ShapeDtypeStruct``s."""
 
   name: str
   cfg: _models.LlamaConfig
@@ -265,20 +235,10 @@ def build_step(approach: str, setup: Setup, k: int) -> Any:
 def micro_batch_loop(
   step: testing.CompiledStep, k: int
 ) -> tuple[set[str], list[int | None]]:
-  """The computations inside the micro-batch loop of a compiled step, and
-  the trip counts of the loops outside every other loop.
-
-  The micro-batch loop is a loop outside every other loop that runs ``k``
-  times (``k >= 2``): the layer scans and XLA's own loops (on the TPU,
-  windowed einsums, which loop over the devices) sit inside it.
-
-  The loops are ``jaxaccum.testing``'s (``CompiledStep.loops``), a loop's
-  trip count as it reads it: XLA's ``known_trip_count`` (GPU), or the
-  ``counter < N`` of its condition (TPU). The computations inside a loop
-  are its body and condition and all they call, an n-way conditional's
-  ``branch_computations`` included (the reader this file had before left
-  those out).
-  """
+  """The computations inside the micro-batch loop of a compiled step (a
+  loop outside every other loop that runs ``k >= 2`` times: the layer scans
+  and XLA's own loops sit inside it; ``jaxaccum.testing``'s
+  ``CompiledStep.loops``), and the trip counts of the outermost loops."""
   outer = [loop for loop in step.loops if not loop.outer]
   inside: set[str] = set()
   for loop in outer:
@@ -287,89 +247,24 @@ def micro_batch_loop(
   return inside, [loop.trip_count for loop in outer]
 
 
-#: Collective instructions in the forms XLA prints them, one per line: the
-#: form's name, a regex that finds it, a one-instruction example and the bytes
-#: it delivers (its result, the async forms' outputs only).
-_FORMS = (
-  (
-    "reduce-scatter-start (GPU)",
-    r"\sreduce-scatter-start\(",
-    "%s = ((f32[64]{0}), f32[8]{0}) reduce-scatter-start(f32[64]{0} %x), dimensions={0}",
-    32,
-  ),
-  (
-    "all-to-all-start (GPU)",
-    r"\sall-to-all-start\(",
-    "%s = ((f32[64]{0}), f32[64]{0}) all-to-all-start(f32[64]{0} %x), dimensions={0}",
-    256,
-  ),
-  (
-    "collective-permute-start with u32[] contexts (TPU)",
-    r"u32\[\](?:\{[^}]*\})?\) collective-permute-start\(",
-    "%s = (f32[64]{0}, f32[64]{0}, u32[]{:S(2)}, u32[]{:S(2)}) "
-    "collective-permute-start(f32[64]{0} %x), source_target_pairs={{0,1},{1,0}}",
-    256,
-  ),
-)
-
-
-@functools.cache
-def testing_misreads() -> dict[str, str]:
-  """The forms of ``_FORMS`` whose bytes ``jaxaccum.testing`` reads wrongly:
-  each example, alone in an entry computation, against its known bytes."""
-  out = {}
-  for name, _, line, want in _FORMS:
-    text = f"ENTRY %main (x: f32[64]) -> f32[64] {{\n  {line}\n}}"
-    got = testing.bytes_communicated(text)
-    if got != want:
-      out[name] = f"jaxaccum.testing reads {got} bytes where it delivers {want}"
-  return out
-
-
-def misread_collectives(hlo_text: str) -> dict[str, int]:
-  """How many instructions of each form ``jaxaccum.testing`` misreads the
-  HLO holds."""
-  bad = testing_misreads()
-  found: dict[str, int] = {}
-  for name, pattern, _, _ in _FORMS:
-    if name in bad:
-      count = len(re.findall(pattern, hlo_text))
-      if count:
-        found[name] = count
-  return found
-
-
 def collective_stats(hlo_text: str, k: int) -> dict[str, Any]:
-  """Bytes per step, by opcode, and the collectives inside the loops.
-
-  Where the HLO holds collectives that ``jaxaccum.testing`` reads wrongly
-  (``testing_misreads``), the totals would be wrong: they are None, and
-  ``misread_collectives`` says which, and how many.
-  """
+  """Bytes per step, by opcode, and the collectives inside the loops."""
   step = testing.read_compiled(hlo_text)
   colls = step.collectives
-  missed = misread_collectives(hlo_text)
   micro, trips = micro_batch_loop(step, k)
   by_op: dict[str, int] = {}
   for c in colls:
     by_op[c.op] = by_op.get(c.op, 0) + c.bytes * c.executions
   in_micro = [c for c in colls if c.computation in micro]
-  counted = {
+  return {
     "collective_bytes": step.bytes_communicated,
     "in_loop_collectives": len(in_micro),
     "in_loop_collective_bytes": sum(c.bytes * c.executions for c in in_micro),
     "in_any_loop_collectives": sum(c.in_loop for c in colls),
     "num_collectives": len(colls),
-  }
-  out: dict[str, Any] = {
     "collective_bytes_by_op": by_op,
     "outer_loop_trip_counts": trips,
   }
-  if missed:
-    out["misread_collectives"] = missed
-    out["counted_by_jaxaccum_testing"] = counted
-    return {**dict.fromkeys(counted), **out}
-  return {**counted, **out}
 
 
 _PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):")
@@ -579,16 +474,6 @@ def notes(rows: list[dict[str, Any]], goals: list[dict[str, Any]]) -> list[str]:
       "strided split of the batch with a float32 accumulator, partitioned by "
       "XLA."
     )
-  misreads = testing_misreads()
-  if misreads:
-    out.append(
-      "jaxaccum.testing misreads collective forms that these steps use, so "
-      "collective_bytes, in_loop_collectives and in_loop_collective_bytes are "
-      "null wherever the HLO holds one (misread_collectives counts them; "
-      "counted_by_jaxaccum_testing keeps testing's numbers, too low): "
-      + "; ".join(f"{form}: {why}" for form, why in misreads.items())
-      + ". They return once jaxaccum.testing reads these forms."
-    )
   for g in goals:
     if not g["met"]:
       out.append(
@@ -653,22 +538,8 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
             marker=marker,
             label=label,
           )
-    misread = sorted({f for r in mine for f in r.get("misread_collectives", {})})
     if all(r["collective_bytes"] is None for r in mine):
       ax_bytes.set_yticks([])
-    if misread:
-      ax_bytes.text(
-        0.5,
-        0.5,
-        "missing points: steps whose HLO holds\n"
-        + "\n".join(misread)
-        + "\n(jaxaccum.testing misreads their bytes)",
-        transform=ax_bytes.transAxes,
-        ha="center",
-        va="center",
-        fontsize=8,
-        color="gray",
-      )
     memory = results["targets"].get(target, {}).get("memory_bytes")
     highest = max((r["peak_bytes"] or 0 for r in mine), default=0)
     if memory and (highest > memory / 2 or any(r["peak_bytes"] is None for r in mine)):
@@ -932,8 +803,6 @@ def recount(results: dict[str, Any], hlo_dir: pathlib.Path) -> dict[str, Any]:
   for row in results["rows"]:
     k = 1 if row["approach"] == "full_batch" else row["k"]
     path = hlo_dir / f"{row['target']}_{row['approach']}_k{k}.txt"
-    for key in ("misread_collectives", "counted_by_jaxaccum_testing"):
-      row.pop(key, None)
     row.update(collective_stats(path.read_text(), k))
   results["goal"] = goal(results["rows"])
   results["notes"] = notes(results["rows"], results["goal"])

@@ -15,23 +15,13 @@ Usage (Python 3.12, in a venv of its own: MaxText needs it)::
   pip install "jax[cuda13-local]==0.12.0.1"     # XLA's GPU compiler, for:
   python benchmarks/maxtext_llama.py --config 1b  # 1.1B llama, 8 H100s
 
-Each run rewrites its own part of ``results/maxtext_llama.json`` (a mesh at
-a time, keeping the other part and the other meshes).
-
-MaxText's model is built as its trainer builds it (:func:`build`); three
-programs compute the loss and the gradients of the same global batch, each
-under ``jit`` with the gradients in the parameters' shardings
-(:func:`programs`): the full batch, MaxText's own accumulation
-(``gradient_accumulation_steps=k``) and ``jaxaccum.value_and_grad(..., k,
-view="global")`` of MaxText's token-weighted cross-entropy
-(``normalize="weighted"``); with ``--explicit``, on MaxText's Explicit
-meshes, jaxaccum through plain ``jit`` without ``mesh=``. :data:`SIZES`: the
-tiny llama runs on 8 CPU devices (losses and gradients against the full
-batch); the 1.1B one is compiled for 8 H100s. Per program and device
-(:func:`measure_memory`): XLA's peak, the bytes live at the program's
-fullest point (from the live-range report XLA dumps, with MaxText's
-compilation cache off) and the collectives inside the micro-batch loop.
-``benchmarks/README.md`` shows and explains the results.
+MaxText's model is built as its trainer builds it (:func:`build`); the full
+batch, MaxText's own accumulation and jaxaccum compute the loss and the
+gradients of the same global batch (:func:`programs`), on every mesh of
+:data:`MESHES`; :func:`measure_memory` reads each one's peak, the bytes live
+at its fullest point (XLA's live-range dump) and its collectives in the
+micro-batch loop. Each run rewrites its own part of
+``results/maxtext_llama.json``; ``benchmarks/README.md`` explains it.
 """
 
 # The manual's blocks below use its typography: en dashes.

@@ -10,41 +10,14 @@ Usage (Python 3.12, in a venv with MaxText and the CUDA compiler plugin)::
   # then, in the dev venv (Python 3.11), into pipeline.json and the manual:
   python benchmarks/pipeline.py --maxtext benchmarks/results/maxtext_pipeline.json
 
-Compile-only: nothing runs. The step is MaxText's ``train_step`` built as its
-ahead-of-time compiler builds it (``trainers/pre_train/train_compile.py``):
-``pyconfig``, its mesh from the config over the target's devices, its NNX
-model, its optimizer (AdamW with its gradient clipping), its abstract train
-state and shardings, ``get_functional_train_with_signature`` (the state
-donated) and its loss. That is ``pipeline.py``'s step too: the loss, its
-gradient and one AdamW update, parameters and optimizer state donated.
-
-The model is ``pipeline.py``'s ``llama_1b`` in MaxText's llama2 decoder: 16
-layers, d_model 2048, 16 heads of 128 (no grouped keys), SwiGLU of 5632, a
-vocabulary of 32,000, untied embedding and head, float32 weights and bfloat16
-activations, every layer rematerialized (``remat_policy=full``), dot-product
-attention (``hardware=gpu``: the cuDNN kernel needs Transformer Engine), a
-global batch of 128 sequences of 2,048 tokens. Its mesh: ``stage`` × ``data``
-= S × D (``ici_pipeline_parallelism``, ``ici_data_parallelism``; no FSDP, as
-``pipeline.py`` keeps the layers whole over ``"data"``), ``m`` pipeline
-micro-batches of the global batch (``num_pipeline_microbatches``: the same
-rows per micro-batch per device as ``pipeline.py``'s ``m`` micro-batches of
-each data shard) and ``r`` circular repeats (``num_pipeline_repeats``, with
-``num_layers_per_pipeline_stage`` = 16 / (S·r)). Everything else is MaxText's
-default for a pipelined model (its scan over the pipeline iterations with
-the remat policy on it, the embedding and head on the batch sharded over
-``stage`` and ``data``).
-
-Per configuration and per device, with ``pipeline.py``'s readers:
-``peak_bytes`` from XLA's compiled memory analysis (``argument + output +
-temp - alias``) and ``collective_bytes``, every collective's result bytes
-times the trip counts of the loops around it, both read by
-``jaxaccum.testing.compile_step``. A configuration MaxText refuses or fails
-to compile is a row with ``error``. With ``--steps maxtext,jaxaccum`` (the
-default) a row also holds ``jaxaccum_same_jax``: ``pipeline.py``'s own step
-of the configuration compiled here, with MaxText's jax (``pipeline.json``'s
-rows come from the dev venv's). Writes ``{note, rows}`` to
-``results/maxtext_pipeline.json`` a row at a time (a sweep stopped early
-keeps its rows; a rerun keeps the rows it does not compile again).
+Compile-only. The step is MaxText's ``train_step`` built as its ahead-of-time
+compiler builds it (:func:`compile_step`; ``train_compile.py``), its llama2
+decoder at ``pipeline.py``'s ``llama_1b`` shapes (:data:`SETTINGS`), read as
+``pipeline.py`` reads its own (``pipeline.read``). With ``--steps
+maxtext,jaxaccum`` a row also holds ``jaxaccum_same_jax``: ``pipeline.py``'s
+step compiled here, with MaxText's jax. Writes ``{note, rows, versions}`` to
+``results/maxtext_pipeline.json`` a row at a time (a rerun keeps the rows it
+does not compile again).
 """
 
 # The manual's typography: multiplication signs.

@@ -3,27 +3,16 @@
 Run: ``python benchmarks/meshes.py [--out benchmarks/results]`` (a few
 minutes on two CPU cores).
 
-Eight fake CPU devices form the meshes large models train on
-(:data:`LAYOUTS`: tensor parallel, FSDP + TP and HSDP + TP), each built with
-``Auto`` and with ``Explicit`` axes. The model is a residual tanh MLP
-(:func:`make_loss`, 2 blocks of 128 -> 4096 -> 128) with a mean squared
-error on 4096 rows, so that the full-batch step's activations dominate a
-device's memory. For ``k`` in {1, 2, 4, 8, 16}, ``(loss, grads)`` is
-compiled under ``jit`` with the grads' ``out_shardings`` pinned to the
-parameters' shardings, five ways (:data:`APPROACHES` and the full batch):
-jaxaccum with ``mesh=`` (``fsdp_gather="per_micro_batch"`` and ``"once"``),
-``optax.microbatch``, a hand-written ``lax.scan`` over a C-order split
-(``_approaches.hand_scan``) and ``jax.value_and_grad`` of the full batch.
-
-Per device (:func:`measure`): every collective's bytes (``jaxaccum.testing``)
-split by the mesh axes its replica groups span, the data-axis collectives
-executed inside the micro-batch loop, XLA's peak memory
-(``jaxaccum.compiled_memory``) and XLA's flops times ``k``; every step that
+On 8 fake CPU devices, the meshes of :data:`LAYOUTS`, each with ``Auto`` and
+``Explicit`` axes, and a residual tanh MLP (:func:`make_loss`) whose
+full-batch activations dominate a device's memory. For each ``k`` the
+``(loss, grads)`` of each of :data:`APPROACHES` and of the full batch is
+compiled under ``jit`` with the grads' shardings pinned to the parameters'
+(:func:`measure`): its collectives' bytes by the mesh axes they span, the
+data-axis collectives in the loop, XLA's peak and flops; every step that
 compiles runs once against the full batch on one device, and one that fails
-to trace or compile is recorded with its error. The schedules are the CPU
-compiler's (``fsdp.py`` compiles for H100 and TPU v5e targets).
-``benchmarks/README.md`` shows the results. Outputs ``meshes.json`` and
-``meshes.png`` in ``--out``.
+is recorded with its error. ``benchmarks/README.md`` shows and explains the
+results. Outputs ``meshes.json`` and ``meshes.png`` in ``--out``.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en

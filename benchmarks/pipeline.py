@@ -2,41 +2,25 @@
 
 Usage::
 
-  python benchmarks/pipeline.py [--quick] [--targets h100,tpu-v5e]
+  python benchmarks/pipeline.py [--quick] [--large] [--targets h100,tpu-v5e]
   python benchmarks/pipeline.py --render     # rewrite the manual's blocks only
 
-Compile-only: nothing runs, and no accelerator is needed (the ``targets``
-extra). The model is ``fsdp.py``'s Llama-style decoder
-(``_models.LlamaConfig``), its decoder layers run by ``jaxaccum.pipeline`` on a
-``"stage"`` axis beside a ``"data"`` axis, 8 devices in all: stages × data
-= 8 × 1, 4 × 2 and 2 × 4. The embedding and the head run outside the
-pipeline on the whole batch, replicated over the stages and sharded over
-``"data"`` along the vocabulary (FSDP for those two matrices where there is a
-data axis). One ``optax.adamw`` step, parameters and optimizer state donated,
-under plain ``jit`` with ``data_axis="data"``.
-
-Per configuration (``m`` pipeline micro-batches of the data shard, ``r``
-circular repeats) and per device:
-
-- ``peak_bytes``: XLA's compiled memory analysis for the target
-  (``argument + output + temp - alias``, as ``jaxaccum.compiled_memory``);
-- ``collective_bytes``: every collective's result bytes times the trip
-  counts of the loops around it (``jaxaccum.testing.compile_step``), and
-  the part that moves over the stage axis inside the pipeline loop;
-- ``bubble``: the fraction of the loop's iterations a stage idles,
-  ``(S - 1) / (r·m + S - 1)``.
-
-The FSDP comparison is ``fsdp.py``'s results for the same model, batch,
-devices and targets (``results/fsdp.json``): jaxaccum's best mode per
-target, the lowest peak and the fewest bytes over the modes and ``k`` that
-``fsdp.py`` measured (``results/fsdp_llama_2.7b.json``, from ``fsdp.py
---model llama_2.7b``, for the larger model of ``--large``). Outputs
-``pipeline.json`` in ``--out`` and the generated blocks of ``benchmarks/README.md`` (written by this file's
-``BLOCKS``, stitched in by ``_report.py``).
+Compile-only (the ``targets`` extra). ``fsdp.py``'s Llama
+(``_models.llama_layer``) has its decoder layers run by ``jaxaccum.pipeline``
+on a ``"stage"`` axis beside a ``"data"`` axis, 8 devices in all
+(:data:`LAYOUTS`), the embedding and the head outside the pipeline, sharded
+over ``"data"`` along the vocabulary; one ``optax.adamw`` step under plain
+``jit`` (:func:`make_step`). Per configuration (``m`` pipeline micro-batches
+of the data shard, ``r`` circular repeats) and device (:func:`read`): the
+peak, the collective bytes per step (and those of the collective-permutes
+in the loop) and the bubble ``(S - 1) / (r·m + S - 1)``. The FSDP
+comparison is ``fsdp.py``'s results for the same models and targets
+(:func:`fsdp_best`). Outputs ``pipeline.json`` in ``--out`` and rewrites
+the manuals (this file's ``BLOCKS``, stitched in by ``_report.py``).
 """
 
 # The manual's typography: multiplication signs.
-# ruff: noqa: RUF001, RUF002
+# ruff: noqa: RUF001
 
 from __future__ import annotations
 

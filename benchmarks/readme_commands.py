@@ -2,20 +2,12 @@
 
 Run: ``python benchmarks/readme_commands.py [--out benchmarks/results]``.
 
-README.md gives a newcomer two commands, each with its own install step: one
-that runs the main demo and one that runs the tests. This script reads both
-from README.md (the ``bash`` blocks that run ``examples/quickstart.py`` and
-``python -m pytest``), clones the repository's committed ``HEAD`` into a
-temporary folder once per command, and runs each command there exactly as
-written, in a clean environment (no active venv, no ``JAX_PLATFORMS``).
-pip's download cache is left as it is, so the install time is that of a
-machine that has fetched the wheels before; the first install on a new
-machine adds the download. It records each command's wall time, exit
-status, the size of the ``.venv`` it made, and the last line the command
-printed (pytest's summary), and the lines in which a compile-only plugin
-(CUDA, libtpu) reports an error. Then it runs the demo command again in the
-tests' clone, in the venv they made, as a newcomer who runs both would.
-Outputs ``readme_commands.json`` in ``--out``.
+It reads README.md's demo and test commands (:data:`COMMANDS`), clones the
+committed ``HEAD`` into a temporary folder once per command and runs each
+there as written, in a clean environment (pip's download cache as it is),
+then the demo again in the tests' venv. Per run: wall and CPU time, exit
+status, the ``.venv``'s size, the last line printed and any line in which a
+compile-only plugin reports an error. Outputs ``readme_commands.json``.
 """
 
 from __future__ import annotations

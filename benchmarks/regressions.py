@@ -4,24 +4,12 @@ committed baseline.
 Run: ``python benchmarks/regressions.py --check`` (CI runs it; exit 1 on a
 regression), ``--rebaseline`` to rewrite ``results/regressions.json`` (the
 commit that does so says why), ``--targets`` to add the H100 and TPU v5e
-rows (the ``targets`` extra; CI's targets leg).
-
-Each step is a two-layer MLP with a bias (so that one leaf is reduced each
-micro-batch on every path) on 8 CPU devices, ``k = 4``, in the layouts a
-user's setup has: replicated, tensor parallel over ``"model"``, FSDP, HSDP,
-and a 4-stage pipeline with a data axis; each under plain ``jit`` on an
-Explicit mesh (no ``mesh=``) and through ``mesh=`` on an Auto mesh. For each
-compiled step it reads, with the public API only
-(:func:`jaxaccum.compiled_memory`, :mod:`jaxaccum.testing`):
-
-- ``peak_bytes``: the per-device peak of XLA's memory analysis;
-- ``collective_bytes``: every collective's result bytes times its
-  executions per step;
-- ``data_bytes_in_loop``: the bytes of the collectives inside the loop that
-  span a data axis.
-
-Any of them more than 1% above the baseline fails, naming the step and
-both numbers. Nothing runs: the steps are only compiled.
+rows (the ``targets`` extra). Each step is a two-layer MLP with a bias on 8
+CPU devices, ``k = 4``, in the layouts of :data:`LAYOUTS` and a 4-stage
+pipeline, under plain ``jit`` on Explicit axes and through ``mesh=`` on Auto
+axes; :func:`measure` reads its peak, its collective bytes and the bytes of
+the data-axis collectives in the loop (:data:`METRICS`). Any of them more
+than 1% above the baseline fails. Nothing runs.
 """
 
 from __future__ import annotations

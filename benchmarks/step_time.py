@@ -3,32 +3,20 @@
 Usage::
 
   python benchmarks/step_time.py [--quick] [--out benchmarks/results]
-
-For every model (``_models.py``) and number of micro-batches ``k`` the
-script builds the approaches of ``_approaches.py``, which all compute the
-same optimizer update for the same effective batch of ``B`` rows, and the
-A/A control (the full batch timed twice, :class:`FullBatchAgain`). Per
-configuration (:func:`run_config`): the median wall time of one optimizer
-step over interleaved rounds (``_timing.interleaved``), each approach's
-compiled peak memory, the parameters after one step against the full
-batch's (:func:`compare_params`), jaxaccum's memory bound
-(:func:`memory_bound`) and the targets (:func:`evaluate_targets`; a time
-target counts only where the A/A ratio is within 3% of 1). Misses are
-reported; the script never fails on them. ``NOTES`` says what each number
-of the JSON means.
-
-The results go to ``<out>/step_time[_quick].json`` and one PNG per model.
-On an accelerator the ``gpu`` preset sizes the models up; use ``--dtype
-bfloat16`` for the transformer and ``--micro-batch-sizes`` to sweep
-micro-batch sizes instead of ``k``, e.g. on an H200::
-
   python benchmarks/step_time.py --models transformer --dtype bfloat16 \
     --micro-batch-sizes 1,4,16,64 --rounds 7 --device-note "H200"
 
-On a CPU shared with other work, ``--cpus 0-3`` keeps the run (and XLA's
-threads) on those cores, and more ``--rounds`` and a longer
-``--min-time-ms`` narrow the spread. Compilation dominates the wall time
-(every approach compiles per ``k``), so size the sweep to the time you have.
+For every model (``_models.py``) and ``k``, :func:`run_config` builds the
+approaches of ``_approaches.py`` and the A/A control (:class:`FullBatchAgain`)
+and reports each one's median time per step over interleaved rounds
+(``_timing.interleaved``), compiled peak, parameters after one step against
+the full batch's (:func:`compare_params`), jaxaccum's memory bound
+(:func:`memory_bound`) and the targets (:func:`evaluate_targets`; a time
+target counts only where the A/A ratio is within 3% of 1). ``NOTES`` says
+what each number of the JSON means. The results go to
+``<out>/step_time[_quick].json`` and one PNG per model. ``--cpus 0-3`` keeps
+the run on those cores; more ``--rounds`` and a longer ``--min-time-ms``
+narrow the spread.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
