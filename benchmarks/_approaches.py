@@ -1,20 +1,14 @@
-"""The ways to take one optimizer step on an effective batch of ``B`` rows,
-and the peers' baselines the other benchmarks share.
+"""The ways to take one optimizer step on an effective batch of ``B`` rows
+(:data:`APPROACHES`, timed by ``step_time.py``), and the peers' baselines
+the other benchmarks share (:func:`train_step`, :func:`full_batch_step`,
+:func:`full_batch_select_step`, :func:`optax_microbatch`, :func:`hand_scan`).
 
-Each :class:`Approach` wraps the same ``loss(params, batch)`` and optax
-optimizer ``tx``: ``reset()`` gives it fresh parameters and optimizer state,
-``step()`` processes the whole batch (``k`` micro-batches) and applies one
-update, ``memory()`` compiles (never runs) what a step executes and returns
-XLA's memory analysis (``peak = argument + output + temp - alias``). For
-MultiSteps, the peak of its per-micro-batch call; for the naive loop, the
-larger of its two compiled functions' (``resident_bytes`` adds the
-accumulator and optimizer state alive outside them). Every jitted step
-donates the parameters and the optimizer state; MultiSteps and the naive
-loop get their micro-batches sliced once, before timing.
-
-The baselines: :func:`train_step`, :func:`full_batch_step`,
-:func:`full_batch_select_step`, :func:`optax_microbatch` and the hand-written
-scan, :func:`hand_scan`.
+An :class:`Approach`'s ``memory()`` compiles (never runs) what a step
+executes: for MultiSteps, its per-micro-batch call; for the naive loop, the
+larger of its two functions (``resident_bytes`` adds what stays alive
+outside them). Every jitted step donates the parameters and the optimizer
+state; MultiSteps and the naive loop get their micro-batches sliced once,
+before timing.
 """
 
 from __future__ import annotations
@@ -54,17 +48,10 @@ def shape_of(tree: PyTree) -> PyTree:
 
 
 def compiled_stats(jitted: Any, *args: Any) -> dict[str, Any]:
-  """Traces, lowers and compiles ``jitted(*args)``; XLA's memory analysis.
-
-  The arrays in ``args`` may be ``jax.ShapeDtypeStruct``s; nothing runs.
-  Besides the byte counts (``peak = argument + output + temp - alias``):
-
-  - ``compile_s``: the wall time of tracing, lowering and compiling;
-  - ``effects``: the jaxpr's effects. A jitted function with any effect (an
-    ``ErrorEffect`` from ``checkify.debug_check``, a callback, ...) does not
-    get JAX's C++ dispatch fast path: every call runs the Python path of
-    ``jax.jit``, which costs a fixed overhead per call.
-  """
+  """Traces, lowers and compiles ``jitted(*args)`` (``ShapeDtypeStruct``s
+  will do: nothing runs): XLA's memory analysis, the seconds it took
+  (``compile_s``) and the jaxpr's ``effects`` (a jitted function with any
+  effect misses JAX's C++ dispatch fast path)."""
   start = time.perf_counter()
   traced = jitted.trace(*args)
   compiled = traced.lower().compile()
@@ -139,20 +126,11 @@ def hand_scan(
 ) -> Any:
   """Accumulation written by hand, the peers' baseline: ``(params, batch) ->
   (value, grads)``, a ``lax.scan`` over ``k`` micro-batches adding each
-  gradient into a float32 accumulator, then the mean.
-
-  Args:
-    loss: ``loss(params, micro_batch)``, a mean.
-    k: the number of micro-batches.
-    split: ``"contiguous"``, micro-batch ``i`` is rows ``i·B/k`` to
-      ``(i+1)·B/k - 1`` (a C-order ``batch.reshape(k, B // k, ...)``); or
-      ``"strided"``, rows ``i, i + k, ...`` (``(B, ...) -> (B/k, k, ...) ->
-      (k, B/k, ...)``, MaxText's, which keeps every device's rows on it).
-    shardings: with them (the parameters' ``NamedSharding``s), the
-      parameters, the accumulator and the gradients are constrained to
-      them, as MaxText does, so that each micro-batch's gradient is reduced
-      into a sharded accumulator.
-  """
+  gradient into a float32 accumulator, then the mean. ``split="contiguous"``:
+  micro-batch ``i`` is a C-order ``batch.reshape(k, B // k, ...)``'s ``i``-th;
+  ``"strided"``: rows ``i, i + k, ...`` (MaxText's, which keeps every
+  device's rows on it). With ``shardings`` (the parameters'), the parameters,
+  the accumulator and the gradients are constrained to them, as MaxText does."""
 
   def constrain(tree: PyTree) -> PyTree:
     if shardings is None:
@@ -193,16 +171,8 @@ def optax_microbatch(loss: Any, micro_batch_size: int) -> Any:
 
 
 class Approach(abc.ABC):
-  """One way to take an optimizer step over ``k`` micro-batches.
-
-  Attributes:
-    name: the identifier used in the JSON and plots.
-    label: the human-readable name.
-    model: the model: loss, initial parameters and the whole batch.
-    tx: the optimizer (the inner optimizer for MultiSteps).
-    k: the number of micro-batches.
-    micro_batch_size: ``B // k``.
-  """
+  """One way to take an optimizer step over ``k`` micro-batches of
+  ``model``'s batch with ``tx``; ``name`` in the JSON, ``label`` for people."""
 
   name: ClassVar[str]
   label: ClassVar[str]

@@ -340,20 +340,13 @@ def llama_layer(
 def llama_loss(
   cfg: LlamaConfig, batch_sharding: Any = None
 ) -> Callable[[PyTree, jax.Array], jax.Array]:
-  """``loss(params, tokens)``: the mean next-token cross-entropy.
-
-  ``tokens`` is ``(batch, seq_len + 1)`` int32. The parameters are cast to
-  bfloat16 first (their gradients come back float32); the layers run under
-  ``lax.scan``. With ``batch_sharding`` the activations are constrained to
-  it after the embedding and after every layer, as MaxText constrains them,
-  so that the partitioner gathers the weights where they are used and leaves
-  the activations sharded by batch (without, XLA's partitioner reshards the
-  SwiGLU's activations with all-to-alls and gathers other devices'
-  activations). Under plain ``jit`` that is ``P("data")``; inside jaxaccum,
-  where ``fun`` sees one device's micro-batch and the data axis is
-  jaxaccum's (naming it is an error), ``P()``: jaxaccum's ``vmap`` over the
-  devices adds ``"data"`` to the batch axis.
-  """
+  """``loss(params, tokens)``: the mean next-token cross-entropy of
+  ``(batch, seq_len + 1)`` tokens, the parameters cast to bfloat16 first, the
+  layers under ``lax.scan``. With ``batch_sharding`` the activations are
+  constrained to it after the embedding and every layer, as MaxText does, so
+  that the partitioner gathers the weights where they are used and leaves the
+  activations sharded by batch: ``P("data")`` under plain ``jit``; ``P()``
+  inside jaxaccum, whose ``vmap`` over the devices adds the data axis."""
 
   def constrain(x: jax.Array) -> jax.Array:
     if batch_sharding is None:
@@ -378,51 +371,42 @@ def llama_loss(
 #: Model sizes per preset. ``cpu`` fits the default run in a few minutes on two
 #: cores; ``gpu`` sizes the compute-bound MLP and the transformer for a large
 #: accelerator (the dispatch-bound MLP stays tiny on purpose).
+_SMALL_MLP = MLPConfig(widths=(32, 64, 64, 10), batch_size=256)
+_CPU_TRANSFORMER = TransformerConfig(
+  vocab=256, d_model=64, num_heads=4, num_layers=2, d_ff=256, seq_len=32, batch_size=32
+)
+_GPU_TRANSFORMER = TransformerConfig(
+  vocab=32768,
+  d_model=1024,
+  num_heads=16,
+  num_layers=4,
+  d_ff=4096,
+  seq_len=1024,
+  batch_size=64,
+)
 PRESETS: dict[str, dict[str, MLPConfig | TransformerConfig]] = {
   "cpu": {
-    "dispatch_mlp": MLPConfig(widths=(32, 64, 64, 10), batch_size=256),
+    "dispatch_mlp": _SMALL_MLP,
     "compute_mlp": MLPConfig(widths=(256, 512, 512, 16), batch_size=2048),
-    "transformer": TransformerConfig(
-      vocab=256,
-      d_model=64,
-      num_heads=4,
-      num_layers=2,
-      d_ff=256,
-      seq_len=32,
-      batch_size=32,
-    ),
+    "transformer": _CPU_TRANSFORMER,
   },
   "cpu-quick": {
-    "dispatch_mlp": MLPConfig(widths=(32, 64, 64, 10), batch_size=128),
+    "dispatch_mlp": dataclasses.replace(_SMALL_MLP, batch_size=128),
     "compute_mlp": MLPConfig(widths=(256, 256, 256, 16), batch_size=2048),
-    "transformer": TransformerConfig(
-      vocab=128,
-      d_model=64,
-      num_heads=4,
-      num_layers=1,
-      d_ff=256,
-      seq_len=32,
-      batch_size=16,
+    "transformer": dataclasses.replace(
+      _CPU_TRANSFORMER, vocab=128, num_layers=1, batch_size=16
     ),
   },
   "gpu": {
-    "dispatch_mlp": MLPConfig(widths=(32, 64, 64, 10), batch_size=256),
+    "dispatch_mlp": _SMALL_MLP,
     "compute_mlp": MLPConfig(widths=(4096, 8192, 8192, 1024), batch_size=8192),
-    "transformer": TransformerConfig(
-      vocab=32768,
-      d_model=1024,
-      num_heads=16,
-      num_layers=4,
-      d_ff=4096,
-      seq_len=1024,
-      batch_size=64,
-    ),
+    "transformer": _GPU_TRANSFORMER,
   },
   "gpu-quick": {
-    "dispatch_mlp": MLPConfig(widths=(32, 64, 64, 10), batch_size=128),
+    "dispatch_mlp": dataclasses.replace(_SMALL_MLP, batch_size=128),
     "compute_mlp": MLPConfig(widths=(4096, 8192, 8192, 1024), batch_size=4096),
-    "transformer": TransformerConfig(
-      vocab=32768,
+    "transformer": dataclasses.replace(
+      _GPU_TRANSFORMER,
       d_model=768,
       num_heads=12,
       num_layers=2,
@@ -440,17 +424,26 @@ TITLES = {
 }
 
 
-def build(name: str, preset: str, dtype: str = "float32") -> Model:
-  """Builds model ``name`` at the sizes of ``preset``.
-
-  Args:
-    name: ``dispatch_mlp``, ``compute_mlp`` or ``transformer``.
-    preset: a key of ``PRESETS``.
-    dtype: the transformer's parameter and compute dtype (the MLPs stay
-      float32).
-  """
+def build(
+  name: str, preset: str, dtype: str = "float32", *, batch_scale: int = 1
+) -> Model:
+  """Model ``name`` at the sizes of ``preset`` (``dtype``: the transformer's;
+  the MLPs stay float32), its batch ``batch_scale`` times as large."""
   config = PRESETS[preset][name]
+  config = dataclasses.replace(config, batch_size=config.batch_size * batch_scale)
   if isinstance(config, TransformerConfig):
     config = dataclasses.replace(config, dtype=dtype)
     return make_transformer(name, TITLES[name], config)
   return make_mlp(name, TITLES[name], config)
+
+
+def abstract(name: str, preset: str, dtype: str, batch_scale: int = 1) -> Model:
+  """:func:`build`'s model as shapes only (nothing is allocated)."""
+  built = []
+
+  def make():
+    built.append(build(name, preset, dtype, batch_scale=batch_scale))
+    return built[0].params, built[0].batch
+
+  params, batch = jax.eval_shape(make)
+  return dataclasses.replace(built[0], params=params, batch=batch)

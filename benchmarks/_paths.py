@@ -73,23 +73,16 @@ def parser(
   ks: str | None = None,
   targets: bool = False,
 ) -> argparse.ArgumentParser:
-  """A script's parser, its description ``doc``'s first paragraph, with the
-  shared flags it asks for (each a help text, or True):
-
-  - ``quick``: ``--quick``, a short smoke run;
-  - ``out``: ``--out``, the output folder (:func:`output_folder`, resolved
-    when the arguments are parsed);
-  - ``rounds``: ``--rounds``, the timing rounds;
-  - ``cpus``: ``--cpus``, the CPUs to run on (``_timing.pin``);
-  - ``ks``: ``--ks``, comma-separated numbers of micro-batches (a list);
-  - ``targets``: ``--targets``, comma-separated compile-only targets of
-    :data:`TOPOLOGIES` (a list; default all).
+  """A script's parser, described by ``doc``'s first paragraph, with the
+  shared flags it asks for (a help text each, or True): ``--quick``;
+  ``--out``, the output folder (:func:`output_folder`, resolved on parsing);
+  ``--rounds``; ``--cpus`` (``_timing.pin``); ``--ks`` and ``--targets``,
+  comma-separated lists (the targets of :data:`TOPOLOGIES`, default all).
 
   >>> p = parser("Demo.", quick="short", ks="k", targets=True)
   >>> a = p.parse_args(["--quick", "--ks", "1,4"])
   >>> a.quick, a.ks, a.targets, a.out == output_folder(None, True)
-  (True, [1, 4], ['h100', 'tpu-v5e'], True)
-  """
+  (True, [1, 4], ['h100', 'tpu-v5e'], True)"""
   p = _Parser(
     description=doc.split("\n\n", maxsplit=1)[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -37,12 +37,8 @@ def parse_cpus(text: str) -> list[int]:
 
 def pin(cpus: str | None) -> list[int] | None:
   """Runs this process, and every thread it starts from now on, on ``cpus``
-  (``--cpus``); with None it stays where it may run. Call it before JAX's
-  first computation.
-
-  Returns:
-    The CPUs the process runs on (None where the platform does not say).
-  """
+  (``--cpus``; None: where it may run), before JAX's first computation; the
+  CPUs it runs on (None where the platform does not say)."""
   if not hasattr(os, "sched_setaffinity"):  # not on Linux
     if cpus:
       raise SystemExit("--cpus needs os.sched_setaffinity (Linux); use taskset.")
@@ -72,18 +68,14 @@ def interleaved(
   started: dict[str, float] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, int]]:
   """Times ``calls`` in interleaved rounds: round ``r`` times each once, in
-  an order rotated by ``r``, so that machine noise hits them alike, with the
-  garbage collector off. A sample repeats a call until it lasts
-  ``min_sample_ms`` (at most ``max_repeats`` times) and is the time per
-  call. Each call is warmed up first, and one untimed round goes before the
-  timed ones: the first sample after the warmup ran slow (the A/A control
-  showed it, on whichever call came first). ``after_round(r)`` runs after
-  round ``r``; ``started["timing"]`` is set to ``time.perf_counter()`` when
-  the timed rounds start.
+  an order rotated by ``r``, the garbage collector off. Each call is warmed
+  up, a sample repeats it until it lasts ``min_sample_ms`` (at most
+  ``max_repeats`` times), and one untimed round goes first (the first
+  sample after the warmup ran slow). ``after_round(r)`` runs after round
+  ``r``; ``started["timing"]`` gets the time the timed rounds start.
 
   Returns:
-    Every call's samples in milliseconds, and its repeats per sample.
-  """
+    Every call's samples (milliseconds per call) and its repeats per sample."""
   repeats = {}
   for name, call in calls.items():
     jax.block_until_ready(call())  # compile, warm up

@@ -4,22 +4,13 @@ Usage::
 
   python benchmarks/accelerator_memory.py [--quick] [--targets h100,tpu-v5e]
 
-For every compile-only target (the ``targets`` extra), benchmark model
-(``_models.py``) and ``k``, one Adam step (parameters and state donated) is
-compiled, never run, and XLA's memory analysis of one device read
-(:func:`measure_row`): the full batch, jaxaccum's bound, jaxaccum with the
-batch in device memory and streamed from ``pinned_host`` memory (also at
-twice the batch), and optax.microbatch. :func:`checks` holds each row to
-three targets; a miss is reported, never raised. ``NOTES`` says how each
-backend's analysis reads; a step XLA refuses has a null peak and an error.
-The results go to ``<out>/accelerator_memory[_quick].json`` and ``.png``, and
-the rows to the last lines of the output, one JSON object each.
-
-``--causes`` compiles instead the control steps that say why rows miss
-(:func:`measure_causes`, on the TPU v5e), into
-``<out>/accelerator_memory_causes.json``; ``--causes --live-peaks`` adds the
-bytes live at the small MLP's programs' peaks by XLA's live-range dump
-(:func:`live_peaks`). ``benchmarks/README.md`` reads both.
+Compile-only (the ``targets`` extra): per target, model and ``k``, one Adam
+step of each column of :func:`measure_row`, held to :func:`checks`; ``NOTES``
+says how each backend's memory analysis reads. Outputs
+``accelerator_memory[_quick].json`` and ``.png`` in ``--out``, and the rows
+as the output's last lines. ``--causes`` compiles instead the control steps
+of :func:`measure_causes` into ``accelerator_memory_causes.json``;
+``--causes --live-peaks`` adds :func:`live_peaks` to it.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -35,7 +26,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import dataclasses
 import datetime
 import itertools
 import json
@@ -47,7 +37,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import _approaches
@@ -122,29 +112,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   parser.add_argument("--live-peak-of", help=argparse.SUPPRESS)  # a child's step
   return parser.parse_args(argv)
-
-
-def abstract_model(name: str, preset: str, dtype: str, batch_scale: int = 1) -> Any:
-  """Model ``name`` of ``preset`` as shapes only (nothing is allocated).
-
-  ``batch_scale`` multiplies the batch size.
-  """
-  config = _models.PRESETS[preset][name]
-  config = dataclasses.replace(config, batch_size=config.batch_size * batch_scale)
-  if isinstance(config, _models.TransformerConfig):
-    config = dataclasses.replace(config, dtype=dtype)
-    make: Callable[..., Any] = _models.make_transformer
-  else:
-    make = _models.make_mlp
-  built = []
-
-  def build():
-    model = make(name, _models.TITLES[name], config)
-    built.append(model)
-    return model.params, model.batch
-
-  params, batch = jax.eval_shape(build)
-  return dataclasses.replace(built[0], params=params, batch=batch)
 
 
 def measure(
@@ -316,7 +283,7 @@ def scan_steps(
   (``_approaches.hand_scan``), all Adam steps jitted and donated; and their
   arguments."""
   tx = optax.adam(1e-3)
-  model = abstract_model(name, preset, dtype)
+  model = _models.abstract(name, preset, dtype)
   args = (model.params, jax.eval_shape(tx.init, model.params), model.batch)
   steps = {
     "jaxaccum_peak": _approaches.JaxAccum(model, tx, k).fn,
@@ -333,7 +300,7 @@ def measure_causes(preset: str, dtype: str, ks: Sequence[int]) -> dict[str, Any]
   k1 = []
   for model_preset in dict.fromkeys(("cpu-quick", preset)):
     for name in CAUSE_MODELS:
-      model = abstract_model(name, model_preset, dtype)
+      model = _models.abstract(name, model_preset, dtype)
       args = (model.params, jax.eval_shape(tx.init, model.params), model.batch)
       steps = {
         "full_peak": _approaches.full_batch_step(model.loss, tx),
@@ -345,8 +312,8 @@ def measure_causes(preset: str, dtype: str, ks: Sequence[int]) -> dict[str, Any]
       row |= {key: measure(step, args, tpu)["peak"] for key, step in steps.items()}
       k1.append(row)
       print(json.dumps(row), file=sys.stderr, flush=True)
-  model = abstract_model("compute_mlp", preset, dtype)
-  small = abstract_model("dispatch_mlp", preset, dtype)
+  model = _models.abstract("compute_mlp", preset, dtype)
+  small = _models.abstract("dispatch_mlp", preset, dtype)
   small_k = max(k for k in (*ks, SMALL_SCAN_K) if small.batch_size % k == 0)
   scan = []
   for name, k in [
@@ -706,8 +673,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   rows = []
   for target in targets:
     for name in names:
-      model = abstract_model(name, preset, args.dtype)
-      doubled = abstract_model(name, preset, args.dtype, batch_scale=2)
+      model = _models.abstract(name, preset, args.dtype)
+      doubled = _models.abstract(name, preset, args.dtype, batch_scale=2)
       full_step = _approaches.full_batch_step(model.loss, tx)
       state = jax.eval_shape(tx.init, model.params)
       full = measure(full_step, (model.params, state, model.batch), target)
@@ -731,7 +698,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     "settings": {"preset": preset, "dtype": args.dtype, "ks": ks},
     "targets": {t.name: _compile.target_info(t) for t in targets},
     "models": {
-      name: abstract_model(name, preset, args.dtype).config.describe() for name in names
+      name: _models.abstract(name, preset, args.dtype).config.describe()
+      for name in names
     },
     "notes": NOTES,
     "rows": rows,

@@ -4,19 +4,12 @@ Run: ``python benchmarks/communication.py [--out benchmarks/results]``
 (``--quick``: k in {1, 4}, 5 rounds of 50 ms samples, to the temporary
 folder; ``--rounds``, ``--min-sample-ms`` and ``--cpus`` set part 2's timing).
 
-Part 1 (:func:`run`): on 8 fake CPU devices, an MLP on a batch sharded over
-``"data"``; for each ``k`` the accumulated ``(loss, grads)`` of each of
-:data:`APPROACHES` is compiled and its collectives read from the optimized
-HLO (``jaxaccum.testing``), its flops times ``k`` over the data-parallel
-step's, and it runs once against the full, unsharded batch (:func:`measure`);
-then the plain-``jit`` step read over each axis of :data:`EXPLICIT_MESHES`
-(:func:`run_explicit`). Part 2 (:func:`run_plain_jit`): the steps of
-:data:`PLAIN_APPROACHES` timed in interleaved rounds
-(``_timing.interleaved``, the full batch twice: the A/A control), and
-``jax.profiler`` traces of :data:`PROFILED` read thunk by thunk
-(:func:`profile_thunks`). ``benchmarks/README.md`` shows and explains the
-results. Outputs ``communication.json`` and ``communication.png`` in
-``--out``.
+Part 1, on 8 fake CPU devices: the collectives of each of :data:`APPROACHES`
+per ``k`` (:func:`run`, :func:`measure`), and of the plain-``jit`` step on
+each of :data:`EXPLICIT_MESHES` (:func:`run_explicit`). Part 2: the steps of
+:data:`PLAIN_APPROACHES` timed in interleaved rounds, and a profile of a few
+of them (:func:`run_plain_jit`, :func:`profile_thunks`). Outputs
+``communication.json`` and ``communication.png`` in ``--out``.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -234,14 +227,9 @@ def make_approach(
   data_axis: str | tuple[str, ...] = "data",
   param_specs: PyTree = None,
 ) -> LossAndGrads:
-  """``(params, batch) -> (loss, grads)`` for approach ``name`` with ``k``.
-
-  ``jaxaccum`` is jaxaccum's default (``fsdp_gather="per_micro_batch"``),
-  ``jaxaccum_once`` the same with ``fsdp_gather="once"``; they differ only
-  where parameters are sharded along ``data_axis`` (FSDP). ``param_specs``
-  goes to jaxaccum, which cannot see the parameters'
-  shardings under an outer ``jit`` on an ``Auto`` mesh.
-  """
+  """``(params, batch) -> (loss, grads)`` for approach ``name`` with ``k``
+  (``jaxaccum_once``: ``fsdp_gather="once"``; ``param_specs`` tells jaxaccum
+  the shardings it cannot see under an outer ``jit`` on Auto axes)."""
   if name in ("jaxaccum", "jaxaccum_once"):
     return jaxaccum.value_and_grad(
       loss_fn,
@@ -675,28 +663,26 @@ def run_plain_jit(
     "same step timed twice in the same rounds; a time target is decided (met "
     "or missed) only where it is within 0.03 of 1",
     "targets": [
-      {
-        "target": f"jaxaccum time <= {PLAIN_TARGET:.2f} x full batch",
-        "value": ratio,
-        "threshold": f"<= {PLAIN_TARGET:.2f}",
-        "pass": ratio <= PLAIN_TARGET,
-        "timed": True,
-        "decided": aa_decides(aa),
-      },
-      {
-        "target": "jaxaccum on Explicit axes, plain jit: time <= mesh=",
-        "value": over_mesh,
-        "threshold": "<= 1.00",
-        "pass": over_mesh <= 1.0,
-        "timed": True,
-        "decided": aa_decides(aa),
-      },
-      {
-        "target": "no all-gather, collective-permute or all-to-all",
-        "value": len(moved),
-        "threshold": "== 0",
-        "pass": not moved,
-      },
+      _target(
+        f"jaxaccum time <= {PLAIN_TARGET:.2f} x full batch",
+        ratio,
+        f"<= {PLAIN_TARGET:.2f}",
+        ratio <= PLAIN_TARGET,
+        aa,
+      ),
+      _target(
+        "jaxaccum on Explicit axes, plain jit: time <= mesh=",
+        over_mesh,
+        "<= 1.00",
+        over_mesh <= 1.0,
+        aa,
+      ),
+      _target(
+        "no all-gather, collective-permute or all-to-all",
+        len(moved),
+        "== 0",
+        not moved,
+      ),
     ],
     "profile": profile,
     "profile_method": (
@@ -713,6 +699,15 @@ def run_plain_jit(
     ),
     "load_average_at_end": list(os.getloadavg()),
   }
+
+
+def _target(
+  name: str, value: float, threshold: str, ok: bool, aa: float | None = None
+) -> dict[str, Any]:
+  """A part-2 target; one that compares times (``aa``: the run's A/A ratio)
+  is decided only where the A/A control decides it."""
+  out = {"target": name, "value": value, "threshold": threshold, "pass": ok}
+  return out if aa is None else {**out, "timed": True, "decided": aa_decides(aa)}
 
 
 #: An HLO computation's header and an instruction: ``%name = type opcode(``.
@@ -886,12 +881,7 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   fig, (ax, ax_compute, ax_time) = plt.subplots(
     1, 3, figsize=(17, 4.8), layout="constrained", width_ratios=(3, 2, 2)
   )
-  markers = {
-    "jaxaccum": "o",
-    "optax_microbatch": "s",
-    "hand_scan": "^",
-    "jaxaccum_explicit": "D",
-  }
+  markers = dict(zip(APPROACHES, "os^D", strict=True))
   for name, label in results["approaches"].items():
     rows = [results["results"][name][str(k)] for k in ks]
     ax.plot(ks, [r["bytes_per_step"] for r in rows], marker=markers[name], label=label)
@@ -943,20 +933,6 @@ def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
   """Part 2: every sample of every approach (dots) and its median (a
   horizontal bar, log-scale time), with its ratio to its yardstick."""
   names = list(plain["approaches"])
-  short = {
-    "full_batch": "full batch",
-    "full_batch_again": "full batch again (A/A)",
-    "jaxaccum": "jaxaccum, plain jit, Auto",
-    "jaxaccum_mesh": "jaxaccum, mesh=",
-    "jaxaccum_explicit": "jaxaccum, plain jit, Explicit",
-    "full_batch_device_rows": "full batch, B/8 rows, 1 device",
-    "jaxaccum_device_rows": "jaxaccum, B/8 rows, 1 device",
-    "contiguous_scan": "contiguous split",
-    "full_batch_one_device": "full batch, 1 device",
-    "jaxaccum_one_device": "jaxaccum, 1 device",
-    "optax_microbatch": "optax.microbatch",
-    "hand_scan_one_device": "hand scan, 1 device",
-  }
   for i, name in enumerate(names):
     r = plain["approaches"][name]
     ax.barh(i, r["median_ms"], color=f"C{i % 10}", alpha=0.6)
@@ -968,7 +944,8 @@ def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
       va="center",
       fontsize=7,
     )
-  ax.set_yticks(range(len(names)), [short.get(n, n) for n in names], fontsize=7)
+  labels = [PLAIN_LABELS.get(n, n).replace("`", "") for n in names]
+  ax.set_yticks(range(len(names)), labels, fontsize=7)
   ax.invert_yaxis()
   ax.set_xscale("log")
   ax.set(
@@ -1154,15 +1131,6 @@ def communication_plain_jit(results: dict[str, Any]) -> str:
   )
 
 
-PROFILE_LABELS = {
-  "full_batch": "full batch, 8 devices",
-  "jaxaccum_mesh": "jaxaccum, `mesh=`, 8 devices",
-  "jaxaccum_explicit": "jaxaccum, plain `jit`, Explicit, 8 devices",
-  "full_batch_device_rows": "full batch of B / 8 rows, one device",
-  "jaxaccum_device_rows": "jaxaccum on B / 8 rows, one device",
-}
-
-
 def communication_profile(results: dict[str, Any]) -> str:
   plain = results.get("plain_jit", {})
   profile = plain.get("profile")
@@ -1177,7 +1145,7 @@ def communication_profile(results: dict[str, Any]) -> str:
     count, spent = prof["thunks_per_step"], prof["thunk_ms_per_step"]
     rows.append(
       [
-        PROFILE_LABELS.get(name, name),
+        PLAIN_LABELS.get(name, name),
         ratio(r["ratio_to_full"]),
         ratio(r["xla_flops_per_device"] * loop / yardstick["xla_flops_per_device"]),
         *(f"{count[kind]:,.0f}" for kind in THUNK_KINDS),
@@ -1195,7 +1163,7 @@ def communication_profile(results: dict[str, Any]) -> str:
   header += [f"{kind} ms" for kind in THUNK_KINDS]
   longest_rows = [
     [
-      PROFILE_LABELS.get(name, name),
+      PLAIN_LABELS.get(name, name),
       f"`{t['instruction']}`",
       t["kind"],
       f"`{t['signature']}`",

@@ -7,21 +7,12 @@ Usage::
                             [--out benchmarks/results] [--hlo-dir DIR]
   python benchmarks/fsdp.py --collectives-from DIR   # recount a saved run
 
-Compile-only (the ``targets`` extra). ``_models.py``'s ``llama_1b``, every
-weight matrix sharded over one ``Auto`` axis ``"data"`` of 8 devices
-(:func:`fsdp_spec`), its activations constrained as MaxText constrains them
-(``_models.llama_loss``); one ``optax.adamw`` step over ``k`` micro-batches
-by each of :data:`APPROACHES` (:func:`build_step`), compiled for 8 H100s and
-a TPU v5e ``2x4`` slice. Per device (:func:`measure`): the peak, the
-collective bytes per step and the collectives in the micro-batch loop
-(:func:`collective_stats`); on the H100s the HLO comes from the step traced
-on the target's own devices, with XLA's buffer-assignment dump
-(:func:`live_at_peak`). ``NOTES`` says what the JSON's numbers mean.
-
-Outputs ``fsdp.json`` and ``fsdp.png`` in ``--out`` (``fsdp_quick.*`` with
-``--quick``: a 3-layer model, k in 1 and 4, about 5 minutes on two CPU
-cores; ``fsdp_llama_2.7b.*`` with ``--model llama_2.7b``, which
-``pipeline.py`` weighs pipelining against). The full sweep took 73 minutes.
+Compile-only (the ``targets`` extra): ``_models.py``'s Llama under FSDP
+(:func:`fsdp_spec`) on 8 H100s and a TPU v5e ``2x4``, one ``optax.adamw``
+step by each of :data:`APPROACHES` (:func:`build_step`), read per device by
+:func:`measure`. ``--quick`` compiles a 3-layer model at k = 1 and 4 (about
+5 minutes on two CPU cores; the full sweep took 73). Outputs ``fsdp.json``
+and ``fsdp.png`` (``fsdp_quick.*``, ``fsdp_llama_2.7b.*``) in ``--out``.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -85,7 +76,8 @@ PEERS = ("hand_scan", "optax_microbatch")
 DEFAULT = "jaxaccum_per_micro_batch"
 # Steps that do not depend on k: compiled once per target.
 WHOLE_BATCH = ("full_batch", "full_batch_skip")
-#: What the JSON's numbers mean; stored with the results.
+#: What the JSON's numbers mean; stored with the results (the rows hold
+#: every cross-check: ``peak_bytes_hlo``, ``outputs_sharded_like_inputs``).
 NOTES = [
   "Per device, compile-only (nothing ran). peak_bytes: "
   "jaxaccum.compiled_memory(...).peak_bytes, argument + output + temp - alias "
@@ -337,13 +329,10 @@ def measure(
   *,
   hlo_dir: pathlib.Path | None = None,
 ) -> dict[str, Any]:
-  """One row: compiles ``approach`` with ``k`` for ``target``.
-
-  ``setup`` is on ``target.mesh()``, for ``jaxaccum.compiled_memory``;
-  ``hlo_setup`` on the target's own devices, for the HLO (the same mesh on
-  a TPU, where one compile serves both). With ``hlo_dir`` the compiled HLO
-  text is written there.
-  """
+  """One row: ``approach`` with ``k`` compiled for ``target``, by
+  ``jaxaccum.compiled_memory`` on ``setup`` (``target.mesh()``) and for the
+  HLO on ``hlo_setup`` (the target's own devices; on a TPU the same compile);
+  with ``hlo_dir`` the HLO text is written there."""
   row: dict[str, Any] = {
     "target": target.name,
     "model": setup.name,
@@ -444,42 +433,6 @@ def goal(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         },
       }
     )
-  return out
-
-
-def notes(rows: list[dict[str, Any]], goals: list[dict[str, Any]]) -> list[str]:
-  """:data:`NOTES`, what the rows' cross-checks found, and each missed goal."""
-  out = list(NOTES)
-  h100 = [r for r in rows if "peak_bytes_hlo" in r]
-  if h100:
-    same = sum(r["peak_bytes_hlo"] == r["peak_bytes"] for r in h100)
-    out.append(f"peak_bytes_hlo equals peak_bytes in {same} of {len(h100)} H100 rows.")
-  sharded = [
-    r["outputs_sharded_like_inputs"] for r in rows if "outputs_sharded_like_inputs" in r
-  ]
-  out.append(
-    f"outputs_sharded_like_inputs is true in {sum(sharded)} of {len(sharded)} rows."
-  )
-  peaks = {(r["target"], r["k"], r["approach"]): r["peak_bytes"] for r in rows}
-  pairs = [
-    (p, peaks[t, k, "optax_microbatch"])
-    for (t, k, a), p in peaks.items()
-    if a == "hand_scan" and (t, k, "optax_microbatch") in peaks
-  ]
-  if pairs:
-    same = sum(a == b for a, b in pairs)
-    out.append(
-      f"hand_scan and optax_microbatch have the same peak in {same} of "
-      f"{len(pairs)} (target, k): both are plain jit of a lax.scan over a "
-      "strided split of the batch with a float32 accumulator, partitioned by "
-      "XLA."
-    )
-  for g in goals:
-    if not g["met"]:
-      out.append(
-        f"MISS {g['target']} k={g['k']}: {DEFAULT} peak "
-        f"{g['default_peak_bytes']}; below it: {', '.join(g['below_default'])}."
-      )
   return out
 
 
@@ -769,7 +722,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     "description": __doc__.split("\n\n")[0],
     "rows": rows,
     "goal": goals,
-    "notes": notes(rows, goals),
+    "notes": NOTES,
     "model": {
       "name": name,
       **cfg.describe(),
@@ -805,7 +758,6 @@ def recount(results: dict[str, Any], hlo_dir: pathlib.Path) -> dict[str, Any]:
     path = hlo_dir / f"{row['target']}_{row['approach']}_k{k}.txt"
     row.update(collective_stats(path.read_text(), k))
   results["goal"] = goal(results["rows"])
-  results["notes"] = notes(results["rows"], results["goal"])
   results["collectives_recounted"] = {
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "argv": sys.argv[1:],

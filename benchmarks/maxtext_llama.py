@@ -15,13 +15,9 @@ Usage (Python 3.12, in a venv of its own: MaxText needs it)::
   pip install "jax[cuda13-local]==0.12.0.1"     # XLA's GPU compiler, for:
   python benchmarks/maxtext_llama.py --config 1b  # 1.1B llama, 8 H100s
 
-MaxText's model is built as its trainer builds it (:func:`build`); the full
-batch, MaxText's own accumulation and jaxaccum compute the loss and the
-gradients of the same global batch (:func:`programs`), on every mesh of
-:data:`MESHES`; :func:`measure_memory` reads each one's peak, the bytes live
-at its fullest point (XLA's live-range dump) and its collectives in the
-micro-batch loop. Each run rewrites its own part of
-``results/maxtext_llama.json``; ``benchmarks/README.md`` explains it.
+:func:`build` makes the model as MaxText's trainer does, :func:`programs`
+the three programs, :func:`measure_memory` reads each. Each run rewrites its
+own part of ``results/maxtext_llama.json``.
 """
 
 # The manual's blocks below use its typography: en dashes.

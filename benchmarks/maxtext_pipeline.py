@@ -10,14 +10,9 @@ Usage (Python 3.12, in a venv with MaxText and the CUDA compiler plugin)::
   # then, in the dev venv (Python 3.11), into pipeline.json and the manual:
   python benchmarks/pipeline.py --maxtext benchmarks/results/maxtext_pipeline.json
 
-Compile-only. The step is MaxText's ``train_step`` built as its ahead-of-time
-compiler builds it (:func:`compile_step`; ``train_compile.py``), its llama2
-decoder at ``pipeline.py``'s ``llama_1b`` shapes (:data:`SETTINGS`), read as
-``pipeline.py`` reads its own (``pipeline.read``). With ``--steps
-maxtext,jaxaccum`` a row also holds ``jaxaccum_same_jax``: ``pipeline.py``'s
-step compiled here, with MaxText's jax. Writes ``{note, rows, versions}`` to
-``results/maxtext_pipeline.json`` a row at a time (a rerun keeps the rows it
-does not compile again).
+:func:`compile_step` builds MaxText's train step as its ahead-of-time
+compiler does, at :data:`SETTINGS`; ``pipeline.read`` reads it. Writes
+``results/maxtext_pipeline.json`` a row at a time.
 """
 
 # The manual's typography: multiplication signs.

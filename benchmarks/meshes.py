@@ -3,16 +3,10 @@
 Run: ``python benchmarks/meshes.py [--out benchmarks/results]`` (a few
 minutes on two CPU cores).
 
-On 8 fake CPU devices, the meshes of :data:`LAYOUTS`, each with ``Auto`` and
-``Explicit`` axes, and a residual tanh MLP (:func:`make_loss`) whose
-full-batch activations dominate a device's memory. For each ``k`` the
-``(loss, grads)`` of each of :data:`APPROACHES` and of the full batch is
-compiled under ``jit`` with the grads' shardings pinned to the parameters'
-(:func:`measure`): its collectives' bytes by the mesh axes they span, the
-data-axis collectives in the loop, XLA's peak and flops; every step that
-compiles runs once against the full batch on one device, and one that fails
-is recorded with its error. ``benchmarks/README.md`` shows and explains the
-results. Outputs ``meshes.json`` and ``meshes.png`` in ``--out``.
+On 8 fake CPU devices, each of :data:`LAYOUTS` with ``Auto`` and
+``Explicit`` axes, the residual MLP of :func:`make_loss`; per ``k`` the
+``(loss, grads)`` of each of :data:`APPROACHES` and of the full batch, read
+by :func:`measure`. Outputs ``meshes.json`` and ``meshes.png`` in ``--out``.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -61,17 +55,9 @@ FULL_BATCH_LABEL = "(d) full batch, jit(jax.value_and_grad(loss))"
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """A mesh and where the parameters live on it.
-
-  Attributes:
-    name: the identifier used in the JSON.
-    title: what it is, for people.
-    shape: the mesh shape.
-    axis_names: the mesh axes.
-    data_axis: the axis (or axes) the batch is split over.
-    fsdp_axis: the data axis the weights are sharded over (FSDP), or None.
-    model_axis: the tensor-parallel axis.
-  """
+  """A mesh and where the parameters live on it: the axis (or axes) the
+  batch is split over, the data axis the weights are sharded over (FSDP, or
+  None) and the tensor-parallel axis."""
 
   name: str
   title: str
@@ -138,14 +124,10 @@ def init_params(rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
 
 
 def make_loss(model_axis: str, explicit: bool) -> Callable[..., jax.Array]:
-  """The residual MLP's mean squared error, written as a user writes it.
-
-  On an Auto mesh it needs no annotations. On an Explicit mesh the FSDP
-  weights are gathered in global view (``reshard``; a no-op without FSDP)
-  and the row-parallel contraction names its output sharding with the batch
-  axis read from the input's type, the idiom that runs under plain ``jit``
-  (where it is the data axis) and inside jaxaccum (where it is None).
-  """
+  """The residual MLP's mean squared error, as a user writes it: on an
+  Explicit mesh the FSDP weights are gathered (``reshard``) and the
+  row-parallel contraction names its output sharding, the batch axis read
+  from the input's type (the data axis under ``jit``, None inside jaxaccum)."""
 
   def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     h, target = batch
@@ -179,14 +161,6 @@ def axes_spanned(c: testing.Collective, layout: Layout) -> str:
   }.get((data, model), "none")
 
 
-def sharded_like(grads: PyTree, params: PyTree) -> bool:
-  """Whether every gradient has exactly its parameter's sharding."""
-  return all(
-    g.sharding.is_equivalent_to(p.sharding, g.ndim)
-    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True)
-  )
-
-
 def measure(
   fun: communication.LossAndGrads,
   k: int,
@@ -197,15 +171,10 @@ def measure(
   batch: PyTree,
   reference: tuple[jax.Array, PyTree],
 ) -> dict[str, Any]:
-  """Compiles ``jit(fun)`` on ``mesh``: bytes by mesh axes, peak memory,
-  flops; runs it once against ``reference``. A failure to trace or compile
-  is recorded (error class and first line), not raised.
-
-  The grads' ``out_shardings`` are the parameters' shardings, as in a
-  training step that updates the parameters in place: on an Auto mesh
-  GSPMD would otherwise return some plain-jit grads replicated along the
-  FSDP axis, a different (and larger) output than jaxaccum's.
-  """
+  """Compiles ``jit(fun)`` on ``mesh``, the grads' ``out_shardings`` the
+  parameters' (as a step that updates them in place): bytes by mesh axes,
+  peak memory, flops; runs it once against ``reference``. A failure to trace
+  or compile is recorded (error class and first line), not raised."""
   out_shardings = (NamedSharding(mesh, P()), jax.tree.map(lambda p: p.sharding, params))
   jitted = jax.jit(fun, out_shardings=out_shardings)
   with jax.set_mesh(mesh):  # plain jit on an Explicit mesh needs it
@@ -259,7 +228,7 @@ def measure(
     "xla_flops_per_device": communication.xla_flops(compiled),
     "k": k,
     **communication.accuracy(outputs, reference),
-    "grads_sharded_like_params": sharded_like(outputs[1], params),
+    "grads_sharded_like_params": communication.keeps_shardings(outputs[1], params),
     "compile_seconds": compile_seconds,
     "run_seconds": run_seconds,
   }
@@ -392,18 +361,8 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   fig, axes = plt.subplots(
     len(results["layouts"]), len(columns), figsize=(15, 12), layout="constrained"
   )
-  colors = {
-    "jaxaccum": "C0",
-    "jaxaccum_once": "C3",
-    "optax_microbatch": "C1",
-    "hand_scan": "C2",
-  }
-  markers = {
-    "jaxaccum": "o",
-    "jaxaccum_once": "D",
-    "optax_microbatch": "s",
-    "hand_scan": "^",
-  }
+  colors = dict(zip(APPROACHES, ("C0", "C3", "C1", "C2"), strict=True))
+  markers = dict(zip(APPROACHES, "oDs^", strict=True))
   styles = {"auto": "-", "explicit": "--"}
   for row, (lname, layout) in zip(axes, results["layouts"].items(), strict=True):
     for ax, (key, ylabel) in zip(row, columns, strict=True):

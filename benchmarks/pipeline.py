@@ -5,18 +5,11 @@ Usage::
   python benchmarks/pipeline.py [--quick] [--large] [--targets h100,tpu-v5e]
   python benchmarks/pipeline.py --render     # rewrite the manual's blocks only
 
-Compile-only (the ``targets`` extra). ``fsdp.py``'s Llama
-(``_models.llama_layer``) has its decoder layers run by ``jaxaccum.pipeline``
-on a ``"stage"`` axis beside a ``"data"`` axis, 8 devices in all
-(:data:`LAYOUTS`), the embedding and the head outside the pipeline, sharded
-over ``"data"`` along the vocabulary; one ``optax.adamw`` step under plain
-``jit`` (:func:`make_step`). Per configuration (``m`` pipeline micro-batches
-of the data shard, ``r`` circular repeats) and device (:func:`read`): the
-peak, the collective bytes per step (and those of the collective-permutes
-in the loop) and the bubble ``(S - 1) / (r·m + S - 1)``. The FSDP
-comparison is ``fsdp.py``'s results for the same models and targets
-(:func:`fsdp_best`). Outputs ``pipeline.json`` in ``--out`` and rewrites
-the manuals (this file's ``BLOCKS``, stitched in by ``_report.py``).
+Compile-only (the ``targets`` extra): ``fsdp.py``'s Llama with its layers
+run by ``jaxaccum.pipeline`` on a ``"stage"`` axis beside ``"data"``
+(:func:`make_step`), per layout of :data:`LAYOUTS`, ``m`` and ``r``, read by
+:func:`read`, against ``fsdp.py``'s results (:func:`fsdp_best`). Outputs
+``pipeline.json`` in ``--out`` and rewrites the manuals.
 """
 
 # The manual's typography: multiplication signs.

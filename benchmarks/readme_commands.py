@@ -10,6 +10,9 @@ status, the ``.venv``'s size, the last line printed and any line in which a
 compile-only plugin reports an error. Outputs ``readme_commands.json``.
 """
 
+# The README's typography: en dashes.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import datetime
@@ -25,7 +28,7 @@ import time
 from typing import Any
 
 import _paths
-from _report import cpu_model
+from _report import cpu_model, table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -119,46 +122,30 @@ def run_fresh(commands: list[str]) -> list[dict[str, Any]]:
     return [_run(command, clone) for command in commands]
 
 
-def _report(name: str, r: dict[str, Any]) -> None:
-  print(
-    f"  {name}: exit {r['returncode']}, {r['seconds'] / 60:.1f} min "
-    f"({r['cpu_seconds'] / 60:.1f} min of CPU), "
-    f".venv {r['venv_bytes'] / 2**30:.2f} GiB, "
-    f"{len(r['plugin_error_lines'])} plugin error lines: {r['last_line']}",
-    flush=True,
-  )
-
-
 # ---------------------------------------------------------------- README.md's block
 
 
 def readme_commands_times(results: dict[str, Any]) -> str:
-  runs, m = results["runs"], results["machine"]
-
-  def one(name: str, what: str) -> str:
-    r = runs[name]
-    outcome = "" if r["returncode"] == 0 else f", **exit {r['returncode']}**"
-    cpu = ""
-    if "cpu_seconds" in r:  # runs recorded before the CPU time was
-      cpu = f" ({r['cpu_seconds'] / 60:.1f} min of CPU)"
-    return (
-      f"{what} took {r['seconds'] / 60:.1f} min{cpu} and made a "
-      f"{r['venv_bytes'] / 2**30:.1f} GiB `.venv`{outcome}"
-    )
-
-  plugin = sum(len(r["plugin_error_lines"]) for r in runs.values())
+  """Each run: minutes of wall and CPU time, the ``.venv``'s size, its exit
+  status and pytest's summary line."""
+  m = results["machine"]
+  rows = [
+    [
+      name.replace("_", " "),
+      f"{r['seconds'] / 60:.1f}",
+      f"{r['cpu_seconds'] / 60:.1f}" if "cpu_seconds" in r else "–",
+      f"{r['venv_bytes'] / 2**30:.1f}",
+      r["returncode"],
+      len(r["plugin_error_lines"]),
+      f"`{r['last_line'].strip('= ')}`" if name == "tests" else "",
+    ]
+    for name, r in results["runs"].items()
+  ]
+  header = ["run", "minutes", "CPU minutes", "`.venv`, GiB", "exit"]
+  header += ["plugin error lines", "pytest"]
   return (
     f"Measured by `python benchmarks/readme_commands.py` on {results['date']}, "
-    "each in a fresh clone, on a "
-    f"{m['cores']}-core {m['cpu']} (Python {m['python']}) with the wheels "
-    "already in pip's cache (a first install also downloads them): "
-    + one("demo", "the demo")
-    + "; "
-    + one("tests", "the tests")
-    + f" (`{runs['tests']['last_line'].strip('= ')}`). The demo run again in the "
-    "tests' venv took "
-    f"{runs['demo_after_tests']['seconds'] / 60:.0f} min."
-    + ("" if not plugin else f" A CUDA or TPU plugin printed {plugin} error lines.")
+    f"a {m['cores']}-core {m['cpu']}, Python {m['python']}:\n\n" + table(header, rows)
   )
 
 
@@ -189,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     strict=True,
   ):
     runs[name] = r
-    _report(name, r)
   (runs["demo"],) = run_fresh([commands["demo"]])
-  _report("demo", runs["demo"])
   results = {
     "date": datetime.date.today().isoformat(),
     "commit": commit,
@@ -204,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
   }
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "readme_commands.json").write_text(json.dumps(results, indent=2) + "\n")
+  print(readme_commands_times(results))
   return 0 if all(r["returncode"] == 0 for r in runs.values()) else 1
 
 

@@ -6,17 +6,12 @@ Usage::
   python benchmarks/step_time.py --models transformer --dtype bfloat16 \
     --micro-batch-sizes 1,4,16,64 --rounds 7 --device-note "H200"
 
-For every model (``_models.py``) and ``k``, :func:`run_config` builds the
-approaches of ``_approaches.py`` and the A/A control (:class:`FullBatchAgain`)
-and reports each one's median time per step over interleaved rounds
-(``_timing.interleaved``), compiled peak, parameters after one step against
-the full batch's (:func:`compare_params`), jaxaccum's memory bound
-(:func:`memory_bound`) and the targets (:func:`evaluate_targets`; a time
-target counts only where the A/A ratio is within 3% of 1). ``NOTES`` says
-what each number of the JSON means. The results go to
-``<out>/step_time[_quick].json`` and one PNG per model. ``--cpus 0-3`` keeps
-the run on those cores; more ``--rounds`` and a longer ``--min-time-ms``
-narrow the spread.
+Per model (``_models.py``) and ``k``, :func:`run_config` times, compiles and
+checks the approaches of ``_approaches.py`` and the A/A control;
+:func:`evaluate_targets` holds them to the targets. ``NOTES`` says what the
+JSON's numbers mean. Outputs ``step_time[_quick].json`` and a PNG per model
+in ``--out``; ``--cpus``, ``--rounds`` and ``--min-time-ms`` steady a run on
+a shared machine.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -222,14 +217,10 @@ def compare_params(
   initial: list[np.ndarray],
   eps: float,
 ) -> dict[str, Any]:
-  """Compares one approach's parameters after a step with the full batch's.
-
-  The tolerance is float rounding: ``1e-4`` of the largest update, plus four
-  units in the last place of the largest parameter (``p - lr * g`` rounds to
-  the parameter's precision, and the gradients are summed in another order).
-  A wrong normalization (a sum instead of a mean, a missing micro-batch)
-  moves the parameters by a sizeable fraction of the update and fails.
-  """
+  """One approach's parameters after a step against the full batch's, within
+  float rounding: ``1e-4`` of the largest update plus four ulps of the
+  largest parameter. A wrong normalization moves them by a sizeable part of
+  the update."""
   max_diff = max(
     float(np.max(np.abs(a - b))) for a, b in zip(params, reference, strict=True)
   )
@@ -272,13 +263,9 @@ TIMED_TARGETS = (
 def memory_bound(
   model: _models.Model, tx: optax.GradientTransformation, k: int
 ) -> dict[str, int]:
-  """jaxaccum's memory bound for ``k`` micro-batches.
-
-  The full-batch step compiled at the micro-batch size (``B / k`` rows: the
-  parameters, the optimizer state and one micro-batch's activations), plus one
-  float32 accumulator the size of the parameters, plus the input bytes of the
-  other ``B - B / k`` rows of the batch.
-  """
+  """jaxaccum's memory bound for ``k`` micro-batches: the full-batch step
+  compiled at ``B / k`` rows, plus one float32 accumulator the size of the
+  parameters, plus the other ``B - B / k`` rows of the batch."""
   batch_size = model.batch_size
   micro = batch_size // k
   micro_batch = jax.tree.map(
