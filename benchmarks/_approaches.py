@@ -206,9 +206,16 @@ class Approach(abc.ABC):
 
 
 class OneCallStep(Approach):
-  """An approach whose whole step is one jitted ``fn(params, opt_state, batch)``."""
+  """An approach whose whole step is one jitted ``fn(params, opt_state,
+  batch)``, the one its ``make()`` returns."""
 
-  fn: Any
+  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
+    super().__init__(model, tx, k)
+    self.fn = self.make()
+
+  @abc.abstractmethod
+  def make(self) -> Any:
+    """The jitted, donated step."""
 
   def step(self) -> PyTree:
     self.params, self.opt_state, _ = self.fn(
@@ -230,9 +237,8 @@ class FullBatch(OneCallStep):
 
   name, label = "full_batch", "full batch"
 
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    self.fn = full_batch_step(model.loss, tx)
+  def make(self) -> Any:
+    return full_batch_step(self.model.loss, self.tx)
 
 
 class JaxAccum(OneCallStep):
@@ -241,10 +247,10 @@ class JaxAccum(OneCallStep):
   name, label = "jaxaccum", "jaxaccum"
   skip_nonfinite = True
 
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    self.fn = jaxaccum.make_train_step(
-      model.loss, tx, k, skip_nonfinite=self.skip_nonfinite
+  def make(self) -> Any:
+    skip = self.skip_nonfinite
+    return jaxaccum.make_train_step(
+      self.model.loss, self.tx, self.k, skip_nonfinite=skip
     )
 
 
@@ -260,9 +266,9 @@ class OptaxMicrobatch(OneCallStep):
 
   name, label = "optax_microbatch", "optax.microbatch"
 
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    self.fn = train_step(optax_microbatch(model.loss, self.micro_batch_size), tx)
+  def make(self) -> Any:
+    vg = optax_microbatch(self.model.loss, self.micro_batch_size)
+    return train_step(vg, self.tx)
 
 
 class OptaxMultiSteps(Approach):
@@ -274,13 +280,7 @@ class OptaxMultiSteps(Approach):
     super().__init__(model, tx, k)
     self.multi = optax.MultiSteps(tx, every_k_schedule=k)
     self.micro_batches = split_micro_batches(model.batch, k)
-
-    def micro_step(params, state, micro_batch):
-      value, grads = jax.value_and_grad(model.loss)(params, micro_batch)
-      updates, state = self.multi.update(grads, state, params)
-      return optax.apply_updates(params, updates), state, value
-
-    self.fn = jax.jit(micro_step, donate_argnums=(0, 1))
+    self.fn = train_step(jax.value_and_grad(model.loss), self.multi)
 
   def init_state(self, params: PyTree) -> PyTree:
     return self.multi.init(params)

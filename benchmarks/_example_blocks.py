@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _report import count, date, met, table
+from _report import columns, count, date, met, table
 
 # ---------------------------------------------------------------- input pipelines
 
@@ -106,8 +106,7 @@ def autopilot_table(results: dict[str, Any]) -> str:
   parts = [
     f"Run on {results.get('date', '?')} ({results.get('machine', '?')}, "
     f"{results.get('backend', '?')} backend), jax {results.get('jax', '?')}, seeds "
-    f"{', '.join(map(str, results.get('seeds', [])))}: the held-out loss after the "
-    "whole budget (mean ± standard deviation over the seeds)."
+    f"{', '.join(map(str, results.get('seeds', [])))}:"
   ]
   for task, result in results["tasks"].items():
     unit = result.get("token_unit", "tokens")
@@ -120,27 +119,34 @@ def autopilot_table(results: dict[str, Any]) -> str:
       ]
       for name, r in result["runs"].items()
     ]
-    text = f"**{task}**:\n\n" + table(
-      ["run", "held-out loss", "optimizer steps", unit], rows
+    parts.append(
+      f"**{task}**:\n\n"
+      + table(["run", "held-out loss", "optimizer steps", unit], rows)
     )
-    g = result.get("goal")
-    if g:
-      text += (
-        "\n\nThe autopilot against `fixed_small`: loss "
-        f"{g['loss_gap_to_small']:+.4f} (tolerance {g['loss_tolerance']:.4f}), "
-        f"{g['steps_ratio']:.2f} × its optimizer steps (target at most "
-        f"{g['steps_ratio_target']:g}); it "
-        + ("beats" if g["beats_fixed_large"] else "does not beat")
-        + " `fixed_large` and "
-        + ("beats" if g["beats_hand_ramp"] else "does not beat")
-        + " `hand_ramp`. The goal (both within the tolerance and the steps "
-        "target) is " + met(g["met"]) + "."
-      )
-    parts.append(text)
+  goals = [(task, r["goal"]) for task, r in results["tasks"].items() if r.get("goal")]
+  parts.append(
+    columns(
+      goals,
+      {
+        "task": lambda x: x[0],
+        "loss − `fixed_small`'s": lambda x: f"{x[1]['loss_gap_to_small']:+.4f}",
+        "tolerance": lambda x: f"{x[1]['loss_tolerance']:.4f}",
+        "steps ÷ `fixed_small`'s": lambda x: f"{x[1]['steps_ratio']:.2f}",
+        "target": lambda x: f"≤ {x[1]['steps_ratio_target']:g}",
+        "beats `fixed_large`": lambda x: yes(x[1]["beats_fixed_large"]),
+        "beats `hand_ramp`": lambda x: yes(x[1]["beats_hand_ramp"]),
+        "goal": lambda x: met(x[1]["met"]),
+      },
+    )
+  )
   parts.append(
     "![held-out loss against tokens and steps, and k](results/autopilot.png)"
   )
   return "\n\n".join(parts)
+
+
+def yes(ok: bool) -> str:
+  return "yes" if ok else "no"
 
 
 def autopilot_summary(results: dict[str, Any]) -> str:
@@ -173,9 +179,35 @@ def autopilot_summary(results: dict[str, Any]) -> str:
 
 
 def dp_lm_result(r: dict[str, Any]) -> str:
-  s, h = r["settings"], r["held_out"]
+  s, h, load = r["settings"], r["held_out"], r["load_average"]
   args = [a for a in r.get("argv") or [] if a != "--write-results"]
-  command = " ".join(["python examples/dp_lm.py", *args])
+  run = columns(
+    [r],
+    {
+      "measured": lambda r: (
+        f"`{' '.join(['python examples/dp_lm.py', *args])}`, {date(r['date'])}"
+      ),
+      "machine": lambda r: f"{r['machine']}, jax {r['jax']}",
+      "s (CPU s)": lambda r: f"{r['seconds']:.0f} ({r['cpu_seconds']:.0f})",
+      "load average": lambda r: f"{load[0]:.0f} to {load[1]:.0f}",
+      "parameters": lambda r: (
+        f"{count(s['parameters'])} ({s['layers']} × {s['width']}, {s['heads']} heads)"
+      ),
+      "sequences": lambda r: f"{count(r['train_sequences'])} of ≤ {s['seq_len']}",
+      "steps × draw": lambda r: (
+        f"{s['steps']} × {s['expected_batch_size']} "
+        f"(q = {r['sampling_rate']:.4f}, padded to {r['max_batch_size']} = "
+        f"{s['num_micro_batches']} micro-batches)"
+      ),
+      "σ, C, Adam": lambda r: (
+        f"{s['noise_multiplier']:g}, {s['clip_norm']:g}, {s['learning_rate']:g}"
+      ),
+      "ε at δ (RDP)": lambda r: (
+        f"{r['epsilon']:.2f} at {r['delta']:g} ({r['epsilon_rdp']:.2f})"
+      ),
+      "ghost vs vmap": lambda r: f"{r['ghost_check']:.1e}",
+    },
+  )
   rows = [
     [label, f"{h[key]['loss']:.3f}", f"{h[key]['accuracy']:.3f}"]
     for key, label in [
@@ -185,38 +217,20 @@ def dp_lm_result(r: dict[str, Any]) -> str:
       ("plain", "the same model without privacy"),
     ]
   ]
+  held_out = (
+    f"held out: {count(r['held_out_characters'])} characters of "
+    f"{count(r['held_out_sequences'])} sequences"
+  )
   curve = r["curve"]
-  steps = ", ".join(
-    f"{step}: {dp:.2f} / {plain:.2f}"
-    for step, dp, plain in zip(curve["step"], curve["dp"], curve["plain"], strict=True)
+  along = table(
+    ["step", *map(str, curve["step"])],
+    [
+      ["DP-SGD", *(f"{x:.2f}" for x in curve["dp"])],
+      ["non-private", *(f"{x:.2f}" for x in curve["plain"])],
+    ],
   )
-  return (
-    f"Measured by `{command}` on {date(r['date'])}, a {r['machine']}, jax "
-    f"{r['jax']}, in {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} s of CPU; the "
-    f"machine was shared, load average {r['load_average'][0]:.0f} at the start "
-    f"and {r['load_average'][1]:.0f} at the end): {count(s['parameters'])} parameters "
-    f"({s['layers']} blocks of width {s['width']}, {s['heads']} heads), "
-    f"{count(r['train_sequences'])} training sequences of at most {s['seq_len']} "
-    f"characters, {s['steps']} steps of Poisson draws of "
-    f"{s['expected_batch_size']} sequences on average (q = "
-    f"{r['sampling_rate']:.4f}, padded to {r['max_batch_size']} = "
-    f"{s['num_micro_batches']} micro-batches), σ = {s['noise_multiplier']:g}, "
-    f"C = {s['clip_norm']:g}, Adam at {s['learning_rate']:g} in both runs. Epsilon "
-    f"{r['epsilon']:.2f} at δ = {r['delta']:g} is dp-accounting's PLD accountant "
-    f"(the RDP bound: {r['epsilon_rdp']:.2f}); ghost clipping's clipped sum was "
-    f"{r['ghost_check']:.1e} (relative) from per-example clipping's on the first "
-    "draw.\n\n"
-    + table(
-      [
-        f"held out: {count(r['held_out_characters'])} characters of "
-        f"{count(r['held_out_sequences'])} sequences",
-        "loss (nats per character)",
-        "next-character accuracy",
-      ],
-      rows,
-    )
-    + f"\n\nHeld-out loss along the way, DP-SGD / non-private, by step: {steps}."
-  )
+  header = [held_out, "loss (nats per character)", "next-character accuracy"]
+  return "\n\n".join([run, table(header, rows), along])
 
 
 #: The generated blocks this file writes from ``input_pipeline_*.json``,

@@ -120,6 +120,19 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
   return "\n".join(lines)
 
 
+def columns(items: Iterable[Any], spec: dict[str, Callable[[Any], Any]]) -> str:
+  """A Markdown table of ``items``, a column per entry of ``spec``: its
+  header, and the function that writes an item's cell.
+
+  >>> print(columns([1, 2], {"n": str, "n²": lambda n: n * n}))
+  | n | n² |
+  |---|---|
+  | 1 | 1 |
+  | 2 | 4 |
+  """
+  return table(list(spec), [[cell(item) for cell in spec.values()] for item in items])
+
+
 def date(text: str) -> str:
   return text[:10]
 

@@ -47,6 +47,7 @@ import optax
 from _report import (
   aa_decides,
   aa_note,
+  columns,
   cpu_model,
   date,
   k_axis,
@@ -54,7 +55,6 @@ from _report import (
   ms,
   pyplot,
   ratio,
-  table,
   timed_verdict,
 )
 from jax.sharding import AxisType, NamedSharding
@@ -975,15 +975,21 @@ def machine_table(results: dict[str, Any], command: str) -> str:
   cpus = f"{m['cpu_count']}" if m.get("cpu_count") else "–"
   if m.get("pinned"):
     cpus += f", pinned to {','.join(map(str, m['cpus']))}"
-  load = m.get("load_average_at_start")
-  took = results.get("seconds")
-  header = ["measured", "command", "devices", "CPU", "cores", "jax", "optax"]
-  header += ["load average at the start", "wall time, s"]
-  row = [date(results["date"]), f"`{command}`"]
-  row += [f"{results['num_devices']} fake {results['backend'].upper()}"]
-  row += [m.get("cpu_model") or "–", cpus, results["jax_version"]]
-  row += [results["optax_version"], f"{load[0]:.1f}" if load else "–"]
-  return table(header, [[*row, f"{took:.0f}" if took else "–"]])
+  load, took = m.get("load_average_at_start"), results.get("seconds")
+  return columns(
+    [results],
+    {
+      "measured": lambda r: date(r["date"]),
+      "command": lambda r: f"`{command}`",
+      "devices": lambda r: f"{r['num_devices']} fake {r['backend'].upper()}",
+      "CPU": lambda r: m.get("cpu_model") or "–",
+      "cores": lambda r: cpus,
+      "jax": lambda r: r["jax_version"],
+      "optax": lambda r: r["optax_version"],
+      "load average at the start": lambda r: f"{load[0]:.1f}" if load else "–",
+      "wall time, s": lambda r: f"{took:.0f}" if took else "–",
+    },
+  )
 
 
 def communication_machine(results: dict[str, Any]) -> str:
@@ -991,31 +997,30 @@ def communication_machine(results: dict[str, Any]) -> str:
 
 
 def communication_bytes(results: dict[str, Any]) -> str:
-  rows = []
-  for name, label in COMMUNICATION_APPROACHES.items():
-    for k in results["ks"]:
-      r = results["results"][name][str(k)]
-      rows.append(
-        [
-          label,
-          k,
-          mib(r["bytes_per_step"], 2),
-          ratio(r["bytes_over_grad_bytes"]),
-          ", ".join(r["bytes_by_op"]) or "none",
-          r["in_loop_executions_per_step"],
-          ratio(r["compute_vs_data_parallel_est"]),
-          f"{r['grads_rel_error']:.1e}",
-        ]
-      )
   model = results["model"]
   head = (
     f"{model['num_params']:,}-parameter MLP ({' → '.join(map(str, model['widths']))}), "
     f"batch {results['batch_size']} over {results['num_devices']} devices; the "
     f"gradient is {mib(results['grad_bytes'], 2)} MiB. Per device and step:"
   )
-  header = ["approach", "k", "MiB communicated", "× gradient", "collectives"]
-  header += ["run in the loop", "compute × data parallel (est.)", "grads rel. error"]
-  return head + "\n\n" + table(header, rows)
+  rows = [
+    (label, k, results["results"][name][str(k)])
+    for name, label in COMMUNICATION_APPROACHES.items()
+    for k in results["ks"]
+  ]
+  spec = {
+    "approach": lambda x: x[0],
+    "k": lambda x: x[1],
+    "MiB communicated": lambda x: mib(x[2]["bytes_per_step"], 2),
+    "× gradient": lambda x: ratio(x[2]["bytes_over_grad_bytes"]),
+    "collectives": lambda x: ", ".join(x[2]["bytes_by_op"]) or "none",
+    "run in the loop": lambda x: x[2]["in_loop_executions_per_step"],
+    "compute × data parallel (est.)": lambda x: ratio(
+      x[2]["compute_vs_data_parallel_est"]
+    ),
+    "grads rel. error": lambda x: f"{x[2]['grads_rel_error']:.1e}",
+  }
+  return head + "\n\n" + columns(rows, spec)
 
 
 def _data_axis_cell(d: dict[str, Any]) -> str:
@@ -1037,31 +1042,28 @@ def communication_explicit(results: dict[str, Any]) -> str:
   explicit = results.get("explicit")
   if explicit is None:
     return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
-  rows = []
-  for m in explicit.values():
-    mesh = " × ".join(
-      f"{a} ({n})"
-      for a, n in zip(m["mesh"]["axis_names"], m["mesh"]["shape"], strict=True)
-    )
-    # Every gradient, weight or bias, and the loss's 4 bytes, as one device holds them.
-    grads = f"{sum(m['leaf_bytes'].values()) + 4:,} B"
-    for k, r in m["rows"].items():
-      rows.append(
-        [
-          mesh,
-          "full batch" if k == "0" else k,
-          _data_axis_cell(r["data_axis"]),
-          _after_cell(r["data_axis"]),
-          grads,
-          _data_axis_cell(r["model_axis"]) if "model_axis" in r else "–",
-          "yes" if r["grads_keep_shardings"] else "no",
-          f"{r['grads_rel_error']:.1e}",
-        ]
-      )
-  header = ["mesh", "k", '`"data"` in the loop', '`"data"` after the loop']
-  header += ["grads + loss", '`"model"` in the loop', "shardings kept"]
-  header += ["grads rel. error"]
-  return table(header, rows)
+  rows = [(m, k, r) for m in explicit.values() for k, r in m["rows"].items()]
+
+  def mesh(m: dict[str, Any]) -> str:
+    axes = zip(m["mesh"]["axis_names"], m["mesh"]["shape"], strict=True)
+    return " × ".join(f"{a} ({n})" for a, n in axes)
+
+  return columns(
+    rows,
+    {
+      "mesh": lambda x: mesh(x[0]),
+      "k": lambda x: "full batch" if x[1] == "0" else x[1],
+      '`"data"` in the loop': lambda x: _data_axis_cell(x[2]["data_axis"]),
+      '`"data"` after the loop': lambda x: _after_cell(x[2]["data_axis"]),
+      # Every gradient, weight or bias, and the loss's 4 bytes, on one device.
+      "grads + loss": lambda x: f"{sum(x[0]['leaf_bytes'].values()) + 4:,} B",
+      '`"model"` in the loop': lambda x: (
+        _data_axis_cell(x[2]["model_axis"]) if "model_axis" in x[2] else "–"
+      ),
+      "shardings kept": lambda x: "yes" if x[2]["grads_keep_shardings"] else "no",
+      "grads rel. error": lambda x: f"{x[2]['grads_rel_error']:.1e}",
+    },
+  )
 
 
 PLAIN_LABELS = {
@@ -1084,23 +1086,7 @@ def communication_plain_jit(results: dict[str, Any]) -> str:
   plain = results.get("plain_jit")
   if plain is None:
     return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
-  rows = []
-  for name, r in plain["approaches"].items():
-    moved = r["data_moving_collectives"]
-    rows.append(
-      [
-        PLAIN_LABELS.get(name, name),
-        ms(r["median_ms"]),
-        f"{ms(r['q1_ms'])} to {ms(r['q3_ms'])}",
-        ratio(r["ratio_to_full"]),
-        ", ".join(sorted(set(moved))) if moved else "none",
-        mib(r["bytes_per_step"], 2),
-        r["in_loop_executions_per_step"],
-        f"{r['grads_rel_error']:.1e}",
-      ]
-    )
-  model = plain["model"]
-  load = plain.get("load_average_at_end")
+  model, load = plain["model"], plain.get("load_average_at_end")
   head = (
     f"A {model['num_params']:,}-parameter MLP "
     f"({' → '.join(map(str, model['widths']))}), batch {plain['batch_size']:,} "
@@ -1109,26 +1095,38 @@ def communication_plain_jit(results: dict[str, Any]) -> str:
     f"{plain['min_sample_ms']:g} ms); {aa_note(plain.get('aa_ratio'))}"
     + (f"; load average {load[0]:.1f} when the timing ended." if load else ".")
   )
-  header = ["approach", "median ms", "quartiles", "× full batch"]
-  header += ["collectives that move batch rows", "MiB communicated"]
-  header += ["collectives run in the loop", "grads rel. error"]
+  steps = columns(
+    plain["approaches"].items(),
+    {
+      "approach": lambda x: PLAIN_LABELS.get(x[0], x[0]),
+      "median ms": lambda x: ms(x[1]["median_ms"]),
+      "quartiles": lambda x: f"{ms(x[1]['q1_ms'])} to {ms(x[1]['q3_ms'])}",
+      "× full batch": lambda x: ratio(x[1]["ratio_to_full"]),
+      "collectives that move batch rows": lambda x: (
+        ", ".join(sorted(set(x[1]["data_moving_collectives"]))) or "none"
+      ),
+      "MiB communicated": lambda x: mib(x[1]["bytes_per_step"], 2),
+      "collectives run in the loop": lambda x: x[1]["in_loop_executions_per_step"],
+      "grads rel. error": lambda x: f"{x[1]['grads_rel_error']:.1e}",
+    },
+  )
 
   def outcome(t: dict[str, Any]) -> str:
     if t.get("timed", t["target"].startswith("jaxaccum time")):
       return timed_verdict(t["pass"], plain.get("aa_ratio"))
     return "met" if t["pass"] else "missed"
 
-  targets = [
-    [
-      f"`{t['target']}`",
-      f"{t['value']:.2f}" if isinstance(t["value"], float) else t["value"],
-      outcome(t),
-    ]
-    for t in plain["targets"]
-  ]
-  return "\n\n".join(
-    [head, table(header, rows), table(["target", "value", "outcome"], targets)]
+  targets = columns(
+    plain["targets"],
+    {
+      "target": lambda t: f"`{t['target']}`",
+      "value": lambda t: (
+        f"{t['value']:.2f}" if isinstance(t["value"], float) else t["value"]
+      ),
+      "outcome": outcome,
+    },
   )
+  return "\n\n".join([head, steps, targets])
 
 
 def communication_profile(results: dict[str, Any]) -> str:
@@ -1137,48 +1135,47 @@ def communication_profile(results: dict[str, Any]) -> str:
   if profile is None:
     return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
   res, k = plain["approaches"], plain["k"]
-  rows = []
-  for name, prof in profile.items():
-    r = res[name]
+
+  def flops(name: str) -> str:
     loop = 1 if name.startswith("full_batch") else k
-    yardstick = res[r["yardstick"]]
-    count, spent = prof["thunks_per_step"], prof["thunk_ms_per_step"]
-    rows.append(
-      [
-        PLAIN_LABELS.get(name, name),
-        ratio(r["ratio_to_full"]),
-        ratio(r["xla_flops_per_device"] * loop / yardstick["xla_flops_per_device"]),
-        *(f"{count[kind]:,.0f}" for kind in THUNK_KINDS),
-        *(ms(spent[kind]) for kind in THUNK_KINDS),
-      ]
+    full = res[res[name]["yardstick"]]["xla_flops_per_device"]
+    return ratio(res[name]["xla_flops_per_device"] * loop / full)
+
+  spec = {
+    "step": lambda x: PLAIN_LABELS.get(x[0], x[0]),
+    "× full batch (time)": lambda x: ratio(res[x[0]]["ratio_to_full"]),
+    "× full batch (flops)": lambda x: flops(x[0]),
+  }
+  for kind in THUNK_KINDS:
+    spec[f"{kind} thunks"] = lambda x, kind=kind: (
+      f"{x[1]['thunks_per_step'][kind]:,.0f}"
     )
-  first = next(iter(profile.values()))
-  head = (
-    f"`jax.profiler` traces of {first['steps']} steps of each, in "
-    f"{first['rounds']} interleaved rounds, the median over the rounds; per "
-    "step, summed over the devices:"
-  )
-  header = ["step", "× full batch (time)", "× full batch (flops)"]
-  header += [f"{kind} thunks" for kind in THUNK_KINDS]
-  header += [f"{kind} ms" for kind in THUNK_KINDS]
-  longest_rows = [
-    [
-      PLAIN_LABELS.get(name, name),
-      f"`{t['instruction']}`",
-      t["kind"],
-      f"`{t['signature']}`",
-      ms(t["ms_per_step"]),
-    ]
+  for kind in THUNK_KINDS:
+    spec[f"{kind} ms"] = lambda x, kind=kind: ms(x[1]["thunk_ms_per_step"][kind])
+  longest = [
+    (name, t)
     for name in ("full_batch", "jaxaccum_mesh", "jaxaccum_explicit")
     if name in profile
     for t in profile[name]["longest_thunks"][:4]
   ]
+  first = next(iter(profile.values()))
   return "\n\n".join(
     [
-      head,
-      table(header, rows),
+      f"`jax.profiler` traces of {first['steps']} steps of each, in "
+      f"{first['rounds']} interleaved rounds, the median over the rounds; per "
+      "step, summed over the devices:",
+      columns(profile.items(), spec),
       "The four longest instructions of each 8-device step:",
-      table(["step", "instruction", "kind", "signature", "ms"], longest_rows),
+      columns(
+        longest,
+        {
+          "step": lambda x: PLAIN_LABELS.get(x[0], x[0]),
+          "instruction": lambda x: f"`{x[1]['instruction']}`",
+          "kind": lambda x: x[1]["kind"],
+          "signature": lambda x: f"`{x[1]['signature']}`",
+          "ms": lambda x: ms(x[1]["ms_per_step"]),
+        },
+      ),
     ]
   )
 

@@ -33,7 +33,7 @@ import _models
 import _paths
 import _timing
 import jax
-from _report import aa_note, capital, cpu_model, ms, ratio, table
+from _report import aa_note, capital, columns, cpu_model, ms, ratio
 
 import jaxaccum
 
@@ -75,48 +75,39 @@ def measure(
 
 def eager_calls_table(results: dict[str, Any]) -> str:
   has_aa = any("aa_ratio" in r for r in results["rows"])
-  rows = []
-  for r in results["rows"]:
-    t, x = r["median_ms"], r["ratio_to_jax"]
-    rows.append(
-      [
-        r["model"],
-        r["k"],
-        ms(t["jax"]),
-        *([ratio(r.get("aa_ratio"))] if has_aa else []),
-        f"{ms(t['jaxaccum'])} ({x['jaxaccum']:.3f})",
-        f"{ms(t['jit'])} ({x['jit']:.3f})",
-      ]
-    )
   cpus = str(results.get("cpu_count") or "–")
   if results.get("pinned"):
     cpus += f", pinned to {','.join(map(str, results['cpus']))}"
   load = results.get("load_average_at_start")
-  head = table(
-    ["measured", "CPU", "cores", "jax", "load average", "rounds", "sample, ms"],
-    [
-      [
-        results["date"],
-        results.get("cpu_model") or results["machine"],
-        cpus,
-        results["jax"],
-        f"{load[0]:.1f}" if load else "–",
-        results["calls"],
-        f"{results['min_sample_ms']:g}" if results.get("min_sample_ms") else "one call",
-      ]
-    ],
+  sample = results.get("min_sample_ms")
+  run = columns(
+    [results],
+    {
+      "measured": lambda r: r["date"],
+      "CPU": lambda r: r.get("cpu_model") or r["machine"],
+      "cores": lambda r: cpus,
+      "jax": lambda r: r["jax"],
+      "load average": lambda r: f"{load[0]:.1f}" if load else "–",
+      "rounds": lambda r: r["calls"],
+      "sample, ms": lambda r: f"{sample:g}" if sample else "one call",
+    },
   )
+  spec = {
+    "model": lambda r: r["model"],
+    "k": lambda r: r["k"],
+    "eager `jax.value_and_grad`": lambda r: ms(r["median_ms"]["jax"]),
+    "A/A": lambda r: ratio(r.get("aa_ratio")),
+    "eager `jaxaccum.value_and_grad`": lambda r: _vs_jax(r, "jaxaccum"),
+    "`jax.jit(jax.value_and_grad)`": lambda r: _vs_jax(r, "jit"),
+  }
   if not has_aa:
-    head += f"\n\n{capital(aa_note(None))}."
-  header = [
-    "model",
-    "k",
-    "eager `jax.value_and_grad`",
-    *(["A/A"] if has_aa else []),
-    "eager `jaxaccum.value_and_grad`",
-    "`jax.jit(jax.value_and_grad)`",
-  ]
-  return head + "\n\n" + table(header, rows)
+    del spec["A/A"]
+    run += f"\n\n{capital(aa_note(None))}."
+  return run + "\n\n" + columns(results["rows"], spec)
+
+
+def _vs_jax(r: dict[str, Any], name: str) -> str:
+  return f"{ms(r['median_ms'][name])} ({r['ratio_to_jax'][name]:.3f})"
 
 
 #: The generated blocks this file writes from ``eager_calls.json``, by name

@@ -115,30 +115,41 @@ SIZES = {
 }
 
 
+#: The settings of every MaxText run here: synthetic data, no checkpoints,
+#: dot-product attention (the cuDNN kernel needs Transformer Engine).
+COMMON = {
+  "override_model_config": "true",
+  "attention": "dot_product",
+  "enable_checkpointing": "false",
+  "dataset_type": "synthetic",
+  "run_name": "jaxaccum",
+  "base_output_directory": "/tmp/jaxaccum-maxtext",
+  "enable_goodput_recording": "false",
+  "skip_jax_distributed_system": "true",
+}
+
+
+def pyconfig(settings: dict[str, Any]) -> Any:
+  """MaxText's config: its ``base.yml`` with :data:`COMMON` and ``settings``."""
+  import maxtext  # noqa: PLC0415
+  from maxtext.configs import pyconfig as maxtext_pyconfig  # noqa: PLC0415
+
+  base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
+  args = (f"{k}={v}" for k, v in {**COMMON, **settings}.items())
+  return maxtext_pyconfig.initialize([None, str(base), *args])
+
+
 def config(size: Size, parallelism: dict[str, int], k: int = 1) -> Any:
   """MaxText's config; with ``k``, its own accumulation over ``k``
   micro-batches of the same global batch."""
-  import maxtext  # noqa: PLC0415
-  from maxtext.configs import pyconfig  # noqa: PLC0415
-
-  base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
-  settings = {
-    **size.settings,
-    "override_model_config": "true",
-    "per_device_batch_size": size.settings["per_device_batch_size"] / k,
-    "gradient_accumulation_steps": k,
-    "attention": "dot_product",
-    "enable_checkpointing": "false",
-    "dataset_type": "synthetic",
-    "run_name": "jaxaccum",
-    "base_output_directory": "/tmp/jaxaccum-maxtext",
-    "enable_goodput_recording": "false",
-    "skip_jax_distributed_system": "true",
-    "jax_cache_dir": "",  # every program compiled, and dumped
-    **parallelism,
-  }
-  return pyconfig.initialize(
-    [None, str(base), *(f"{k}={v}" for k, v in settings.items())]
+  return pyconfig(
+    {
+      **size.settings,
+      "per_device_batch_size": size.settings["per_device_batch_size"] / k,
+      "gradient_accumulation_steps": k,
+      "jax_cache_dir": "",  # every program compiled, and dumped
+      **parallelism,
+    }
   )
 
 

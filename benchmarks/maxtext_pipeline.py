@@ -33,6 +33,7 @@ import _compile
 import _models
 import _paths
 import jax
+import maxtext_llama
 import pipeline
 
 import jaxaccum
@@ -44,7 +45,6 @@ VERSIONS = ("maxtext", "jax", "flax")
 #: pipeline.py's llama_1b (fsdp.py's) in MaxText's llama2 decoder.
 SETTINGS = {
   "model_name": "llama2-7b",
-  "override_model_config": "true",
   "base_emb_dim": 2048,
   "base_num_query_heads": 16,
   "base_num_kv_heads": 16,
@@ -57,35 +57,24 @@ SETTINGS = {
   "dtype": "bfloat16",
   "weight_dtype": "float32",
   "remat_policy": "full",
-  "attention": "dot_product",
   "hardware": "gpu",
-  "enable_checkpointing": "false",
-  "dataset_type": "synthetic",
-  "run_name": "jaxaccum",
-  "base_output_directory": "/tmp/jaxaccum-maxtext",
-  "enable_goodput_recording": "false",
-  "skip_jax_distributed_system": "true",
   "ici_fsdp_parallelism": 1,
 }
 
 
 def config(stages: int, data: int, m: int, r: int) -> Any:
-  """MaxText's config of one configuration."""
-  import maxtext  # noqa: PLC0415
-  from maxtext.configs import pyconfig  # noqa: PLC0415
-
-  settings = {
-    **SETTINGS,
-    "ici_pipeline_parallelism": stages,
-    "ici_data_parallelism": data,
-    "num_pipeline_microbatches": m,
-    "num_pipeline_repeats": r,
-    "num_layers_per_pipeline_stage": SETTINGS["base_num_decoder_layers"]
-    // (stages * r),
-  }
-  base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
-  return pyconfig.initialize(
-    [None, str(base), *(f"{k}={v}" for k, v in settings.items())]
+  """MaxText's config of one configuration (``maxtext_llama.COMMON``'s
+  settings and :data:`SETTINGS`)."""
+  return maxtext_llama.pyconfig(
+    {
+      **SETTINGS,
+      "ici_pipeline_parallelism": stages,
+      "ici_data_parallelism": data,
+      "num_pipeline_microbatches": m,
+      "num_pipeline_repeats": r,
+      "num_layers_per_pipeline_stage": SETTINGS["base_num_decoder_layers"]
+      // (stages * r),
+    }
   )
 
 
