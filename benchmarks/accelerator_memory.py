@@ -60,21 +60,16 @@ MODEL_NAMES = ("dispatch_mlp", "compute_mlp", "transformer")
 BOUND_TARGET = 1.05  # jaxaccum's peak at most 1.05 x its bound (checks)
 
 NOTES = {
-  "peaks": "bytes of one device: argument + output + temp - alias of XLA's "
-  "memory analysis, device memory only (jaxaccum.MemoryStats.peak_bytes); "
-  "host memory (a pinned_host batch) is not in it",
-  "tpu": "XLA's TPU memory analysis reports temp_size_in_bytes = 0 for many "
-  "programs that hold large intermediates, and its peak_memory_in_bytes "
-  "includes host arguments and outputs. jaxaccum takes the TPU peak as "
-  "peak_memory_in_bytes minus host memory. XLA's TPU compiler refuses (at "
-  "compile time) a program that exceeds the chip's HBM: such a step is null",
-  "h100": "the compile-only GPU devices have no memory kinds, so a GPU target "
-  "lowers on CPU devices standing in for the GPUs (lowering_platforms="
-  "('cuda',)) and compiles with the compile-only GPU client",
-  "bound": "full-batch step compiled at B/k rows + float32 accumulator "
-  "(params in f32) + the other B - B/k rows of the batch",
-  "streamed_peak_2x": "the streamed step with batch 2B and 2k micro-batches "
-  "(the same micro-batch size)",
+  "peaks": "per device: argument + output + temp - alias, device memory only "
+  "(jaxaccum.MemoryStats.peak_bytes; a pinned_host batch is not in it)",
+  "tpu": "XLA's TPU analysis reports temp 0 for many programs and counts host "
+  "memory in its peak: the TPU peak is XLA's peak less host memory; a step "
+  "beyond the chip's HBM is refused at compile time (null)",
+  "h100": "a GPU target lowers on CPU stand-ins (the compile-only GPU devices "
+  "have no memory kinds) and compiles with the compile-only GPU client",
+  "bound": "full-batch step compiled at B/k rows + float32 accumulator + the "
+  "other B - B/k rows of the batch",
+  "streamed_peak_2x": "the streamed step at batch 2B, 2k micro-batches",
   "optimizer": "optax.adam(1e-3); params and optimizer state donated",
 }
 

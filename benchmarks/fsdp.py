@@ -79,39 +79,27 @@ WHOLE_BATCH = ("full_batch", "full_batch_skip")
 #: What the JSON's numbers mean; stored with the results (the rows hold
 #: every cross-check: ``peak_bytes_hlo``, ``outputs_sharded_like_inputs``).
 NOTES = [
-  "Per device, compile-only (nothing ran). peak_bytes: "
-  "jaxaccum.compiled_memory(...).peak_bytes, argument + output + temp - alias "
-  "of device memory; on the TPU temp is read from XLA's peak_memory_in_bytes. "
-  "A step the TPU compiler refuses (beyond 16 GiB) has peak_bytes null and an "
-  "error.",
-  "collective_bytes: result bytes of every collective times the trip counts "
-  "of the while loops around it (jaxaccum.testing.bytes_communicated); a "
-  "reduce-scatter counts its 1/8 result, an all-gather its whole result. "
-  "in_loop_collectives: collective instructions inside the micro-batch loop "
-  "(a loop outside every other loop that runs k times; none for the full "
-  "batch or k = 1); in_any_loop_collectives also counts those of the layer "
-  "scans outside it and of XLA's own loops (the TPU's windowed einsums).",
-  "Parameters: float32 master weights, cast to bfloat16 at the top of the "
-  "loss; the matmuls run in bfloat16. Gradients, adamw's moments and every "
-  "accumulator are float32. Each layer is rematerialized (jax.checkpoint, "
-  "nothing saveable) and the layers are scanned.",
-  "Auto mesh, one axis 'data'; jaxaccum gets param_specs=. The activations "
-  "are constrained after the embedding and every layer, as MaxText does: "
-  "P('data') under plain jit, P() inside jaxaccum (whose vmap over the "
-  "devices adds 'data' to the batch axis; naming 'data' there is an error). "
-  "Without the constraints XLA's partitioner reshards the SwiGLU "
-  "activations with all-to-alls and all-gathers other devices' activations, "
-  "inside jaxaccum too.",
-  "No out_shardings anywhere (make_train_step takes none); "
-  "outputs_sharded_like_inputs says whether XLA gave the new parameters and "
-  "optimizer state the inputs' shardings, so that donation reuses them.",
-  "full_batch does not depend on k: it is compiled once per target and its "
-  "row repeated for every k. micro_batch_per_device is in sequences.",
-  "H100 HLO: the step traced on the target's compile-only GPU devices "
-  "(target.devices) and compiled with lower().compile(compiler_options="
-  "{'xla_dump_to': ...}); largest_live_buffers_at_peak is read from that "
-  "dump's live-range report. peak_bytes_hlo is that compile's peak, "
-  "peak_bytes the one jaxaccum.compiled_memory compiles on CPU stand-ins.",
+  "Per device, compile-only. peak_bytes: jaxaccum.compiled_memory, argument + "
+  "output + temp - alias of device memory (TPU: temp from XLA's peak); null, "
+  "with an error, where the compiler refused the step (TPU: beyond 16 GiB).",
+  "collective_bytes: each collective's result bytes times the trip counts of "
+  "the loops around it (a reduce-scatter counts its 1/8 result). "
+  "in_loop_collectives: those inside the micro-batch loop (the outermost loop "
+  "that runs k times); in_any_loop_collectives also those of the layer scans "
+  "and of XLA's own loops.",
+  "float32 master weights cast to bfloat16 in the loss; gradients, adamw's "
+  "moments and accumulators float32; each scanned layer rematerialized.",
+  "Auto mesh, one axis 'data'; jaxaccum gets param_specs=. Activations "
+  "constrained after the embedding and every layer: P('data') under plain "
+  "jit, P() inside jaxaccum (without them XLA reshards the SwiGLU's "
+  "activations with all-to-alls).",
+  "No out_shardings; outputs_sharded_like_inputs: whether the new parameters "
+  "and optimizer state come out sharded like the inputs (donation reuses them).",
+  "The full batch does not depend on k: compiled once per target, its row "
+  "repeated for every k. micro_batch_per_device is in sequences.",
+  "H100 HLO: the step on the target's compile-only GPU devices, compiled with "
+  "XLA's dump (largest_live_buffers_at_peak from its live ranges; "
+  "peak_bytes_hlo that compile's peak; peak_bytes from CPU stand-ins).",
 ]
 
 

@@ -72,26 +72,21 @@ MODEL_NAMES = ("dispatch_mlp", "compute_mlp", "transformer")
 #: What the numbers in the JSON mean; stored with the results.
 NOTES = {
   "median_ms": "median over interleaved rounds of the wall time per optimizer "
-  "step (the whole effective batch plus one update), after compilation and "
-  "warmup; each sample times repeats_per_sample back-to-back steps ended by "
-  "jax.block_until_ready, divided by the repeats",
-  "peak_bytes": "argument + output + temp - alias of compiled.memory_analysis(); "
-  "full batch, jaxaccum, optax.microbatch: the whole step (batch included); "
-  "optax.MultiSteps: its per-micro-batch call (one micro-batch, params, "
-  "MultiSteps state); naive loop: max of its micro-batch grad call and its "
-  "update call (resident_bytes adds the live accumulator and optimizer state)",
+  "step (the whole batch, one update), after compilation and warmup; a sample "
+  "is repeats_per_sample steps ended by jax.block_until_ready",
+  "peak_bytes": "argument + output + temp - alias of the compiled step (the "
+  "batch included); MultiSteps: its per-micro-batch call; naive loop: the "
+  "larger of its grad and update calls (resident_bytes adds what stays alive)",
   "jaxaccum_memory_bound": "full-batch step compiled at B/k rows + float32 "
-  "accumulator (params in f32) + input bytes of the other B - B/k rows",
+  "accumulator + input bytes of the other B - B/k rows",
   "correctness": "parameters after one step from the same init vs the full "
   "batch's; tolerance 1e-4 * max|update| + 4 ulp(max|param|)",
-  "jaxpr_effects": "effects of the traced step; any effect disables the C++ "
-  "dispatch fast path of jax.jit (a Python-path overhead on every call)",
+  "jaxpr_effects": "effects of the traced step; any effect disables jax.jit's "
+  "C++ dispatch fast path",
   "micro_batches": "MultiSteps and the naive loop get their micro-batches "
   "pre-sliced (slicing is not timed)",
-  "aa_ratio": "the A/A control: full_batch_again (the full batch's step, timed "
-  "a second time in the same interleaved rounds) over full_batch, median over "
-  "median; a time target is decided (met or missed) only where it is within "
-  "0.03 of 1",
+  "aa_ratio": "full_batch_again (the full batch timed again in the same rounds) "
+  "over full_batch; a time target is decided only within 0.03 of 1",
 }
 
 
