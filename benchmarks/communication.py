@@ -899,19 +899,6 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
     f"{results['batch_size']} on {results['num_devices']} devices"
   )
   ax.legend(fontsize=7, loc="upper left")
-  gathered = [k for k in ks if k >= results["num_devices"]]
-  if gathered:
-    ax.annotate(
-      "(c): batch all-gathered, no reduction,\nevery device computes everything",
-      xy=(
-        gathered[0],
-        results["results"]["hand_scan"][str(gathered[0])]["bytes_per_step"],
-      ),
-      xytext=(0.35, 0.08),
-      textcoords="axes fraction",
-      fontsize=8,
-      arrowprops={"arrowstyle": "->", "color": "gray"},
-    )
   k_axis(ax_compute, ks, "per-device flops / plain data-parallel step")
   ax_compute.set_title("Compute per device (estimate: XLA flops x k)")
   ax_compute.axhline(results["num_devices"], color="gray", ls=":", lw=0.8)

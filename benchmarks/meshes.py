@@ -544,6 +544,20 @@ def meshes_in_loop(results: dict[str, Any]) -> str:
   )
 
 
+def meshes_compute(results: dict[str, Any]) -> str:
+  header = ["mesh, axes", "full batch", "approach", *_ks_header(results)]
+  rows = _mesh_rows(
+    results,
+    lambda r: ratio(r["compute_vs_full_est"]),
+    lambda r: f"{r['grads_rel_error']:.1e}",
+  )
+  return (
+    "XLA's flops per device times k over the full batch's (a loop body counts "
+    "once); the full batch's gradients' error against one device:\n\n"
+    + table(header, rows)
+  )
+
+
 #: The generated blocks this file writes from ``meshes.json``, by name
 #: (``_report.py`` puts each on its page).
 BLOCKS = {
@@ -552,6 +566,7 @@ BLOCKS = {
   "meshes bytes": meshes_bytes,
   "meshes peak": meshes_peak,
   "meshes in_loop": meshes_in_loop,
+  "meshes compute": meshes_compute,
 }
 
 
