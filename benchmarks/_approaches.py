@@ -150,7 +150,9 @@ def hand_scan(
       acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry[1], grads)
       return (carry[0] + value, constrain(acc)), None
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    # zeros_like keeps a parameter's sharding on Explicit axes (the scan's
+    # carry must keep its type).
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
     init = (jnp.zeros((), jnp.float32), constrain(zeros))
     (total, acc), _ = jax.lax.scan(body, init, jax.tree.map(split_batch, batch))
     grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
