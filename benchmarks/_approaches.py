@@ -1,47 +1,14 @@
-"""The ways to take one optimizer step on an effective batch of ``B`` rows.
+"""The ways to take one optimizer step on an effective batch of ``B`` rows
+(:data:`APPROACHES`, timed by ``step_time.py``), and the peers' baselines
+the other benchmarks share (:func:`train_step`, :func:`full_batch_step`,
+:func:`full_batch_select_step`, :func:`optax_microbatch`, :func:`hand_scan`).
 
-Each approach wraps the same ``loss(params, batch)`` and the same optax
-optimizer ``tx``, and offers the same interface (:class:`Approach`):
-
-- ``reset()`` gives it fresh copies of the model's initial parameters and a
-  fresh optimizer state;
-- ``step()`` processes the whole effective batch (``k`` micro-batches) and
-  applies exactly one optimizer update; it returns a pytree to block on;
-- ``memory()`` compiles (never runs) what a step executes and returns XLA's
-  memory analysis.
-
-The approaches:
-
-1. :class:`FullBatch`: ``jax.value_and_grad`` on all ``B`` rows, one jit.
-2. :class:`JaxAccum`: ``jaxaccum.make_train_step(loss, tx, k)``, which also
-   checks that the loss and gradients are finite and skips the update if not;
-   :class:`JaxAccumNoSkip` is the same with ``skip_nonfinite=False``, what the
-   peers compute (none of them checks).
-3. :class:`OptaxMicrobatch`: ``optax.microbatching.microbatch`` around
-   ``jax.value_and_grad``, one jit.
-4. :class:`OptaxMultiSteps`: ``optax.MultiSteps(tx, k)``; a step is ``k``
-   jitted calls (gradient on one micro-batch, MultiSteps update, apply).
-5. :class:`NaiveLoop`: ``k`` calls of a jitted ``jax.grad``, summed in Python
-   (eager jax ops on device arrays), then one jitted update on ``sum / k``.
-
-Every jitted step donates the parameters and the optimizer state, as a
-training loop would.
-
-What ``memory()`` measures (``peak = argument + output + temp - alias``, the
-formula of ``jaxaccum.MemoryStats``):
-
-- single-call approaches (1-3, and jaxaccum without the skip): the peak of
-  the compiled step, with the whole batch as an argument;
-- MultiSteps: the peak of its per-micro-batch call. Its arguments hold one
-  micro-batch, the parameters and the MultiSteps state (inner state and the
-  float32 accumulator). The rest of the batch lives outside the call;
-- naive loop: the larger of the peaks of its two compiled functions, the
-  micro-batch gradient and the update. While the gradient function runs the
-  Python-side accumulator (one gradient tree) and the optimizer state are
-  also alive, outside that call; ``resident_bytes`` adds them.
-
-For 4 and 5 the micro-batches are sliced from the batch once, before timing:
-the timed step does not pay for slicing, which favours them.
+An :class:`Approach`'s ``memory()`` compiles (never runs) what a step
+executes: for MultiSteps, its per-micro-batch call; for the naive loop, the
+larger of its two functions (``resident_bytes`` adds what stays alive
+outside them). Every jitted step donates the parameters and the optimizer
+state; MultiSteps and the naive loop get their micro-batches sliced once,
+before timing.
 """
 
 from __future__ import annotations
@@ -81,17 +48,10 @@ def shape_of(tree: PyTree) -> PyTree:
 
 
 def compiled_stats(jitted: Any, *args: Any) -> dict[str, Any]:
-  """Traces, lowers and compiles ``jitted(*args)``; XLA's memory analysis.
-
-  The arrays in ``args`` may be ``jax.ShapeDtypeStruct``s; nothing runs.
-  Besides the byte counts (``peak = argument + output + temp - alias``):
-
-  - ``compile_s``: the wall time of tracing, lowering and compiling;
-  - ``effects``: the jaxpr's effects. A jitted function with any effect (an
-    ``ErrorEffect`` from ``checkify.debug_check``, a callback, ...) does not
-    get JAX's C++ dispatch fast path: every call runs the Python path of
-    ``jax.jit``, which costs a fixed overhead per call.
-  """
+  """Traces, lowers and compiles ``jitted(*args)`` (``ShapeDtypeStruct``s
+  will do: nothing runs): XLA's memory analysis, the seconds it took
+  (``compile_s``) and the jaxpr's ``effects`` (a jitted function with any
+  effect misses JAX's C++ dispatch fast path)."""
   start = time.perf_counter()
   traced = jitted.trace(*args)
   compiled = traced.lower().compile()
@@ -122,6 +82,18 @@ def split_micro_batches(batch: PyTree, k: int) -> list[PyTree]:
   ]
 
 
+def train_step(value_and_grad: Any, tx: optax.GradientTransformation) -> Any:
+  """The jitted, donated step ``(params, opt_state, batch) -> (params,
+  opt_state, value)``: ``value_and_grad(params, batch)``, then one update."""
+
+  def step(params, opt_state, batch):
+    value, grads = value_and_grad(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
 @functools.cache
 def full_batch_step(loss: Any, tx: optax.GradientTransformation) -> Any:
   """The jitted, donated full-batch step ``(params, opt_state, batch)``.
@@ -129,26 +101,80 @@ def full_batch_step(loss: Any, tx: optax.GradientTransformation) -> Any:
   Cached, so that every ``k`` of a model reuses one jitted function (and its
   compilations, one per batch shape).
   """
+  return train_step(jax.value_and_grad(loss), tx)
+
+
+def full_batch_select_step(loss: Any, tx: optax.GradientTransformation) -> Any:
+  """The full-batch step with ``make_train_step``'s skip written by hand: the
+  new parameters and optimizer state kept only where the loss and every
+  gradient are finite (``jnp.where``), without an optimization barrier."""
 
   def step(params, opt_state, batch):
     value, grads = jax.value_and_grad(loss)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+    leaves = [value, *jax.tree.leaves(grads)]
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = functools.partial(jax.tree.map, lambda n, o: jnp.where(ok, n, o))
+    return keep(new_params, params), keep(new_state, opt_state), value
 
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-class Approach(abc.ABC):
-  """One way to take an optimizer step over ``k`` micro-batches.
+def hand_scan(
+  loss: Any, k: int, *, split: str = "contiguous", shardings: PyTree = None
+) -> Any:
+  """Accumulation written by hand, the peers' baseline: ``(params, batch) ->
+  (value, grads)``, a ``lax.scan`` over ``k`` micro-batches adding each
+  gradient into a float32 accumulator, then the mean. ``split="contiguous"``:
+  micro-batch ``i`` is a C-order ``batch.reshape(k, B // k, ...)``'s ``i``-th;
+  ``"strided"``: rows ``i, i + k, ...`` (MaxText's, which keeps every
+  device's rows on it). With ``shardings`` (the parameters'), the parameters,
+  the accumulator and the gradients are constrained to them, as MaxText does."""
 
-  Attributes:
-    name: the identifier used in the JSON and plots.
-    label: the human-readable name.
-    model: the model: loss, initial parameters and the whole batch.
-    tx: the optimizer (the inner optimizer for MultiSteps).
-    k: the number of micro-batches.
-    micro_batch_size: ``B // k``.
-  """
+  def constrain(tree: PyTree) -> PyTree:
+    if shardings is None:
+      return tree
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+  def split_batch(x: jax.Array) -> jax.Array:
+    if split == "strided":
+      return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+  def value_and_grad(params, batch):
+    params = constrain(params)
+
+    def body(carry, micro_batch):
+      value, grads = jax.value_and_grad(loss)(params, micro_batch)
+      acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry[1], grads)
+      return (carry[0] + value, constrain(acc)), None
+
+    # zeros_like keeps a parameter's sharding on Explicit axes (the scan's
+    # carry must keep its type).
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    init = (jnp.zeros((), jnp.float32), constrain(zeros))
+    (total, acc), _ = jax.lax.scan(body, init, jax.tree.map(split_batch, batch))
+    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    return total / k, constrain(grads)
+
+  return value_and_grad
+
+
+def optax_microbatch(loss: Any, micro_batch_size: int) -> Any:
+  """``optax.microbatching.microbatch(jax.value_and_grad(loss), ...)``, MEAN:
+  ``(params, batch) -> (value, grads)``."""
+  return optax.microbatching.microbatch(
+    jax.value_and_grad(loss),
+    argnums=1,
+    microbatch_size=micro_batch_size,
+    accumulator=optax.microbatching.AccumulationType.MEAN,
+  )
+
+
+class Approach(abc.ABC):
+  """One way to take an optimizer step over ``k`` micro-batches of
+  ``model``'s batch with ``tx``; ``name`` in the JSON, ``label`` for people."""
 
   name: ClassVar[str]
   label: ClassVar[str]
@@ -182,9 +208,16 @@ class Approach(abc.ABC):
 
 
 class OneCallStep(Approach):
-  """An approach whose whole step is one jitted ``fn(params, opt_state, batch)``."""
+  """An approach whose whole step is one jitted ``fn(params, opt_state,
+  batch)``, the one its ``make()`` returns."""
 
-  fn: Any
+  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
+    super().__init__(model, tx, k)
+    self.fn = self.make()
+
+  @abc.abstractmethod
+  def make(self) -> Any:
+    """The jitted, donated step."""
 
   def step(self) -> PyTree:
     self.params, self.opt_state, _ = self.fn(
@@ -206,9 +239,8 @@ class FullBatch(OneCallStep):
 
   name, label = "full_batch", "full batch"
 
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    self.fn = full_batch_step(model.loss, tx)
+  def make(self) -> Any:
+    return full_batch_step(self.model.loss, self.tx)
 
 
 class JaxAccum(OneCallStep):
@@ -217,10 +249,10 @@ class JaxAccum(OneCallStep):
   name, label = "jaxaccum", "jaxaccum"
   skip_nonfinite = True
 
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    self.fn = jaxaccum.make_train_step(
-      model.loss, tx, k, skip_nonfinite=self.skip_nonfinite
+  def make(self) -> Any:
+    skip = self.skip_nonfinite
+    return jaxaccum.make_train_step(
+      self.model.loss, self.tx, self.k, skip_nonfinite=skip
     )
 
 
@@ -236,21 +268,9 @@ class OptaxMicrobatch(OneCallStep):
 
   name, label = "optax_microbatch", "optax.microbatch"
 
-  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
-    super().__init__(model, tx, k)
-    value_and_grad = optax.microbatching.microbatch(
-      jax.value_and_grad(model.loss),
-      argnums=1,
-      microbatch_size=self.micro_batch_size,
-      accumulator=optax.microbatching.AccumulationType.MEAN,
-    )
-
-    def step(params, opt_state, batch):
-      value, grads = value_and_grad(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, value
-
-    self.fn = jax.jit(step, donate_argnums=(0, 1))
+  def make(self) -> Any:
+    vg = optax_microbatch(self.model.loss, self.micro_batch_size)
+    return train_step(vg, self.tx)
 
 
 class OptaxMultiSteps(Approach):
@@ -262,13 +282,7 @@ class OptaxMultiSteps(Approach):
     super().__init__(model, tx, k)
     self.multi = optax.MultiSteps(tx, every_k_schedule=k)
     self.micro_batches = split_micro_batches(model.batch, k)
-
-    def micro_step(params, state, micro_batch):
-      value, grads = jax.value_and_grad(model.loss)(params, micro_batch)
-      updates, state = self.multi.update(grads, state, params)
-      return optax.apply_updates(params, updates), state, value
-
-    self.fn = jax.jit(micro_step, donate_argnums=(0, 1))
+    self.fn = train_step(jax.value_and_grad(model.loss), self.multi)
 
   def init_state(self, params: PyTree) -> PyTree:
     return self.multi.init(params)

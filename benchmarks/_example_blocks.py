@@ -14,10 +14,9 @@ that ``_report.py`` itself writes no prose about a benchmark.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from _report import bullet_list, count, date, listing, met, table
+from _report import columns, count, date, met, table
 
 # ---------------------------------------------------------------- input pipelines
 
@@ -47,16 +46,25 @@ PIPELINE_ALONE = {
 
 
 def input_pipeline_machine(runs: dict[str, Any]) -> str:
-  parts = []
-  for placement, r in runs.items():
-    parts.append(f"`{r['command']}` ({placement}: {date(r['date'])})")
-  first = next(iter(runs.values()))
-  return (
-    f"Measured on a {first['machine']}, jax "
-    f"{first['jax']}, with " + listing(parts) + f": {first['steps']} training "
-    f"steps of {first['batch_size']} images as {first['num_micro_batches']} "
-    "micro-batches, then each feeding timed from fresh parameters."
-  )
+  """Each run: its command, and the training it timed."""
+  header = ["batch in", "command", "measured", "machine", "jax", "steps"]
+  header += ["batch (micro-batches)", "test accuracy", "final loss", "steps/s"]
+  rows = [
+    [
+      f"`{placement}`",
+      f"`{r['command']}`",
+      date(r["date"]),
+      r["machine"],
+      r["jax"],
+      r["steps"],
+      f"{r['batch_size']} ({r['num_micro_batches']})",
+      f"{r['test_accuracy']:.3f}",
+      f"{r['final_loss']:.4f}",
+      f"{r['train_steps_per_s']:.0f}",
+    ]
+    for placement, r in runs.items()
+  ]
+  return table(header, rows)
 
 
 def input_pipeline_steps(runs: dict[str, Any]) -> str:
@@ -91,61 +99,6 @@ def input_pipeline_alone(runs: dict[str, Any]) -> str:
   return table(header, rows)
 
 
-def input_pipeline_summary(runs: dict[str, Any]) -> str:
-  def each(fn: Callable[[dict[str, Any]], float], fmt: str = "{:.2f}") -> str:
-    return " / ".join(fmt.format(fn(r)) for r in runs.values())
-
-  def s(r: dict[str, Any], key: str) -> float:
-    return r["steps_per_s"][key]
-
-  def b(r: dict[str, Any], key: str) -> float:
-    return r["batches_per_s"][key]
-
-  order = " / ".join(runs)
-  bullets = [
-    "**A loader that keeps up costs little.** Whole-batch sources from Grain "
-    "and the plain loop run at "
-    + each(lambda r: s(r, "grain_batches_source") / s(r, "resident"))
-    + " and "
-    + each(lambda r: s(r, "python_loop") / s(r, "resident"))
-    + f" × the speed of resident data ({order}). The step takes "
-    + each(lambda r: 1e3 / s(r, "resident"), "{:.0f}")
-    + " ms and a whole batch "
-    + each(lambda r: 1e3 / b(r, "batches_per_batch"), "{:.1f}")
-    + " ms to build.",
-    "**Transform batches, not examples.** Per-example augmentation makes the "
-    "pipeline alone "
-    + each(lambda r: b(r, "rows_per_batch") / b(r, "rows_per_example_0w"), "{:.1f}")
-    + " × slower than per-batch augmentation, and the training "
-    + each(lambda r: s(r, "grain") / s(r, "grain_per_example_0w"))
-    + " × slower.",
-    "**Workers and threads help only when cores are free.** With nothing "
-    "training, 2 worker processes make the per-example pipeline "
-    + each(lambda r: b(r, "rows_per_example_2w") / b(r, "rows_per_example_0w"))
-    + " × faster (after "
-    + each(lambda r: r["first_batch_s"]["rows_per_example_2w"], "{:.1f}")
-    + " s to start them); while the step runs, they make per-example training "
-    + each(lambda r: s(r, "grain_per_example_2w") / s(r, "grain_per_example_0w"))
-    + " × as fast, and Grain's default read threads make the row pipeline "
-    + each(lambda r: s(r, "grain_default_read_threads") / s(r, "grain"))
-    + " × as fast as no threads.",
-    "**Keep the dispatch asynchronous.** Reading the loss after every step "
-    "runs the Python loop at "
-    + each(lambda r: s(r, "python_loop_loss_every_step") / s(r, "python_loop"))
-    + " × and resident data at "
-    + each(lambda r: s(r, "resident_loss_every_step") / s(r, "resident"))
-    + " × its speed with the loss read every few steps.",
-    "**Host placement.** The test accuracy after training is "
-    + each(lambda r: r["test_accuracy"], "{:.3f}")
-    + f" ({order}), the final training loss "
-    + each(lambda r: r["final_loss"], "{:.4f}")
-    + ", and training runs at "
-    + each(lambda r: r["train_steps_per_s"], "{:.0f}")
-    + " steps/s.",
-  ]
-  return bullet_list(bullets)
-
-
 # ---------------------------------------------------------------- autopilot
 
 
@@ -153,8 +106,7 @@ def autopilot_table(results: dict[str, Any]) -> str:
   parts = [
     f"Run on {results.get('date', '?')} ({results.get('machine', '?')}, "
     f"{results.get('backend', '?')} backend), jax {results.get('jax', '?')}, seeds "
-    f"{', '.join(map(str, results.get('seeds', [])))}: the held-out loss after the "
-    "whole budget (mean ± standard deviation over the seeds)."
+    f"{', '.join(map(str, results.get('seeds', [])))}:"
   ]
   for task, result in results["tasks"].items():
     unit = result.get("token_unit", "tokens")
@@ -167,47 +119,54 @@ def autopilot_table(results: dict[str, Any]) -> str:
       ]
       for name, r in result["runs"].items()
     ]
-    text = f"**{task}**:\n\n" + table(
-      ["run", "held-out loss", "optimizer steps", unit], rows
+    parts.append(
+      f"**{task}**:\n\n"
+      + table(["run", "held-out loss", "optimizer steps", unit], rows)
     )
-    g = result.get("goal")
-    if g:
-      text += (
-        "\n\nThe autopilot against `fixed_small`: loss "
-        f"{g['loss_gap_to_small']:+.4f} (tolerance {g['loss_tolerance']:.4f}), "
-        f"{g['steps_ratio']:.2f} × its optimizer steps (target at most "
-        f"{g['steps_ratio_target']:g}); it "
-        + ("beats" if g["beats_fixed_large"] else "does not beat")
-        + " `fixed_large` and "
-        + ("beats" if g["beats_hand_ramp"] else "does not beat")
-        + " `hand_ramp`. The goal (both within the tolerance and the steps "
-        "target) is " + met(g["met"]) + "."
-      )
-    parts.append(text)
+  goals = [(task, r["goal"]) for task, r in results["tasks"].items() if r.get("goal")]
+  parts.append(
+    columns(
+      goals,
+      {
+        "task": lambda x: x[0],
+        "loss − `fixed_small`'s": lambda x: f"{x[1]['loss_gap_to_small']:+.4f}",
+        "tolerance": lambda x: f"{x[1]['loss_tolerance']:.4f}",
+        "steps ÷ `fixed_small`'s": lambda x: f"{x[1]['steps_ratio']:.2f}",
+        "target": lambda x: f"≤ {x[1]['steps_ratio_target']:g}",
+        "beats `fixed_large`": lambda x: yes(x[1]["beats_fixed_large"]),
+        "beats `hand_ramp`": lambda x: yes(x[1]["beats_hand_ramp"]),
+        "goal": lambda x: met(x[1]["met"]),
+      },
+    )
+  )
   parts.append(
     "![held-out loss against tokens and steps, and k](results/autopilot.png)"
   )
   return "\n\n".join(parts)
 
 
+def yes(ok: bool) -> str:
+  return "yes" if ok else "no"
+
+
 def autopilot_summary(results: dict[str, Any]) -> str:
-  lines = []
-  for task, result in results["tasks"].items():
-    g = result.get("goal")
-    if not g:
-      continue
-    runs = result["runs"]
-    lines.append(
-      f"**{task}**: the autopilot reached a held-out loss of "
-      f"{runs['autopilot']['final_loss_mean']:.3f} against "
-      f"{runs['fixed_small']['final_loss_mean']:.3f} for the small fixed batch, "
-      f"in {g['steps_ratio']:.2f} × its optimizer steps at equal "
-      f"{result.get('token_unit', 'tokens')}."
-    )
+  rows = [
+    [
+      task,
+      f"{result['runs']['autopilot']['final_loss_mean']:.3f}",
+      f"{result['runs']['fixed_small']['final_loss_mean']:.3f}",
+      f"{result['goal']['steps_ratio']:.2f}",
+      result.get("token_unit", "tokens"),
+    ]
+    for task, result in results["tasks"].items()
+    if result.get("goal")
+  ]
+  header = ["task", "autopilot: held-out loss", "small fixed batch: held-out loss"]
+  header += ["autopilot's optimizer steps ÷ the small batch's", "at equal"]
   return (
-    f"On {listing(list(results['tasks']))}, {len(results.get('seeds', []))} "
-    "seeds each, from `examples/autopilot.py`:\n\n"
-    + bullet_list(lines)
+    "The autopilot against the small fixed batch, "
+    f"{len(results.get('seeds', []))} seeds each, from `examples/autopilot.py`:\n\n"
+    + table(header, rows)
     + "\n\n![held-out loss against tokens and steps, and k for each schedule]"
     "(../benchmarks/results/autopilot.png)"
     + "\n\nThe four schedules, how they are compared and the goal each "
@@ -220,9 +179,35 @@ def autopilot_summary(results: dict[str, Any]) -> str:
 
 
 def dp_lm_result(r: dict[str, Any]) -> str:
-  s, h = r["settings"], r["held_out"]
+  s, h, load = r["settings"], r["held_out"], r["load_average"]
   args = [a for a in r.get("argv") or [] if a != "--write-results"]
-  command = " ".join(["python examples/dp_lm.py", *args])
+  run = columns(
+    [r],
+    {
+      "measured": lambda r: (
+        f"`{' '.join(['python examples/dp_lm.py', *args])}`, {date(r['date'])}"
+      ),
+      "machine": lambda r: f"{r['machine']}, jax {r['jax']}",
+      "s (CPU s)": lambda r: f"{r['seconds']:.0f} ({r['cpu_seconds']:.0f})",
+      "load average": lambda r: f"{load[0]:.0f} to {load[1]:.0f}",
+      "parameters": lambda r: (
+        f"{count(s['parameters'])} ({s['layers']} × {s['width']}, {s['heads']} heads)"
+      ),
+      "sequences": lambda r: f"{count(r['train_sequences'])} of ≤ {s['seq_len']}",
+      "steps × draw": lambda r: (
+        f"{s['steps']} × {s['expected_batch_size']} "
+        f"(q = {r['sampling_rate']:.4f}, padded to {r['max_batch_size']} = "
+        f"{s['num_micro_batches']} micro-batches)"
+      ),
+      "σ, C, Adam": lambda r: (
+        f"{s['noise_multiplier']:g}, {s['clip_norm']:g}, {s['learning_rate']:g}"
+      ),
+      "ε at δ (RDP)": lambda r: (
+        f"{r['epsilon']:.2f} at {r['delta']:g} ({r['epsilon_rdp']:.2f})"
+      ),
+      "ghost vs vmap": lambda r: f"{r['ghost_check']:.1e}",
+    },
+  )
   rows = [
     [label, f"{h[key]['loss']:.3f}", f"{h[key]['accuracy']:.3f}"]
     for key, label in [
@@ -232,38 +217,20 @@ def dp_lm_result(r: dict[str, Any]) -> str:
       ("plain", "the same model without privacy"),
     ]
   ]
+  held_out = (
+    f"held out: {count(r['held_out_characters'])} characters of "
+    f"{count(r['held_out_sequences'])} sequences"
+  )
   curve = r["curve"]
-  steps = ", ".join(
-    f"{step}: {dp:.2f} / {plain:.2f}"
-    for step, dp, plain in zip(curve["step"], curve["dp"], curve["plain"], strict=True)
+  along = table(
+    ["step", *map(str, curve["step"])],
+    [
+      ["DP-SGD", *(f"{x:.2f}" for x in curve["dp"])],
+      ["non-private", *(f"{x:.2f}" for x in curve["plain"])],
+    ],
   )
-  return (
-    f"Measured by `{command}` on {date(r['date'])}, a {r['machine']}, jax "
-    f"{r['jax']}, in {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} s of CPU; the "
-    f"machine was shared, load average {r['load_average'][0]:.0f} at the start "
-    f"and {r['load_average'][1]:.0f} at the end): {count(s['parameters'])} parameters "
-    f"({s['layers']} blocks of width {s['width']}, {s['heads']} heads), "
-    f"{count(r['train_sequences'])} training sequences of at most {s['seq_len']} "
-    f"characters, {s['steps']} steps of Poisson draws of "
-    f"{s['expected_batch_size']} sequences on average (q = "
-    f"{r['sampling_rate']:.4f}, padded to {r['max_batch_size']} = "
-    f"{s['num_micro_batches']} micro-batches), σ = {s['noise_multiplier']:g}, "
-    f"C = {s['clip_norm']:g}, Adam at {s['learning_rate']:g} in both runs. Epsilon "
-    f"{r['epsilon']:.2f} at δ = {r['delta']:g} is dp-accounting's PLD accountant "
-    f"(the RDP bound: {r['epsilon_rdp']:.2f}); ghost clipping's clipped sum was "
-    f"{r['ghost_check']:.1e} (relative) from per-example clipping's on the first "
-    "draw.\n\n"
-    + table(
-      [
-        f"held out: {count(r['held_out_characters'])} characters of "
-        f"{count(r['held_out_sequences'])} sequences",
-        "loss (nats per character)",
-        "next-character accuracy",
-      ],
-      rows,
-    )
-    + f"\n\nHeld-out loss along the way, DP-SGD / non-private, by step: {steps}."
-  )
+  header = [held_out, "loss (nats per character)", "next-character accuracy"]
+  return "\n\n".join([run, table(header, rows), along])
 
 
 #: The generated blocks this file writes from ``input_pipeline_*.json``,
@@ -272,7 +239,6 @@ BLOCKS = {
   "input_pipeline machine": input_pipeline_machine,
   "input_pipeline steps": input_pipeline_steps,
   "input_pipeline alone": input_pipeline_alone,
-  "input_pipeline summary": input_pipeline_summary,
   "autopilot table": autopilot_table,
   "autopilot summary": autopilot_summary,
   "dp_lm result": dp_lm_result,

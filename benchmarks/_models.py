@@ -1,23 +1,19 @@
 """The benchmark models, in plain JAX: parameter pytrees and mean losses.
 
-Every approach in ``step_time.py`` differentiates the very same
-``loss(params, batch)``. Each loss is a per-example (or per-token) mean, so the
-mean of ``k`` equal micro-batch means is the full-batch mean and every approach
-must produce the same update.
-
-Three models:
-
-- ``dispatch_mlp`` (a): a tiny MLP on small micro-batches. A step is a few
-  microseconds of arithmetic, so per-call dispatch overhead dominates.
-- ``compute_mlp`` (b): a wide MLP on a large batch, so matmul FLOPs dominate.
-- ``transformer`` (c): a small pre-LayerNorm causal transformer language model
-  with a token-level cross-entropy mean; its dtype is configurable (bfloat16 on
-  an accelerator).
+Every approach differentiates the very same ``loss(params, batch)``, a
+per-example (or per-token) mean, so the mean of ``k`` equal micro-batch
+means is the full-batch mean. :data:`PRESETS` sizes three models:
+``dispatch_mlp``, a tiny MLP whose step is dominated by dispatch;
+``compute_mlp``, a wide MLP whose step is matmul FLOPs; and ``transformer``,
+a small pre-LayerNorm causal language model. :class:`LlamaConfig`
+(:data:`LLAMAS`) is the Llama-style decoder of ``fsdp.py`` and
+``pipeline.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -25,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 PyTree = Any
@@ -33,12 +30,8 @@ Loss = Callable[[PyTree, PyTree], jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-  """A ReLU MLP classifier trained with softmax cross-entropy.
-
-  Attributes:
-    widths: layer widths, input first and number of classes last.
-    batch_size: the effective batch ``B``.
-  """
+  """A ReLU MLP classifier with a softmax cross-entropy: its layer widths,
+  input first and classes last, and the effective batch ``B``."""
 
   widths: tuple[int, ...]
   batch_size: int
@@ -50,19 +43,10 @@ class MLPConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """A decoder-only transformer language model.
-
-  Attributes:
-    vocab: vocabulary size.
-    d_model: residual width.
-    num_heads: attention heads (``d_model`` divisible by it).
-    num_layers: transformer blocks.
-    d_ff: hidden width of the feed-forward block.
-    seq_len: tokens per example that are predicted (the batch holds
-      ``seq_len + 1`` tokens per row: inputs and shifted targets).
-    batch_size: the effective batch ``B`` in sequences.
-    dtype: the dtype of parameters and compute; the loss is taken in float32.
-  """
+  """A decoder-only transformer language model. A row holds ``seq_len + 1``
+  tokens (inputs and shifted targets); ``batch_size`` is ``B`` in
+  sequences; ``dtype`` is the parameters' and compute's (the loss is taken
+  in float32)."""
 
   vocab: int
   d_model: int
@@ -80,16 +64,9 @@ class TransformerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """A model ready to benchmark.
-
-  Attributes:
-    name: a short identifier, used in file names.
-    title: a human-readable description.
-    loss: ``loss(params, batch) -> scalar``, a per-example mean.
-    params: the initial parameters.
-    batch: the whole effective batch; every leaf has leading axis ``B``.
-    config: the configuration, for the report.
-  """
+  """A model ready to benchmark: ``loss(params, batch) -> scalar``, a
+  per-example mean; its initial parameters; the whole effective batch
+  (every leaf's leading axis is ``B``); its configuration, for the report."""
 
   name: str
   title: str
@@ -195,19 +172,27 @@ def _layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
   return y.astype(x.dtype) * p["scale"] + p["bias"]
 
 
+def _causal_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, scores_dtype: Any = None
+) -> jax.Array:
+  """Causal attention of ``(batch, seq, heads, head_dim)`` queries, keys and
+  values, the heads merged back: the scores taken in ``scores_dtype`` (the
+  einsum's ``preferred_element_type``), the softmax in float32."""
+  b, t, h, head = q.shape
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=scores_dtype)
+  scores = scores.astype(jnp.float32) / math.sqrt(head)
+  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, h * head)
+
+
 def _attention(x: jax.Array, layer: dict[str, jax.Array], num_heads: int) -> jax.Array:
   """Causal multi-head self-attention; softmax in float32."""
   b, t, d = x.shape
-  head = d // num_heads
   q, k, v = jnp.split(x @ layer["qkv"], 3, axis=-1)
-  q, k, v = (a.reshape(b, t, num_heads, head) for a in (q, k, v))
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-  scores = scores / math.sqrt(head)
-  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-  out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
-  return out @ layer["out"]
+  q, k, v = (a.reshape(b, t, num_heads, d // num_heads) for a in (q, k, v))
+  return _causal_attention(q, k, v) @ layer["out"]
 
 
 def make_transformer_loss(cfg: TransformerConfig) -> Loss:
@@ -242,56 +227,186 @@ def make_transformer(
   )
 
 
+# ---------------------------------------------------------------- Llama
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(TransformerConfig):
+  """The Llama-style decoder of ``fsdp.py`` and ``pipeline.py``: RMSNorm,
+  rotary attention, SwiGLU, untied heads; float32 master weights cast to
+  bfloat16 in the loss (``dtype`` is unused), the layers stacked and scanned,
+  each rematerialized; ``batch_size`` is the global batch."""
+
+  batch_size: int = 128
+
+  def describe(self) -> dict[str, Any]:
+    """The configuration as JSON-friendly numbers."""
+    fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "dtype"}
+    return {
+      "kind": "llama",
+      **fields,
+      "param_dtype": "float32",
+      "compute_dtype": "bfloat16",
+      "remat": "full (each layer: only its input is saved)",
+    }
+
+
+LLAMAS = {
+  "llama_1b": LlamaConfig(
+    vocab=32_000, d_model=2048, num_heads=16, num_layers=16, d_ff=5632, seq_len=2048
+  ),
+  # pipeline.py's larger model, where pipelining is weighed against FSDP.
+  "llama_2.7b": LlamaConfig(
+    vocab=32_000, d_model=2560, num_heads=20, num_layers=32, d_ff=6912, seq_len=2048
+  ),
+  "llama_quick": LlamaConfig(
+    vocab=512, d_model=128, num_heads=4, num_layers=3, d_ff=352, seq_len=64
+  ),
+}
+
+
+@functools.cache
+def llama_optimizer() -> optax.GradientTransformation:
+  """``optax.adamw(3e-4, weight_decay=0.1)``: one object for every step of
+  the Llama (the steps' caches key on it)."""
+  return optax.adamw(3e-4, weight_decay=0.1)
+
+
+def llama_shapes(cfg: LlamaConfig) -> dict[str, Any]:
+  """The parameters' shapes, float32 master weights; the layers stacked."""
+  d, f, n, v = cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.vocab
+  layers = {"attn_norm": (n, d), "wq": (n, d, d), "wk": (n, d, d), "wv": (n, d, d)}
+  layers |= {"wo": (n, d, d), "mlp_norm": (n, d), "w_gate": (n, d, f)}
+  layers |= {"w_up": (n, d, f), "w_down": (n, f, d)}
+
+  def f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+  return {
+    "embed": f32(v, d),
+    "layers": {k: f32(*s) for k, s in layers.items()},
+    "final_norm": f32(d),
+    "unembed": f32(d, v),
+  }
+
+
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """RMSNorm with float32 statistics, returned in ``x``'s dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + 1e-6)
+  return y.astype(x.dtype) * scale
+
+
+def _rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotary embedding of ``x`` (batch, seq, heads, head_dim), half-split form."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  c, s = cos[:, None, :], sin[:, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def llama_layer(
+  cfg: LlamaConfig,
+  out: Callable[[jax.Array], jax.Array] = lambda x: x,
+  cast: bool = False,
+) -> Callable[[jax.Array, Any], jax.Array]:
+  """One decoder layer, ``layer(x, w) -> out(x)``, rematerialized with
+  nothing saved but its input (MaxText's ``remat_policy: full``): attention
+  with rotary embeddings, scores and softmax in float32, then the SwiGLU;
+  with ``cast``, the weights cast to bfloat16 first (inside the remat)."""
+  head = cfg.d_model // cfg.num_heads
+  inv_freq = 1.0 / (10_000 ** (np.arange(0, head, 2, dtype=np.float32) / head))
+  angles = np.arange(cfg.seq_len, dtype=np.float32)[:, None] * inv_freq[None, :]
+  cos_np, sin_np = np.cos(angles), np.sin(angles)
+
+  def layer(x, w):
+    if cast:
+      w = jax.tree.map(lambda a: a.astype(jnp.bfloat16), w)
+    cos, sin = jnp.asarray(cos_np, x.dtype), jnp.asarray(sin_np, x.dtype)
+    h = rms_norm(x, w["attn_norm"])
+    b, t, _ = h.shape
+    q, k, v = (
+      (h @ w[n]).reshape(b, t, cfg.num_heads, head) for n in ("wq", "wk", "wv")
+    )
+    q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+    x = x + _causal_attention(q, k, v, jnp.float32) @ w["wo"]
+    h = rms_norm(x, w["mlp_norm"])
+    return out(x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"])
+
+  return jax.checkpoint(
+    layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+  )
+
+
+def llama_loss(
+  cfg: LlamaConfig, batch_sharding: Any = None
+) -> Callable[[PyTree, jax.Array], jax.Array]:
+  """``loss(params, tokens)``: the mean next-token cross-entropy of
+  ``(batch, seq_len + 1)`` tokens, the parameters cast to bfloat16 first, the
+  layers under ``lax.scan``. With ``batch_sharding`` the activations are
+  constrained to it after the embedding and every layer, as MaxText does, so
+  that the partitioner gathers the weights where they are used and leaves the
+  activations sharded by batch: ``P("data")`` under plain ``jit``; ``P()``
+  inside jaxaccum, whose ``vmap`` over the devices adds the data axis."""
+
+  def constrain(x: jax.Array) -> jax.Array:
+    if batch_sharding is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, batch_sharding)
+
+  layer = llama_layer(cfg, constrain)
+
+  def loss(params: PyTree, tokens: jax.Array) -> jax.Array:
+    p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    x = constrain(p["embed"][inputs])
+    x, _ = jax.lax.scan(lambda x, w: (layer(x, w), None), x, p["layers"])
+    logits = (rms_norm(x, p["final_norm"]) @ p["unembed"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  return loss
+
+
 # ---------------------------------------------------------------- presets
 
 #: Model sizes per preset. ``cpu`` fits the default run in a few minutes on two
 #: cores; ``gpu`` sizes the compute-bound MLP and the transformer for a large
 #: accelerator (the dispatch-bound MLP stays tiny on purpose).
+_SMALL_MLP = MLPConfig(widths=(32, 64, 64, 10), batch_size=256)
+_CPU_TRANSFORMER = TransformerConfig(
+  vocab=256, d_model=64, num_heads=4, num_layers=2, d_ff=256, seq_len=32, batch_size=32
+)
+_GPU_TRANSFORMER = TransformerConfig(
+  vocab=32768,
+  d_model=1024,
+  num_heads=16,
+  num_layers=4,
+  d_ff=4096,
+  seq_len=1024,
+  batch_size=64,
+)
 PRESETS: dict[str, dict[str, MLPConfig | TransformerConfig]] = {
   "cpu": {
-    "dispatch_mlp": MLPConfig(widths=(32, 64, 64, 10), batch_size=256),
+    "dispatch_mlp": _SMALL_MLP,
     "compute_mlp": MLPConfig(widths=(256, 512, 512, 16), batch_size=2048),
-    "transformer": TransformerConfig(
-      vocab=256,
-      d_model=64,
-      num_heads=4,
-      num_layers=2,
-      d_ff=256,
-      seq_len=32,
-      batch_size=32,
-    ),
+    "transformer": _CPU_TRANSFORMER,
   },
   "cpu-quick": {
-    "dispatch_mlp": MLPConfig(widths=(32, 64, 64, 10), batch_size=128),
+    "dispatch_mlp": dataclasses.replace(_SMALL_MLP, batch_size=128),
     "compute_mlp": MLPConfig(widths=(256, 256, 256, 16), batch_size=2048),
-    "transformer": TransformerConfig(
-      vocab=128,
-      d_model=64,
-      num_heads=4,
-      num_layers=1,
-      d_ff=256,
-      seq_len=32,
-      batch_size=16,
+    "transformer": dataclasses.replace(
+      _CPU_TRANSFORMER, vocab=128, num_layers=1, batch_size=16
     ),
   },
   "gpu": {
-    "dispatch_mlp": MLPConfig(widths=(32, 64, 64, 10), batch_size=256),
+    "dispatch_mlp": _SMALL_MLP,
     "compute_mlp": MLPConfig(widths=(4096, 8192, 8192, 1024), batch_size=8192),
-    "transformer": TransformerConfig(
-      vocab=32768,
-      d_model=1024,
-      num_heads=16,
-      num_layers=4,
-      d_ff=4096,
-      seq_len=1024,
-      batch_size=64,
-    ),
+    "transformer": _GPU_TRANSFORMER,
   },
   "gpu-quick": {
-    "dispatch_mlp": MLPConfig(widths=(32, 64, 64, 10), batch_size=128),
+    "dispatch_mlp": dataclasses.replace(_SMALL_MLP, batch_size=128),
     "compute_mlp": MLPConfig(widths=(4096, 8192, 8192, 1024), batch_size=4096),
-    "transformer": TransformerConfig(
-      vocab=32768,
+    "transformer": dataclasses.replace(
+      _GPU_TRANSFORMER,
       d_model=768,
       num_heads=12,
       num_layers=2,
@@ -309,17 +424,26 @@ TITLES = {
 }
 
 
-def build(name: str, preset: str, dtype: str = "float32") -> Model:
-  """Builds model ``name`` at the sizes of ``preset``.
-
-  Args:
-    name: ``dispatch_mlp``, ``compute_mlp`` or ``transformer``.
-    preset: a key of ``PRESETS``.
-    dtype: the transformer's parameter and compute dtype (the MLPs stay
-      float32).
-  """
+def build(
+  name: str, preset: str, dtype: str = "float32", *, batch_scale: int = 1
+) -> Model:
+  """Model ``name`` at the sizes of ``preset`` (``dtype``: the transformer's;
+  the MLPs stay float32), its batch ``batch_scale`` times as large."""
   config = PRESETS[preset][name]
+  config = dataclasses.replace(config, batch_size=config.batch_size * batch_scale)
   if isinstance(config, TransformerConfig):
     config = dataclasses.replace(config, dtype=dtype)
     return make_transformer(name, TITLES[name], config)
   return make_mlp(name, TITLES[name], config)
+
+
+def abstract(name: str, preset: str, dtype: str, batch_scale: int = 1) -> Model:
+  """:func:`build`'s model as shapes only (nothing is allocated)."""
+  built = []
+
+  def make():
+    built.append(build(name, preset, dtype, batch_scale=batch_scale))
+    return built[0].params, built[0].batch
+
+  params, batch = jax.eval_shape(make)
+  return dataclasses.replace(built[0], params=params, batch=batch)

@@ -8,26 +8,12 @@ Usage::
   python benchmarks/_report.py          # rewrite the generated blocks
   python benchmarks/_report.py --check  # exit 1 with a diff if one is stale
 
-Every table in the pages, and every number their prose states, sits between
-a pair of markers::
-
-  <!-- begin: step_time dispatch_mlp -->
-  ...
-  <!-- end: step_time dispatch_mlp -->
-
-The first word names the JSON file (``benchmarks/results/step_time.json``),
-the rest the block. Each benchmark script defines ``BLOCKS``, its block
-names mapped to the functions that write them from its JSON, next to the
-code that measures what they show (:data:`SCRIPTS` says which script writes
-which JSON's blocks; importing one for them sets up no devices). This module
-collects them, puts each block on its page (:data:`PAGES`; every block is on
-the benchmarks' manual unless :data:`ELSEWHERE` says otherwise) and holds the
-formatting helpers the scripts import (:func:`mib`, :func:`ratio`,
-:func:`table`, :func:`listing`, ...). :func:`render` replaces what stands
-between the markers and leaves the rest of a page, which states no measured
-number, as it is. A block whose JSON does not exist yet says so.
-``tests/test_manuals.py`` checks that each committed page is what
-:func:`render` writes.
+A block stands between ``<!-- begin: step_time dispatch_mlp -->`` and
+``<!-- end: step_time dispatch_mlp -->``: the first word names the JSON, the
+rest the block. Each script's ``BLOCKS`` maps its block names to the
+functions that write them (:data:`SCRIPTS`); :func:`render` replaces what
+stands between the markers and leaves the fixed text around them as it is.
+``tests/test_manuals.py`` checks that each committed page is what it writes.
 """
 
 # The manual's typography: en dashes for a missing value.
@@ -35,7 +21,6 @@ number, as it is. A block whose JSON does not exist yet says so.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib.util
 import json
@@ -111,13 +96,6 @@ def count(n: float) -> str:
   return f"{n:,.0f}"
 
 
-def span(values: Iterable[float], fmt: Callable[[float], str] = ratio) -> str:
-  """``lo to hi`` (or the one value) of ``values``."""
-  values = list(values)
-  lo, hi = fmt(min(values)), fmt(max(values))
-  return lo if lo == hi else f"{lo} to {hi}"
-
-
 def listing(items: Sequence[str], conj: str = "and") -> str:
   """``a``, ``a and b``, ``a, b and c``."""
   items = list(items)
@@ -140,6 +118,19 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def columns(items: Iterable[Any], spec: dict[str, Callable[[Any], Any]]) -> str:
+  """A Markdown table of ``items``, a column per entry of ``spec``: its
+  header, and the function that writes an item's cell.
+
+  >>> print(columns([1, 2], {"n": str, "n²": lambda n: n * n}))
+  | n | n² |
+  |---|---|
+  | 1 | 1 |
+  | 2 | 4 |
+  """
+  return table(list(spec), [[cell(item) for cell in spec.values()] for item in items])
 
 
 def date(text: str) -> str:
@@ -197,20 +188,38 @@ def timed_verdict(ok: bool, aa: float | None) -> str:
   return "met" if ok else "missed"
 
 
-def bullet_list(items: Iterable[str]) -> str:
-  """A Markdown list, an item a line."""
-  return "\n".join(f"- {item}" for item in items)
+def pyplot() -> Any:
+  """``matplotlib.pyplot`` on the Agg backend, imported when a script plots
+  (importing a script for its blocks plots nothing)."""
+  import matplotlib  # noqa: PLC0415
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  return plt
 
 
-def by_k(values: dict[int, float], fmt: Callable[[float], str] = ratio) -> str:
-  """``a, b and c at k = 1, 2 and 4`` (``a at every k`` if they are equal)."""
-  texts = {fmt(v) for v in values.values()}
-  if len(texts) == 1 and len(values) > 1:
-    return f"{texts.pop()} at every k"
-  return (
-    f"{listing([fmt(v) for v in values.values()])} at k = "
-    f"{listing([str(k) for k in values])}"
-  )
+def k_axis(
+  ax: Any,
+  ks: Sequence[int],
+  ylabel: str,
+  *,
+  xlabel: str = "micro-batches per step, k",
+  logy: bool = False,
+  title: str | None = None,
+) -> None:
+  """An axis against ``k``: log 2, a tick at each ``k``, a light grid; a
+  linear y axis starts at 0."""
+  ax.set_xscale("log", base=2)
+  if logy:
+    ax.set_yscale("log")
+  else:
+    ax.set_ylim(0, None)
+  ax.set_xticks(ks, [str(k) for k in ks])
+  ax.set(xlabel=xlabel, ylabel=ylabel)
+  ax.grid(True, which="both" if logy else "major", alpha=0.3)
+  if title:
+    ax.set_title(title, fontsize=9)
 
 
 # ---------------------------------------------------------------- the pages
@@ -258,21 +267,13 @@ MULTI_SOURCES = {
     "causes": "accelerator_memory_causes",
   },
 }
+#: The command that writes a JSON, where it is not ``python
+#: benchmarks/SCRIPT.py``.
 COMMANDS = {
-  "step_time": "python benchmarks/step_time.py",
-  "eager_calls": "python benchmarks/eager_calls.py",
-  "communication": "python benchmarks/communication.py",
-  "meshes": "python benchmarks/meshes.py",
-  "fsdp": "python benchmarks/fsdp.py",
-  "accelerator_memory": "python benchmarks/accelerator_memory.py",
   "accelerator_causes": "python benchmarks/accelerator_memory.py --causes",
   "input_pipeline": "python examples/input_pipeline.py",
   "autopilot": "python examples/autopilot.py --write-results",
   "dp_lm": "python examples/dp_lm.py --write-results",
-  "readme_commands": "python benchmarks/readme_commands.py",
-  "dp": "python benchmarks/dp.py",
-  "pipeline": "python benchmarks/pipeline.py",
-  "maxtext_llama": "python benchmarks/maxtext_llama.py",
 }
 #: ``"source name"`` -> the function writing that block from ``source.json``,
 #: and the page of each block: filled from the scripts' ``BLOCKS`` on first
@@ -336,7 +337,7 @@ def write_block(name: str, results_dir: pathlib.Path = RESULTS) -> str:
   if data is None:
     return (
       f"_No results yet: `benchmarks/results/{source}.json` does not exist. "
-      f"`{COMMANDS.get(source, source)}` writes it._"
+      f"`{COMMANDS.get(source, f'python benchmarks/{SCRIPTS[source]}.py')}` writes it._"
     )
   return writer(data).strip("\n")
 
@@ -371,7 +372,9 @@ def render(
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Rewrites the pages (or, with ``--check``, diffs them); the exit code."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  import _paths  # noqa: PLC0415  (benchmarks/ is on the path from the module's end)
+
+  parser = _paths.parser(__doc__, out=False)
   parser.add_argument(
     "--check",
     action="store_true",

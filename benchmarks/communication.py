@@ -1,92 +1,15 @@
 """Bytes communicated per optimizer step by data-parallel gradient accumulation.
 
 Run: ``python benchmarks/communication.py [--out benchmarks/results]``
-(``--quick``: k in {1, 4}, 5 rounds of 50 ms samples, written to the
-temporary folder; ``--rounds``, ``--min-sample-ms`` and ``--cpus`` set the
-timing of part 2).
+(``--quick``: k in {1, 4}, 5 rounds of 50 ms samples, to the temporary
+folder; ``--rounds``, ``--min-sample-ms`` and ``--cpus`` set part 2's timing).
 
-Part 1, bytes. Eight fake CPU devices form a mesh with one ``"data"`` axis
-(``Auto``). An MLP classifier (784 -> 512 -> 512 -> 10, 669,706 float32
-parameters, replicated) gets a global batch of 256 rows, sharded along
-``"data"``. For ``k`` in {1, 2, 4, 8, 16} micro-batches, four ways of
-computing the accumulated ``(loss, grads)`` are compiled (the fourth on the
-same mesh with ``Explicit`` axes):
-
-(a) ``jaxaccum``: ``jaxaccum.value_and_grad(loss, k, mesh=mesh,
-    data_axis="data")``. The batch is laid out as one block per device, the
-    micro step runs ``vmap``-ped over the blocks in global view (each device
-    accumulates the gradient of its own rows), and one all-reduce runs
-    after the loop.
-(b) ``optax.microbatch``: ``optax.microbatching.microbatch(
-    jax.value_and_grad(loss), argnums=1, microbatch_size=B // k,
-    accumulator=MEAN)`` under plain ``jax.jit``. GSPMD decides where the
-    collectives go.
-(c) a hand-written ``lax.scan`` over a C-order split ``batch.reshape(k, B // k,
-    ...)`` under plain ``jax.jit``;
-(d) ``jaxaccum.value_and_grad(loss, k)`` under plain ``jax.jit``, no
-    ``mesh=``, with the parameters and the batch on an Explicit ``(8,)``
-    mesh: the weights, the biases and the loss are accumulated
-    ``unreduced`` and reduced once after the loop (``jaxaccum/_reduced.py``
-    rewrites each bias's use into one JAX types).
-
-The same plain-``jit`` step is then read over each mesh axis on two Explicit
-meshes (:data:`EXPLICIT_MESHES`): the replicated MLP on ``(8,)``, and the MLP
-tensor parallel on ``(4, 2)`` ``data x model``, whose loss names
-``out_sharding`` for each matrix product (:func:`explicit_loss`). For each
-``k`` and the full batch: the collectives over ``"data"`` inside the loop
-and after it, those over ``"model"`` inside it, and whether every gradient
-keeps its parameter's sharding.
-
-What is measured, from the optimized HLO (``jaxaccum.testing``): every
-collective (all-reduce, reduce-scatter, all-gather, ...) counts the size of
-its result, per device, times the trip counts of the while loops around it.
-That sum is the "bytes per step". It is divided by the gradient size (the
-parameters' bytes), so an approach that all-reduces the gradients once
-scores about 1. Because communicating less can also mean computing
-redundantly, the script also reports an estimate of each device's compute:
-XLA's ``cost_analysis()`` counts a while loop's body once, so the flops of
-the compiled step times ``k`` are divided by the flops of the plain
-data-parallel step ``jit(jax.value_and_grad(loss))`` on the same sharded
-batch. About 1 means the work is split over the devices; 8 means every
-device computes the whole batch (an upper bound: the small part outside the
-loop is multiplied by ``k`` too). Every compiled step runs once and its loss
-and gradients are compared with ``jax.value_and_grad`` on the full,
-unsharded batch.
-
-Part 2, step time under plain ``jit``. Without ``mesh=``,
-``jaxaccum.value_and_grad(loss, k)`` over a batch sharded across the devices
-splits the batch where it lies (``S = gcd(m, N)`` blocks, ``jaxaccum/_split.py``),
-so no batch row moves between devices. A 2-layer MLP (784 -> 256 -> 10,
-batch 4,096 sharded over the 8 devices, parameters replicated, ``k = 8``) is
-timed six ways side by side, in interleaved rounds after an untimed one
-(round ``r`` times every approach once, in an order rotated by ``r``; each
-sample repeats the step until it lasts 200 ms), and the medians are
-compared: the full batch
-``jit(jax.value_and_grad(loss))``; jaxaccum under plain ``jit`` on Auto
-axes; jaxaccum with ``mesh=``; jaxaccum under plain ``jit`` on an Explicit
-mesh; optax.microbatch; a contiguous split (the hand-written scan of (c), the
-layout jaxaccum used before, which gathers the batch); and, for the cost of
-the loop itself, the full batch and jaxaccum on one device, on the whole
-batch and on one device's rows (B / 8, the micro-batches each device runs
-in the 8-device split). The full batch
-is timed twice, the second time as ``full_batch_again``: its median over
-the first (``aa_ratio``, the A/A control) is the noise floor of the ratios,
-and the time target counts as met or missed only where it is within 3% of
-1. The compiled HLO of each is searched for collectives that move batch
-data (all-gather, collective-permute, all-to-all). Targets: jaxaccum under
-plain ``jit`` within 1.10 x the full batch's median, jaxaccum under plain
-``jit`` on Explicit axes no slower than ``mesh=`` (decided by the same A/A
-rule), and none of those collectives. After the timing, ``jax.profiler``
-traces of a few steps of the full batch, ``mesh=``, the Explicit step and
-the two one-device steps on one device's rows, in interleaved rounds, are
-read thunk by thunk (:func:`profile_thunks`): how many matmul, collective, copy and elementwise
-thunks each runs per step, and how long they last, against XLA's flops.
-
-The results, and what they show, are in ``benchmarks/README.md`` (generated
-from the JSON by ``benchmarks/_report.py``). Outputs:
-``communication.json`` (raw numbers, jax version, machine, date) and
-``communication.png`` (bytes per step against ``k``, the compute estimate,
-and the plain-jit step times), in ``--out``.
+Part 1, on 8 fake CPU devices: the collectives of each of :data:`APPROACHES`
+per ``k`` (:func:`run`, :func:`measure`), and of the plain-``jit`` step on
+each of :data:`EXPLICIT_MESHES` (:func:`run_explicit`). Part 2: the steps of
+:data:`PLAIN_APPROACHES` timed in interleaved rounds, and a profile of a few
+of them (:func:`run_plain_jit`, :func:`profile_thunks`). Outputs
+``communication.json`` and ``communication.png`` in ``--out``.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -103,10 +26,8 @@ import argparse
 import contextlib
 import datetime
 import functools
-import gc
 import itertools
 import json
-import math
 import pathlib
 import platform
 import re
@@ -116,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _approaches
 import _paths
 import _timing
 import jax
@@ -123,22 +45,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from _report import (
-  AA_TOLERANCE,
   aa_decides,
   aa_note,
-  bullet_list,
-  by_k,
-  capital,
+  columns,
   cpu_model,
   date,
-  duration,
-  ks_text,
-  listing,
+  k_axis,
   mib,
   ms,
+  pyplot,
   ratio,
-  span,
-  table,
   timed_verdict,
 )
 from jax.sharding import AxisType, NamedSharding
@@ -219,15 +135,6 @@ PROFILED = (
 )
 PROFILE_STEPS = 4
 PROFILE_ROUNDS = 7
-#: The yardstick of each part-2 row's time ratio (the full batch of its rows
-#: on its devices).
-PLAIN_YARDSTICK = {
-  "full_batch_one_device": "full_batch_one_device",
-  "jaxaccum_one_device": "full_batch_one_device",
-  "hand_scan_one_device": "full_batch_one_device",
-  "full_batch_device_rows": "full_batch_device_rows",
-  "jaxaccum_device_rows": "full_batch_device_rows",
-}
 #: Collectives that move batch data between devices (the gradient
 #: reductions are all-reduces or reduce-scatters).
 MOVES_DATA = (
@@ -239,16 +146,24 @@ MOVES_DATA = (
 )
 
 
+def yardstick(name: str) -> str:
+  """The part-2 row that ``name``'s time ratio is over: the full batch of
+  its rows on its devices."""
+  for rows in ("_one_device", "_device_rows"):
+    if name.endswith(rows):
+      return f"full_batch{rows}"
+  return "full_batch"
+
+
 def init_params(rng: np.random.Generator, widths: Sequence[int] = WIDTHS) -> list:
   """The MLP's parameters: one ``{"w", "b"}`` dict per layer, LeCun normal.
 
   Drawn with numpy (float32), which is faster than compiling jax.random ops.
   """
+  normal = rng.standard_normal
   return [
     {
-      "w": (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(
-        np.float32
-      ),
+      "w": (normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32),
       "b": np.zeros((1, fan_out), np.float32),
     }
     for fan_in, fan_out in itertools.pairwise(widths)
@@ -302,23 +217,6 @@ def explicit_mesh(shape: Sequence[int], axes: Sequence[str]) -> jax.sharding.Mes
   )
 
 
-def hand_scan(k: int, loss_fn: Callable[..., jax.Array] = loss) -> LossAndGrads:
-  """Accumulation written by hand: ``lax.scan`` over ``batch.reshape(k, ...)``."""
-
-  def value_and_grad(params, batch):
-    micro = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
-
-    def body(carry, micro_batch):
-      value, grads = jax.value_and_grad(loss_fn)(params, micro_batch)
-      return jax.tree.map(jnp.add, carry, (value, grads)), None
-
-    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-    total, _ = jax.lax.scan(body, zeros, micro)
-    return jax.tree.map(lambda t: t / k, total)
-
-  return value_and_grad
-
-
 def make_approach(
   name: str,
   k: int,
@@ -329,14 +227,9 @@ def make_approach(
   data_axis: str | tuple[str, ...] = "data",
   param_specs: PyTree = None,
 ) -> LossAndGrads:
-  """``(params, batch) -> (loss, grads)`` for approach ``name`` with ``k``.
-
-  ``jaxaccum`` is jaxaccum's default (``fsdp_gather="per_micro_batch"``),
-  ``jaxaccum_once`` the same with ``fsdp_gather="once"``; they differ only
-  where parameters are sharded along ``data_axis`` (FSDP). ``param_specs``
-  goes to jaxaccum, which cannot see the parameters'
-  shardings under an outer ``jit`` on an ``Auto`` mesh.
-  """
+  """``(params, batch) -> (loss, grads)`` for approach ``name`` with ``k``
+  (``jaxaccum_once``: ``fsdp_gather="once"``; ``param_specs`` tells jaxaccum
+  the shardings it cannot see under an outer ``jit`` on Auto axes)."""
   if name in ("jaxaccum", "jaxaccum_once"):
     return jaxaccum.value_and_grad(
       loss_fn,
@@ -347,20 +240,10 @@ def make_approach(
       fsdp_gather="once" if name == "jaxaccum_once" else "per_micro_batch",
     )
   if name == "optax_microbatch":
-    return optax.microbatching.microbatch(
-      jax.value_and_grad(loss_fn),
-      argnums=1,
-      microbatch_size=batch_size // k,
-      accumulator=optax.microbatching.AccumulationType.MEAN,
-    )
+    return _approaches.optax_microbatch(loss_fn, batch_size // k)
   if name == "hand_scan":
-    return hand_scan(k, loss_fn)
+    return _approaches.hand_scan(loss_fn, k)
   raise ValueError(f"unknown approach {name!r}")
-
-
-def tree_bytes(tree: PyTree) -> int:
-  """Bytes of the arrays in ``tree``."""
-  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def max_rel_error(got: PyTree, want: PyTree) -> float:
@@ -544,7 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   reference = jax.jit(jax.value_and_grad(loss))(params, (x, labels))
   batch = jax.device_put((x, labels), NamedSharding(mesh, P("data")))
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  grad_bytes = tree_bytes(params)
+  grad_bytes = _approaches.tree_bytes(params)
 
   # The plain data-parallel step (no accumulation): one all-reduce, B/8 rows
   # of work per device. Its flops are the yardstick for redundant compute.
@@ -556,10 +439,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     explicit, None, init_params(np.random.default_rng(0)), (x, labels)
   )
   results: dict[str, dict[str, Any]] = {name: {} for name in APPROACHES}
-  print(
-    f"{'approach':<17} {'k':>3} {'bytes/step':>12} {'/grad':>6} {'in-loop':>8} "
-    f"{'execs':>6} {'compute~':>8} {'grad err':>9}"
-  )
   for name in APPROACHES:
     for k in ks:
       if name == "jaxaccum_explicit":
@@ -577,34 +456,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mesh=on,
       )
       results[name][str(k)] = r
-      print(
-        f"{name:<17} {k:>3} {r['bytes_per_step']:>12,} "
-        f"{r['bytes_over_grad_bytes']:>6.2f} {r['in_loop_collectives']:>8} "
-        f"{r['collective_executions_per_step']:>6} "
-        f"{r['compute_vs_data_parallel_est']:>7.2f}x {r['grads_rel_error']:>9.1e}"
-      )
-
-  print("\nplain jit on Explicit meshes: collectives over data, in and after the loop")
+      print(f"{name} k={k}: {r['bytes_per_step']:,} bytes per step", flush=True)
   explicit_rows = run_explicit(
     ks,
     params=init_params(np.random.default_rng(0)),
     batch=(x, labels),
     reference=reference,
   )
-  print("\nstep time under plain jit, no mesh=")
   plain = run_plain_jit(
     rounds=args.rounds or (5 if args.quick else PLAIN_ROUNDS),
     min_sample_ms=args.min_sample_ms or (50.0 if args.quick else PLAIN_MIN_SAMPLE_MS),
     profile_rounds=3 if args.quick else PROFILE_ROUNDS,
-  )
-  for name, r in plain["approaches"].items():
-    print(
-      f"{name:<22} {r['median_ms']:>9.1f} ms {r['ratio_to_full']:>6.2f}x  "
-      f"data-moving collectives: {r['data_moving_collectives'] or 'none'}"
-    )
-  print(
-    f"noise floor: {aa_note(plain['aa_ratio'])} (full batch again / full batch; "
-    f"the time target: {timed_verdict(plain['targets'][0]['pass'], plain['aa_ratio'])})"
   )
   env["machine"]["cpus"] = cpus
   env["machine"]["pinned"] = bool(args.cpus)
@@ -633,14 +495,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def run_explicit(
   ks: Sequence[int], *, params: list, batch: tuple, reference: tuple[jax.Array, PyTree]
 ) -> dict[str, Any]:
-  """Plain ``jit`` of ``jaxaccum.value_and_grad(loss_fn, k)`` on each of
-  :data:`EXPLICIT_MESHES` (with its loss: :func:`loss` unchanged on the
-  replicated mesh, :func:`explicit_loss` on the tensor-parallel one), no
-  ``mesh=``: the collectives over ``"data"`` in
-  the loop and after it, those over ``"model"`` in it, the bytes of the
-  weights and biases they reduce, and whether each gradient keeps its
-  parameter's sharding. The full batch under the same ``jit`` on the same
-  mesh is the yardstick (k = 0 in the rows)."""
+  """Plain ``jit`` of ``jaxaccum.value_and_grad(loss_fn, k)``, no ``mesh=``,
+  on each of :data:`EXPLICIT_MESHES` with its loss: the collectives over
+  each axis in the loop and after it, and whether each gradient keeps its
+  parameter's sharding; the full batch under the same ``jit`` is k = 0."""
   out: dict[str, Any] = {}
   for name, spec in EXPLICIT_MESHES.items():
     mesh = explicit_mesh(spec["shape"], spec["axes"])
@@ -665,12 +523,7 @@ def run_explicit(
         **accuracy((value, grads), reference),
         "grads_keep_shardings": keeps_shardings(grads, p),
       }
-      d = rows[str(k)]["data_axis"]
-      print(
-        f"{name:<13} k={k:>2}: data in loop {d['in_loop_executions_per_step']:>3} x "
-        f"{d['in_loop_bytes_per_execution']} B, after {d['after_loop']}, grads "
-        f"err {rows[str(k)]['grads_rel_error']:.1e}"
-      )
+      print(f"{name} k={k}: compiled on an Explicit mesh", flush=True)
     out[name] = {
       "mesh": {
         "shape": list(spec["shape"]),
@@ -689,55 +542,6 @@ def run_explicit(
 
 
 # ---------------------------------------------------------------- part 2
-
-
-def _time_ms(call: Callable[[], Any], repeats: int) -> float:
-  """Milliseconds per call over ``repeats`` back-to-back calls."""
-  start = time.perf_counter()
-  for _ in range(repeats):
-    out = call()
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) * 1e3 / repeats
-
-
-def interleaved_medians(
-  calls: dict[str, Callable[[], Any]], *, rounds: int, min_sample_ms: float
-) -> dict[str, dict[str, Any]]:
-  """Times ``calls`` (each a compiled step applied to its arguments) in
-  interleaved rounds: round ``r`` times each once, in an order rotated by
-  ``r``, so that machine noise hits them alike. A sample repeats a call
-  until it lasts ``min_sample_ms``. One untimed round goes first: the first
-  sample after the warmup ran slow, on whichever call came first."""
-  names = list(calls)
-  repeats = {}
-  for name, call in calls.items():
-    jax.block_until_ready(call())  # warm up
-    once = _time_ms(call, 1)
-    repeats[name] = max(1, math.ceil(min_sample_ms / max(once, 1e-3)))
-  for name in names:  # one untimed round: the first sample ran slow (A/A)
-    _time_ms(calls[name], repeats[name])
-  samples: dict[str, list[float]] = {name: [] for name in names}
-  for r in range(rounds):
-    shift = r % len(names)
-    gc.collect()
-    gc.disable()
-    try:
-      for name in names[shift:] + names[:shift]:
-        samples[name].append(_time_ms(calls[name], repeats[name]))
-    finally:
-      gc.enable()
-  out = {}
-  for name, s in samples.items():
-    q1, _, q3 = statistics.quantiles(s, n=4)
-    out[name] = {
-      "median_ms": statistics.median(s),
-      "q1_ms": q1,
-      "q3_ms": q3,
-      "min_ms": min(s),
-      "samples_ms": s,
-      "repeats_per_sample": repeats[name],
-    }
-  return out
 
 
 def run_plain_jit(
@@ -780,24 +584,32 @@ def run_plain_jit(
       make_approach("optax_microbatch", k, mesh, batch_size=PLAIN_BATCH_SIZE),
       on_mesh,
     ),
-    "contiguous_scan": (hand_scan(k), on_mesh),
+    "contiguous_scan": (_approaches.hand_scan(loss, k), on_mesh),
     "full_batch_one_device": (jax.value_and_grad(loss), one_device),
     "jaxaccum_one_device": (jaxaccum.value_and_grad(loss, k), one_device),
-    "hand_scan_one_device": (hand_scan(k), one_device),
+    "hand_scan_one_device": (_approaches.hand_scan(loss, k), one_device),
     "full_batch_device_rows": (jax.value_and_grad(loss), device_rows),
     "jaxaccum_device_rows": (jaxaccum.value_and_grad(loss, k), device_rows),
   }
   compiled = {
     name: (compile_step(fun, *args)[0], args) for name, (fun, args) in steps.items()
   }
-  timings = interleaved_medians(
+  samples, repeats = _timing.interleaved(
     {name: functools.partial(step, *args) for name, (step, args) in compiled.items()},
     rounds=rounds,
     min_sample_ms=min_sample_ms,
   )
+  timings = {
+    name: {
+      **_timing.quartiles(s),
+      "samples_ms": s,
+      "repeats_per_sample": repeats[name],
+    }
+    for name, s in samples.items()
+  }
   results = {}
   for name, (step, args) in compiled.items():
-    full = PLAIN_YARDSTICK.get(name, "full_batch")
+    full = yardstick(name)
     colls = testing.collectives(step.as_text() or "")
     want = references["device_rows" if name.endswith("_device_rows") else ""]
     results[name] = {
@@ -851,28 +663,26 @@ def run_plain_jit(
     "same step timed twice in the same rounds; a time target is decided (met "
     "or missed) only where it is within 0.03 of 1",
     "targets": [
-      {
-        "target": f"jaxaccum time <= {PLAIN_TARGET:.2f} x full batch",
-        "value": ratio,
-        "threshold": f"<= {PLAIN_TARGET:.2f}",
-        "pass": ratio <= PLAIN_TARGET,
-        "timed": True,
-        "decided": aa_decides(aa),
-      },
-      {
-        "target": "jaxaccum on Explicit axes, plain jit: time <= mesh=",
-        "value": over_mesh,
-        "threshold": "<= 1.00",
-        "pass": over_mesh <= 1.0,
-        "timed": True,
-        "decided": aa_decides(aa),
-      },
-      {
-        "target": "no all-gather, collective-permute or all-to-all",
-        "value": len(moved),
-        "threshold": "== 0",
-        "pass": not moved,
-      },
+      _target(
+        f"jaxaccum time <= {PLAIN_TARGET:.2f} x full batch",
+        ratio,
+        f"<= {PLAIN_TARGET:.2f}",
+        ratio <= PLAIN_TARGET,
+        aa,
+      ),
+      _target(
+        "jaxaccum on Explicit axes, plain jit: time <= mesh=",
+        over_mesh,
+        "<= 1.00",
+        over_mesh <= 1.0,
+        aa,
+      ),
+      _target(
+        "no all-gather, collective-permute or all-to-all",
+        len(moved),
+        "== 0",
+        not moved,
+      ),
     ],
     "profile": profile,
     "profile_method": (
@@ -889,6 +699,15 @@ def run_plain_jit(
     ),
     "load_average_at_end": list(os.getloadavg()),
   }
+
+
+def _target(
+  name: str, value: float, threshold: str, ok: bool, aa: float | None = None
+) -> dict[str, Any]:
+  """A part-2 target; one that compares times (``aa``: the run's A/A ratio)
+  is decided only where the A/A control decides it."""
+  out = {"target": name, "value": value, "threshold": threshold, "pass": ok}
+  return out if aa is None else {**out, "timed": True, "decided": aa_decides(aa)}
 
 
 #: An HLO computation's header and an instruction: ``%name = type opcode(``.
@@ -1056,22 +875,13 @@ def longest(
 
 def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   """Bytes per step against ``k`` (log-scale y), and the compute estimate."""
-  import matplotlib  # noqa: PLC0415  (importing the script for its blocks plots nothing)
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-
+  plt = pyplot()
   ks = results["ks"]
   grad_bytes = results["grad_bytes"]
   fig, (ax, ax_compute, ax_time) = plt.subplots(
     1, 3, figsize=(17, 4.8), layout="constrained", width_ratios=(3, 2, 2)
   )
-  markers = {
-    "jaxaccum": "o",
-    "optax_microbatch": "s",
-    "hand_scan": "^",
-    "jaxaccum_explicit": "D",
-  }
+  markers = dict(zip(APPROACHES, "os^D", strict=True))
   for name, label in results["approaches"].items():
     rows = [results["results"][name][str(k)] for k in ks]
     ax.plot(ks, [r["bytes_per_step"] for r in rows], marker=markers[name], label=label)
@@ -1083,39 +893,14 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
     )
   ax.plot(ks, [k * grad_bytes for k in ks], ":", color="gray", label="k x gradient")
   ax.axhline(grad_bytes, color="gray", ls="--", lw=0.8, label="1 x gradient")
-  ax.set_xscale("log", base=2)
-  ax.set_yscale("log")
-  ax.set_xticks(ks, [str(k) for k in ks])
-  ax.set(
-    xlabel="micro-batches per step, k",
-    ylabel="bytes communicated per step (per device)",
-    title=(
-      f"{results['model']['num_params']:,}-parameter MLP, batch "
-      f"{results['batch_size']} on {results['num_devices']} devices"
-    ),
+  k_axis(ax, ks, "bytes communicated per step (per device)", logy=True)
+  ax.set_title(
+    f"{results['model']['num_params']:,}-parameter MLP, batch "
+    f"{results['batch_size']} on {results['num_devices']} devices"
   )
   ax.legend(fontsize=7, loc="upper left")
-  gathered = [k for k in ks if k >= results["num_devices"]]
-  if gathered:
-    ax.annotate(
-      "(c): batch all-gathered, no reduction,\nevery device computes everything",
-      xy=(
-        gathered[0],
-        results["results"]["hand_scan"][str(gathered[0])]["bytes_per_step"],
-      ),
-      xytext=(0.35, 0.08),
-      textcoords="axes fraction",
-      fontsize=8,
-      arrowprops={"arrowstyle": "->", "color": "gray"},
-    )
-  ax_compute.set_xscale("log", base=2)
-  ax_compute.set_xticks(ks, [str(k) for k in ks])
-  ax_compute.set(
-    xlabel="micro-batches per step, k",
-    ylabel="per-device flops / plain data-parallel step",
-    title="Compute per device (estimate: XLA flops x k)",
-    ylim=(0, None),
-  )
+  k_axis(ax_compute, ks, "per-device flops / plain data-parallel step")
+  ax_compute.set_title("Compute per device (estimate: XLA flops x k)")
   ax_compute.axhline(results["num_devices"], color="gray", ls=":", lw=0.8)
   ax_compute.text(
     ks[0],
@@ -1135,20 +920,6 @@ def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
   """Part 2: every sample of every approach (dots) and its median (a
   horizontal bar, log-scale time), with its ratio to its yardstick."""
   names = list(plain["approaches"])
-  short = {
-    "full_batch": "full batch",
-    "full_batch_again": "full batch again (A/A)",
-    "jaxaccum": "jaxaccum, plain jit, Auto",
-    "jaxaccum_mesh": "jaxaccum, mesh=",
-    "jaxaccum_explicit": "jaxaccum, plain jit, Explicit",
-    "full_batch_device_rows": "full batch, B/8 rows, 1 device",
-    "jaxaccum_device_rows": "jaxaccum, B/8 rows, 1 device",
-    "contiguous_scan": "contiguous split",
-    "full_batch_one_device": "full batch, 1 device",
-    "jaxaccum_one_device": "jaxaccum, 1 device",
-    "optax_microbatch": "optax.microbatch",
-    "hand_scan_one_device": "hand scan, 1 device",
-  }
   for i, name in enumerate(names):
     r = plain["approaches"][name]
     ax.barh(i, r["median_ms"], color=f"C{i % 10}", alpha=0.6)
@@ -1160,7 +931,8 @@ def plot_plain_jit(plain: dict[str, Any], ax: Any) -> None:
       va="center",
       fontsize=7,
     )
-  ax.set_yticks(range(len(names)), [short.get(n, n) for n in names], fontsize=7)
+  labels = [PLAIN_LABELS.get(n, n).replace("`", "") for n in names]
+  ax.set_yticks(range(len(names)), labels, fontsize=7)
   ax.invert_yaxis()
   ax.set_xscale("log")
   ax.set(
@@ -1184,121 +956,70 @@ COMMUNICATION_APPROACHES = {
 }
 
 
-def machine_line(results: dict[str, Any], command: str) -> str:
+def machine_table(results: dict[str, Any], command: str) -> str:
+  """The run: when, with what command, on what, how long (a table)."""
   m = results.get("machine", {})
-  host = m.get("cpu_model") or "an unrecorded CPU"
-  cores = f" ({m['cpu_count']} cores)" if m.get("cpu_count") else ""
+  cpus = f"{m['cpu_count']}" if m.get("cpu_count") else "–"
   if m.get("pinned"):
-    cores = cores.replace(")", f", pinned to CPUs {','.join(map(str, m['cpus']))})")
-  load = ""
-  if "load_average_at_start" in m:
-    load = f"; one-minute load average {m['load_average_at_start'][0]:.1f} at the start"
-  took = results.get("seconds")
-  took_text = f"; the run took {duration(took)}" if took else ""
-  return (
-    f"Measured on {date(results['date'])} with `{command}`: {results['num_devices']} "
-    f"fake {results['backend'].upper()} devices on {host}{cores}, jax "
-    f"{results['jax_version']}, optax {results['optax_version']}{load}{took_text}."
+    cpus += f", pinned to {','.join(map(str, m['cpus']))}"
+  load, took = m.get("load_average_at_start"), results.get("seconds")
+  return columns(
+    [results],
+    {
+      "measured": lambda r: date(r["date"]),
+      "command": lambda r: f"`{command}`",
+      "devices": lambda r: f"{r['num_devices']} fake {r['backend'].upper()}",
+      "CPU": lambda r: m.get("cpu_model") or "–",
+      "cores": lambda r: cpus,
+      "jax": lambda r: r["jax_version"],
+      "optax": lambda r: r["optax_version"],
+      "load average at the start": lambda r: f"{load[0]:.1f}" if load else "–",
+      "wall time, s": lambda r: f"{took:.0f}" if took else "–",
+    },
   )
 
 
 def communication_machine(results: dict[str, Any]) -> str:
-  return machine_line(results, "python benchmarks/communication.py")
+  return machine_table(results, "python benchmarks/communication.py")
 
 
 def communication_bytes(results: dict[str, Any]) -> str:
-  rows = []
-  for name, label in COMMUNICATION_APPROACHES.items():
-    for k in results["ks"]:
-      r = results["results"][name][str(k)]
-      ops = ", ".join(f"{op}" for op in r["bytes_by_op"]) or "none"
-      rows.append(
-        [
-          label,
-          k,
-          mib(r["bytes_per_step"], 2),
-          ratio(r["bytes_over_grad_bytes"]),
-          ops,
-          r["in_loop_executions_per_step"],
-          ratio(r["compute_vs_data_parallel_est"]),
-          f"{r['grads_rel_error']:.1e}",
-        ]
-      )
   model = results["model"]
   head = (
     f"{model['num_params']:,}-parameter MLP ({' → '.join(map(str, model['widths']))}), "
     f"batch {results['batch_size']} over {results['num_devices']} devices; the "
     f"gradient is {mib(results['grad_bytes'], 2)} MiB. Per device and step:"
   )
-  header = [
-    "approach",
-    "k",
-    "MiB communicated",
-    "× gradient",
-    "collectives",
-    "run in the loop",
-    "compute × data parallel (est.)",
-    "grads rel. error",
+  rows = [
+    (label, k, results["results"][name][str(k)])
+    for name, label in COMMUNICATION_APPROACHES.items()
+    for k in results["ks"]
   ]
-  return head + "\n\n" + table(header, rows)
-
-
-def communication_summary(results: dict[str, Any]) -> str:
-  res, ks = results["results"], results["ks"]
-  acc = [res["jaxaccum"][str(k)] for k in ks]
-  micro = {k: res["optax_microbatch"][str(k)] for k in ks}
-  scan = {k: res["hand_scan"][str(k)] for k in ks}
-  gathers = [
-    k
-    for k, r in scan.items()
-    if any(op.startswith("all-gather") for op in r["bytes_by_op"])
-  ]
-  text = (
-    "(c) The hand-written scan over a C-order reshape: its bytes over the "
-    f"gradient's are {by_k({k: r['bytes_over_grad_bytes'] for k, r in scan.items()})}, "
-    "but its compute per device over the data-parallel step's is "
-    f"{by_k({k: r['compute_vs_data_parallel_est'] for k, r in scan.items()})}"
-  )
-  if gathers:
-    text += (
-      f": XLA all-gathers batch rows before the loop at {ks_text(gathers)}, and "
-      "a device that holds every micro-batch computes them all"
-    )
-  items = [
-    "(a) jaxaccum's bytes over the gradient's are "
-    f"{span(r['bytes_over_grad_bytes'] for r in acc)} at every k from {ks[0]} "
-    f"to {ks[-1]}, with {max(r['in_loop_executions_per_step'] for r in acc)} "
-    "collectives run inside the loop.",
-    "(b) optax.microbatch's bytes over the gradient's are "
-    f"{by_k({k: r['bytes_over_grad_bytes'] for k, r in micro.items()})}: its "
-    "all-reduce runs inside the loop, "
-    f"{listing([str(r['in_loop_executions_per_step']) for r in micro.values()])} "
-    "times per step.",
-    text + ".",
-  ]
-  if "jaxaccum_explicit" in res:
-    plain = {k: res["jaxaccum_explicit"][str(k)] for k in ks}
-    items.append(
-      "(d) jaxaccum under plain `jit` on an Explicit mesh, no `mesh=`: its "
-      "bytes over the gradient's are "
-      f"{by_k({k: r['bytes_over_grad_bytes'] for k, r in plain.items()})}; its "
-      "collective executions inside the loop per step are "
-      f"{by_k({k: r['in_loop_executions_per_step'] for k, r in plain.items()}, str)} "
-      "(what they reduce is below)."
-    )
-  return bullet_list(items)
+  spec = {
+    "approach": lambda x: x[0],
+    "k": lambda x: x[1],
+    "MiB communicated": lambda x: mib(x[2]["bytes_per_step"], 2),
+    "× gradient": lambda x: ratio(x[2]["bytes_over_grad_bytes"]),
+    "collectives": lambda x: ", ".join(x[2]["bytes_by_op"]) or "none",
+    "run in the loop": lambda x: x[2]["in_loop_executions_per_step"],
+    "compute × data parallel (est.)": lambda x: ratio(
+      x[2]["compute_vs_data_parallel_est"]
+    ),
+    "grads rel. error": lambda x: f"{x[2]['grads_rel_error']:.1e}",
+  }
+  return head + "\n\n" + columns(rows, spec)
 
 
 def _data_axis_cell(d: dict[str, Any]) -> str:
   """The executions per step and bytes each of the collectives in the loop."""
   if not d["in_loop_executions_per_step"]:
     return "none"
-  each = listing([f"{b:,}" for b in d["in_loop_bytes_per_execution"]], "or")
+  each = " or ".join(f"{b:,}" for b in d["in_loop_bytes_per_execution"])
   return f"{d['in_loop_executions_per_step']} × {each} B"
 
 
 def _after_cell(d: dict[str, Any]) -> str:
-  """``1 all-reduce, 2,674,688 B`` (each collective after the loop)."""
+  """``all-reduce, 2,674,688 B`` (each collective after the loop)."""
   if not d["after_loop"]:
     return "none"
   return "; ".join(f"{c['op']}, {c['bytes']:,} B" for c in d["after_loop"])
@@ -1308,94 +1029,30 @@ def communication_explicit(results: dict[str, Any]) -> str:
   explicit = results.get("explicit")
   if explicit is None:
     return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
-  rows = []
-  for m in explicit.values():
-    mesh = " × ".join(
-      f"{a} ({n})"
-      for a, n in zip(m["mesh"]["axis_names"], m["mesh"]["shape"], strict=True)
-    )
-    for k, r in m["rows"].items():
-      rows.append(
-        [
-          mesh,
-          "full batch" if k == "0" else k,
-          _data_axis_cell(r["data_axis"]),
-          _after_cell(r["data_axis"]),
-          _data_axis_cell(r["model_axis"]) if "model_axis" in r else "–",
-          "yes" if r["grads_keep_shardings"] else "no",
-          f"{r['grads_rel_error']:.1e}",
-        ]
-      )
-  head = (
-    "Plain `jit` of `jaxaccum.value_and_grad(loss, k)`, no `mesh=`, on two "
-    "Explicit meshes, the parameters placed on them and the batch's rows over "
-    '`"data"`: the replicated MLP above on `(8,)`, its loss unchanged, and the '
-    "same MLP tensor parallel on `(4, 2)` `data × model` (the first hidden "
-    "layer's columns and the second's rows, with their biases, over "
-    '`"model"`), whose loss names `out_sharding` for each matrix product, as '
-    "JAX requires for a contraction over a sharded feature dimension on "
-    "Explicit axes. The full batch is `jax.value_and_grad` under the same "
-    "`jit`. Per device and step, from the optimized HLO: the collectives over "
-    '`"data"` inside the loop (executions × bytes each) and after it, those '
-    'over `"model"` inside it, and whether every gradient comes back with its '
-    "parameter's sharding:"
-  )
-  header = [
-    "mesh",
-    "k",
-    '`"data"` in the loop',
-    '`"data"` after the loop',
-    '`"model"` in the loop',
-    "shardings kept",
-    "grads rel. error",
-  ]
-  return "\n\n".join(
-    [head, table(header, rows), _explicit_prose(explicit, results["ks"])]
+  rows = [(m, k, r) for m in explicit.values() for k, r in m["rows"].items()]
+
+  def mesh(m: dict[str, Any]) -> str:
+    axes = zip(m["mesh"]["axis_names"], m["mesh"]["shape"], strict=True)
+    return " × ".join(f"{a} ({n})" for a, n in axes)
+
+  return columns(
+    rows,
+    {
+      "mesh": lambda x: mesh(x[0]),
+      "k": lambda x: "full batch" if x[1] == "0" else x[1],
+      '`"data"` in the loop': lambda x: _data_axis_cell(x[2]["data_axis"]),
+      '`"data"` after the loop': lambda x: _after_cell(x[2]["data_axis"]),
+      # Every gradient, weight or bias, and the loss's 4 bytes, on one device.
+      "grads + loss": lambda x: f"{sum(x[0]['leaf_bytes'].values()) + 4:,} B",
+      '`"model"` in the loop': lambda x: (
+        _data_axis_cell(x[2]["model_axis"]) if "model_axis" in x[2] else "–"
+      ),
+      "shardings kept": lambda x: "yes" if x[2]["grads_keep_shardings"] else "no",
+      "grads rel. error": lambda x: f"{x[2]['grads_rel_error']:.1e}",
+    },
   )
 
 
-def _explicit_prose(explicit: dict[str, Any], ks: Sequence[int]) -> str:
-  """What the Explicit table says: after the loop, the gradient and the
-  loss; in it, what remains, each compared with the bytes it would be."""
-  loop_ks = [k for k in ks if k > 1]
-  items = []
-  for m in explicit.values():
-    leaves = m["leaf_bytes"]
-    rows = [m["rows"][str(k)]["data_axis"] for k in loop_ks]
-    after = {tuple((c["op"], c["bytes"]) for c in d["after_loop"]) for d in rows}
-    each = {tuple(d["in_loop_bytes_per_execution"]) for d in rows}
-    counts = [d["in_loop_executions_per_step"] for d in rows]
-    shape = ", ".join(map(str, m["mesh"]["shape"]))
-    text = f"On `({shape}{',' if len(m['mesh']['shape']) == 1 else ''})` at {ks_text(loop_ks)}: after the loop, "
-    grads = leaves["weights"] + leaves["biases"]
-    if len(after) == 1 and len(next(iter(after))) == 1:
-      ((op, size),) = next(iter(after))
-      text += f'one {op} over `"data"` of {size:,} bytes per device' + (
-        ", exactly the gradient's bytes and the loss's 4 (every parameter, "
-        "weight or bias, and the loss are accumulated unreduced)"
-        if size == grads + 4
-        else f" (the gradient is {grads:,} bytes, and the loss 4)"
-      )
-    else:
-      text += f'the collectives over `"data"` differ with k: {sorted(after)}'
-    if not any(counts):
-      text += '; inside it, nothing over `"data"`'
-    elif counts == list(loop_ks) and len(each) == 1 and len(next(iter(each))) == 1:
-      (size,) = next(iter(each))
-      text += (
-        f'; inside it, one all-reduce over `"data"` per micro-batch (k per '
-        f"step) of {size:,} bytes (the biases are {leaves['biases']:,} bytes)"
-      )
-    else:
-      text += (
-        f"; inside it, {listing([str(c) for c in counts])} executions over "
-        f'`"data"` per step'
-      )
-    items.append(text + ".")
-  return bullet_list(items)
-
-
-PLAIN_ONE_DEVICE_CLOSE = 1.05  # "the loop costs nothing on one device"
 PLAIN_LABELS = {
   "full_batch": "full batch, `jit(jax.value_and_grad(loss))`",
   "full_batch_again": "the full batch again (A/A)",
@@ -1416,168 +1073,47 @@ def communication_plain_jit(results: dict[str, Any]) -> str:
   plain = results.get("plain_jit")
   if plain is None:
     return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
-  rows = []
-  for name, r in plain["approaches"].items():
-    moved = r["data_moving_collectives"]
-    rows.append(
-      [
-        PLAIN_LABELS.get(name, name),
-        ms(r["median_ms"]),
-        f"{ms(r['q1_ms'])} to {ms(r['q3_ms'])}",
-        ratio(r["ratio_to_full"]),
-        ", ".join(sorted(set(moved))) if moved else "none",
-        mib(r["bytes_per_step"], 2),
-        r["in_loop_executions_per_step"],
-        f"{r['grads_rel_error']:.1e}",
-      ]
-    )
-  model = plain["model"]
+  model, load = plain["model"], plain.get("load_average_at_end")
   head = (
     f"A {model['num_params']:,}-parameter MLP "
     f"({' → '.join(map(str, model['widths']))}), batch {plain['batch_size']:,} "
     f"sharded over {results['num_devices']} devices, k = {plain['k']}: the median "
     f"of {plain['rounds']} interleaved rounds (samples of at least "
-    f"{plain['min_sample_ms']:g} ms). "
-    + (
-      "The full batch is timed twice in the same rounds: the second median "
-      f"over the first, {plain['aa_ratio']:.2f} (A/A), is the noise floor of "
-      f"the ratios, and the time target counts where it is within "
-      f"{AA_TOLERANCE:.0%} of 1."
-      if "aa_ratio" in plain
-      else f"{capital(aa_note(None))}: its time target is undecided."
-    )
+    f"{plain['min_sample_ms']:g} ms); {aa_note(plain.get('aa_ratio'))}"
+    + (f"; load average {load[0]:.1f} when the timing ended." if load else ".")
   )
-  header = [
-    "approach",
-    "median ms",
-    "quartiles",
-    "× full batch",
-    "collectives that move batch rows",
-    "MiB communicated",
-    "collectives run in the loop",
-    "grads rel. error",
-  ]
+  steps = columns(
+    plain["approaches"].items(),
+    {
+      "approach": lambda x: PLAIN_LABELS.get(x[0], x[0]),
+      "median ms": lambda x: ms(x[1]["median_ms"]),
+      "quartiles": lambda x: f"{ms(x[1]['q1_ms'])} to {ms(x[1]['q3_ms'])}",
+      "× full batch": lambda x: ratio(x[1]["ratio_to_full"]),
+      "collectives that move batch rows": lambda x: (
+        ", ".join(sorted(set(x[1]["data_moving_collectives"]))) or "none"
+      ),
+      "MiB communicated": lambda x: mib(x[1]["bytes_per_step"], 2),
+      "collectives run in the loop": lambda x: x[1]["in_loop_executions_per_step"],
+      "grads rel. error": lambda x: f"{x[1]['grads_rel_error']:.1e}",
+    },
+  )
 
   def outcome(t: dict[str, Any]) -> str:
     if t.get("timed", t["target"].startswith("jaxaccum time")):
       return timed_verdict(t["pass"], plain.get("aa_ratio"))
     return "met" if t["pass"] else "missed"
 
-  targets = bullet_list(
-    f"`{t['target']}`: {t['value']:.2f}, {outcome(t)}"
-    if isinstance(t["value"], float)
-    else f"`{t['target']}`: {t['value']}, {outcome(t)}"
-    for t in plain["targets"]
+  targets = columns(
+    plain["targets"],
+    {
+      "target": lambda t: f"`{t['target']}`",
+      "value": lambda t: (
+        f"{t['value']:.2f}" if isinstance(t["value"], float) else t["value"]
+      ),
+      "outcome": outcome,
+    },
   )
-  return "\n\n".join(
-    [
-      head,
-      table(header, rows),
-      "Targets:",
-      targets,
-      _plain_jit_prose(plain, results.get("machine")),
-    ]
-  )
-
-
-def _plain_jit_prose(
-  plain: dict[str, Any], machine: dict[str, Any] | None = None
-) -> str:
-  """What the plain-jit table says, in words."""
-  res = plain["approaches"]
-  full, acc = res["full_batch"], res["jaxaccum"]
-  moved = acc["data_moving_collectives"]
-  text = (
-    "Under plain `jit` jaxaccum's compiled step holds "
-    + (
-      f"{len(moved)} collectives that move batch rows ({', '.join(sorted(set(moved)))})"
-      if moved
-      else "no collective that moves batch rows"
-    )
-    + f"; it communicates {ratio(acc['bytes_per_step'] / full['bytes_per_step'])} × "
-    "the full batch's bytes, in "
-    f"{acc['in_loop_executions_per_step']} collective executions inside the loop "
-    "(the gradient reductions the partitioner places per micro-batch), and its "
-    f"time over the full batch's is {ratio(acc['ratio_to_full'])}."
-  )
-  if "jaxaccum_mesh" in res:
-    mesh = res["jaxaccum_mesh"]
-    text += (
-      " With `mesh=` the step runs "
-      f"{mesh['collective_executions_per_step']} collective(s) per step, "
-      f"{mesh['in_loop_executions_per_step']} of them in the loop, and its time "
-      "over the full batch's is "
-      f"{ratio(mesh['ratio_to_full'])}."
-    )
-  if "jaxaccum_explicit" in res:
-    expl = res["jaxaccum_explicit"]
-    d = expl["data_axis"]
-    each = listing([f"{b:,}" for b in d["in_loop_bytes_per_execution"]], "or")
-    after = listing(
-      [f"one {c['op']} of {mib(c['bytes'], 2)} MiB" for c in d["after_loop"]]
-    )
-    text += (
-      " On an Explicit mesh, plain `jit` with no `mesh=` runs "
-      f'{d["in_loop_executions_per_step"]} collective executions over `"data"` '
-      f"inside the loop ({each} bytes each) and {after or 'none'} after it; its "
-      f"time over the full batch's is {ratio(expl['ratio_to_full'])}, and over "
-      f"`mesh=`'s {ratio(expl['median_ms'] / res['jaxaccum_mesh']['median_ms'])}."
-    )
-  if "optax_microbatch" in res:
-    peer = res["optax_microbatch"]
-    text += (
-      " optax.microbatch under plain `jit` (collective executions in its loop: "
-      f"{peer['in_loop_executions_per_step']}) takes "
-      f"{ratio(peer['ratio_to_full'])} × the full batch's time: jaxaccum's "
-      f"plain-jit step takes {ratio(acc['median_ms'] / peer['median_ms'])} × "
-      "optax.microbatch's."
-    )
-  if "contiguous_scan" in res:
-    scan = res["contiguous_scan"]
-    gathered = scan["bytes_by_op"].get("all-gather", 0)
-    text += (
-      " The contiguous split puts micro-batch i on the devices that hold its "
-      f"rows: XLA all-gathers {mib(gathered, 2)} MiB per device "
-      f"and the step takes {ratio(scan['ratio_to_full'])} × the full batch's "
-      "time."
-    )
-  if "jaxaccum_one_device" in res:
-    one = res["jaxaccum_one_device"]["ratio_to_full"]
-    text += (
-      " On one device the same jaxaccum step takes "
-      f"{ratio(one)} × the one-device full batch's time"
-      + (
-        f" (a hand-written scan {ratio(res['hand_scan_one_device']['ratio_to_full'])} ×)"
-        if "hand_scan_one_device" in res
-        else ""
-      )
-      + (
-        ": the profile below says where the rest goes on the mesh."
-        if one <= PLAIN_ONE_DEVICE_CLOSE < res["jaxaccum"]["ratio_to_full"]
-        else "."
-      )
-    )
-  m = plain.get("load_average_at_end")
-  if m:
-    text += f" The one-minute load average was {m[0]:.1f} when the timing ended"
-    cores = (machine or {}).get("cpu_count")
-    text += (
-      f", above the host's {cores} cores: other jobs shared them through the "
-      "run, so the times are noisy, and only a target whose A/A ratio is "
-      f"within {AA_TOLERANCE:.0%} of 1 is decided."
-      if cores and m[0] > cores
-      else "."
-    )
-  return text
-
-
-PROFILE_LABELS = {
-  "full_batch": "full batch, 8 devices",
-  "jaxaccum_mesh": "jaxaccum, `mesh=`, 8 devices",
-  "jaxaccum_explicit": "jaxaccum, plain `jit`, Explicit, 8 devices",
-  "full_batch_device_rows": "full batch of B / 8 rows, one device",
-  "jaxaccum_device_rows": "jaxaccum on B / 8 rows, one device",
-}
+  return "\n\n".join([head, steps, targets])
 
 
 def communication_profile(results: dict[str, Any]) -> str:
@@ -1586,221 +1122,49 @@ def communication_profile(results: dict[str, Any]) -> str:
   if profile is None:
     return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
   res, k = plain["approaches"], plain["k"]
-  rows = []
-  for name, prof in profile.items():
-    r = res[name]
+
+  def flops(name: str) -> str:
     loop = 1 if name.startswith("full_batch") else k
-    yardstick = res[r["yardstick"]]
-    count, spent = prof["thunks_per_step"], prof["thunk_ms_per_step"]
-    rows.append(
-      [
-        PROFILE_LABELS.get(name, name),
-        ratio(r["ratio_to_full"]),
-        ratio(r["xla_flops_per_device"] * loop / yardstick["xla_flops_per_device"]),
-        *(f"{count[kind]:,.0f}" for kind in THUNK_KINDS),
-        *(ms(spent[kind]) for kind in THUNK_KINDS),
-      ]
+    full = res[res[name]["yardstick"]]["xla_flops_per_device"]
+    return ratio(res[name]["xla_flops_per_device"] * loop / full)
+
+  spec = {
+    "step": lambda x: PLAIN_LABELS.get(x[0], x[0]),
+    "× full batch (time)": lambda x: ratio(res[x[0]]["ratio_to_full"]),
+    "× full batch (flops)": lambda x: flops(x[0]),
+  }
+  for kind in THUNK_KINDS:
+    spec[f"{kind} thunks"] = lambda x, kind=kind: (
+      f"{x[1]['thunks_per_step'][kind]:,.0f}"
     )
-  head = (
-    f"Where the time goes: `jax.profiler` traces of {plain_steps(profile)} "
-    f"steps of each after the timing, in {profile_round_count(profile)} interleaved "
-    "rounds, the median over the rounds. Each traced event named for an "
-    "instruction of the compiled program is one thunk (XLA's CPU unit of work) "
-    "run on one device, classed by what it computes (a fusion by the ops it "
-    "fuses); loops are not counted, their bodies' thunks are. Per step, summed "
-    "over the devices: the thunks run, and the milliseconds they lasted. With "
-    "8 device threads on the host's cores, a thunk's duration includes time "
-    "its thread waits for a core, and a collective's the wait for the other "
-    "devices at its rendezvous, so these sums exceed the wall time; the flops "
-    "are XLA's count per device (a loop body's times k), over the full batch's "
-    "of the same rows."
-  )
-  header = [
-    "step",
-    "× full batch (time)",
-    "× full batch (flops)",
-    *(f"{kind} thunks" for kind in THUNK_KINDS),
-    *(f"{kind} ms" for kind in THUNK_KINDS),
-  ]
-  longest_rows = [
-    [
-      PROFILE_LABELS.get(name, name),
-      f"`{t['instruction']}`",
-      t["kind"],
-      f"`{t['signature']}`",
-      ms(t["ms_per_step"]),
-    ]
+  for kind in THUNK_KINDS:
+    spec[f"{kind} ms"] = lambda x, kind=kind: ms(x[1]["thunk_ms_per_step"][kind])
+  longest = [
+    (name, t)
     for name in ("full_batch", "jaxaccum_mesh", "jaxaccum_explicit")
     if name in profile
     for t in profile[name]["longest_thunks"][:4]
   ]
-  longest_head = (
-    "The four longest instructions of the 8-device steps (their thunks' "
-    "milliseconds per step, summed over the devices; the median over the "
-    "rounds), with the types of their result and operands:"
-  )
+  first = next(iter(profile.values()))
   return "\n\n".join(
     [
-      head,
-      table(header, rows),
-      longest_head,
-      table(["step", "instruction", "kind", "signature", "ms"], longest_rows),
-      _profile_finding(plain),
+      f"`jax.profiler` traces of {first['steps']} steps of each, in "
+      f"{first['rounds']} interleaved rounds, the median over the rounds; per "
+      "step, summed over the devices:",
+      columns(profile.items(), spec),
+      "The four longest instructions of each 8-device step:",
+      columns(
+        longest,
+        {
+          "step": lambda x: PLAIN_LABELS.get(x[0], x[0]),
+          "instruction": lambda x: f"`{x[1]['instruction']}`",
+          "kind": lambda x: x[1]["kind"],
+          "signature": lambda x: f"`{x[1]['signature']}`",
+          "ms": lambda x: ms(x[1]["ms_per_step"]),
+        },
+      ),
     ]
   )
-
-
-def _transposes(signature: str) -> bool:
-  """Whether an operand of ``signature`` holds the result's dimensions in
-  another order (unit dimensions aside): the thunk transposes it.
-
-  >>> _transposes("f32[1,784,256] fusion(f32[1,784,256], f32[256,784])")
-  True
-  >>> _transposes("f32[784,256] fusion(f32[784,256], f32[784,256])")
-  False
-  """
-  shapes = [
-    [int(d) for d in dims.split(",") if d and int(d) != 1]
-    for dims in re.findall(r"\[([\d,]*)\]", signature)
-  ]
-  result, *operands = shapes
-  return any(sorted(o) == sorted(result) and o != result for o in operands)
-
-
-def _longest_of(prof: dict[str, Any], kind: str, what: str) -> str:
-  """`` {what} is `name` (`signature`), X ms per step.``, or ``""``."""
-  for t in prof["longest_thunks"]:
-    if t["kind"] == kind:
-      return (
-        f" {what} is `{t['instruction']}` (`{t['signature']}`), "
-        f"{ms(t['ms_per_step'])} ms per step"
-        + (
-          ": it adds an operand laid out transposed, a copy through memory "
-          "of that gradient each micro-batch."
-          if _transposes(t["signature"])
-          else "."
-        )
-      )
-  return ""
-
-
-def plain_steps(profile: dict[str, Any]) -> int:
-  return next(iter(profile.values()))["steps"]
-
-
-def profile_round_count(profile: dict[str, Any]) -> int:
-  return next(iter(profile.values()))["rounds"]
-
-
-def _profile_finding(plain: dict[str, Any]) -> str:
-  """The finding: where a loop's time goes on the 8-device split, from the
-  profile and the one-device rows."""
-  res, prof, k = plain["approaches"], plain["profile"], plain["k"]
-  full, mesh = prof["full_batch"], prof["jaxaccum_mesh"]
-  flops = res["jaxaccum_mesh"]["xla_flops_per_device"] * k
-  flops /= res["full_batch"]["xla_flops_per_device"]
-
-  def over(a: dict[str, Any], b: dict[str, Any], kind: str, what: str) -> float:
-    return a[what][kind] / max(b[what][kind], 1e-9)
-
-  extra = {
-    kind: mesh["thunk_ms_per_step"][kind] - full["thunk_ms_per_step"][kind]
-    for kind in THUNK_KINDS
-  }
-  total = sum(extra.values())
-  order = sorted(extra, key=extra.get, reverse=True)
-  rows = plain["batch_size"] // mesh_devices(plain)
-  one, rows_ratio = res["jaxaccum_one_device"], res["jaxaccum_device_rows"]
-  dev_full, dev = prof["full_batch_device_rows"], prof["jaxaccum_device_rows"]
-  items = [
-    f"`mesh=` computes the same: XLA's flops per device, the loop body's times "
-    f"k, are {ratio(flops)} × the full batch's. It runs them in k = {k} "
-    f"micro-batches of {rows // k} rows per device instead of one of {rows}: "
-    f"{ratio(over(mesh, full, 'matmul', 'thunks_per_step'))} × the full batch's "
-    "matmul thunks and "
-    f"{ratio(over(mesh, full, 'elementwise/reduce', 'thunks_per_step'))} × its "
-    "elementwise and reduction thunks per step.",
-    "Summed over the devices, its thunks last "
-    f"{ms(total)} ms per step more than the full batch's: "
-    + listing(
-      [
-        f"{kind} {'+' if extra[kind] >= 0 else '−'}{ms(abs(extra[kind]))} ms "
-        f"({ratio(over(mesh, full, kind, 'thunk_ms_per_step'))} × the full batch's)"
-        for kind in order
-      ]
-    )
-    + f". The largest part is the {order[0]} thunks'."
-    + _longest_of(mesh, "elementwise/reduce", "`mesh=`'s longest elementwise thunk"),
-    f"The same loop on one device, on one device's rows ({rows}, so "
-    f"{rows // k}-row micro-batches as on the mesh), takes "
-    f"{ratio(rows_ratio['ratio_to_full'])} × the full batch of those rows, its "
-    f"matmul thunks lasting {ratio(over(dev, dev_full, 'matmul', 'thunk_ms_per_step'))} "
-    "× theirs for the same flops "
-    f"({ratio(rows_ratio['xla_flops_per_device'] * k / res['full_batch_device_rows']['xla_flops_per_device'])} ×). "
-    f"On the whole batch on one device ({plain['batch_size']:,} rows, "
-    f"{plain['batch_size'] // k}-row micro-batches) it takes "
-    f"{ratio(one['ratio_to_full'])} ×"
-    + (
-      ": what a loop costs is set by the size of its micro-batches, and the "
-      f"{mesh_devices(plain)}-device split makes them "
-      f"{mesh_devices(plain)} times smaller."
-      if rows_ratio["ratio_to_full"] > one["ratio_to_full"] + AA_TOLERANCE
-      else "."
-    ),
-  ]
-  if "jaxaccum_explicit" in prof:
-    expl = prof["jaxaccum_explicit"]
-    d = res["jaxaccum_explicit"]["data_axis"]
-    waits = over(expl, mesh, "collective", "thunk_ms_per_step") > 1 + AA_TOLERANCE
-    items.append(
-      "Plain `jit` on Explicit axes runs the same micro-batches, and its "
-      f"collective thunks, {expl['thunks_per_step']['collective']:,.0f} per step "
-      f"against `mesh=`'s {mesh['thunks_per_step']['collective']:,.0f}, last "
-      f"{ratio(over(expl, mesh, 'collective', 'thunk_ms_per_step'))} × "
-      "`mesh=`'s"
-      + (
-        ": the all-reduce in its loop "
-        f"({d['in_loop_executions_per_step']} per step) holds every device at a "
-        "rendezvous each micro-batch, where `mesh=` lets the devices' loops run "
-        "apart until the one reduction after them."
-        if waits and d["in_loop_executions_per_step"]
-        else "."
-      )
-      + _same_instruction(mesh, expl)
-    )
-  return bullet_list(items)
-
-
-def _same_instruction(mesh: dict[str, Any], expl: dict[str, Any]) -> str:
-  """Where `mesh=`'s longest matmul has the same name and signature in the
-  Explicit step: how long it lasts in each, and what that says of the sums."""
-  for t in mesh["longest_thunks"]:
-    if t["kind"] != "matmul":
-      continue
-    twin = [
-      u
-      for u in expl["longest_thunks"]
-      if (u["instruction"], u["signature"]) == (t["instruction"], t["signature"])
-    ]
-    if not twin:
-      return ""
-    r = t["ms_per_step"] / max(twin[0]["ms_per_step"], 1e-9)
-    if abs(r - 1) <= AA_TOLERANCE:
-      return ""
-    return (
-      f" The same matmul, `{t['instruction']}` (`{t['signature']}`) in both "
-      f"programs, lasts {ms(t['ms_per_step'])} ms per step under `mesh=` and "
-      f"{ms(twin[0]['ms_per_step'])} ms on Explicit axes ({ratio(r)} ×): on "
-      "the 8-device split the sums say where the devices' threads were while "
-      "they shared the host's cores, not what each kind of work costs alone. "
-      "The one-device rows above, which run alone, measure the loop's own cost."
-    )
-  return ""
-
-
-def mesh_devices(plain: dict[str, Any]) -> int:
-  """The devices of part 2's mesh."""
-  return plain.get("mesh", {}).get("shape", [NUM_DEVICES])[0]
 
 
 #: The generated blocks this file writes from ``communication.json``, by name
@@ -1808,36 +1172,25 @@ def mesh_devices(plain: dict[str, Any]) -> int:
 BLOCKS = {
   "communication machine": communication_machine,
   "communication bytes": communication_bytes,
-  "communication summary": communication_summary,
   "communication explicit": communication_explicit,
   "communication plain_jit": communication_plain_jit,
   "communication profile": communication_profile,
 }
 
 
+# ---------------------------------------------------------------- main
+
+
 def run_and_write(
   name: str,
   run_fn: Callable[[argparse.Namespace], dict[str, Any]],
   plot_fn: Callable[[dict[str, Any], pathlib.Path], None],
-  argv: Sequence[str] | None,
-  description: str,
-  *,
-  add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+  args: argparse.Namespace,
 ) -> tuple[dict[str, Any], pathlib.Path]:
-  """Parses ``--out`` (and the flags ``add_arguments`` adds), runs
-  ``run_fn(args)`` and writes ``name.json`` (with the seconds it took) and
-  ``name.png`` (by ``plot_fn``) there: ``name_quick.*`` in the temporary
-  folder for a ``--quick`` run without ``--out``. Returns the results and
-  the JSON's path."""
-  parser = argparse.ArgumentParser(description=description)
-  parser.add_argument(
-    "--out",
-    type=pathlib.Path,
-    help="output folder (default: benchmarks/results; quick: the temporary folder)",
-  )
-  if add_arguments is not None:
-    add_arguments(parser)
-  args = parser.parse_args(argv)
+  """Runs ``run_fn(args)`` on 8 CPU devices and writes ``name.json`` (with
+  the seconds it took) and ``name.png`` (by ``plot_fn``) in ``args.out``
+  (``name_quick.*`` for a ``--quick`` run). Returns the results and the
+  JSON's path."""
   quick = getattr(args, "quick", False)
   # Before JAX starts: 8 CPU devices, unless XLA_FLAGS names a count, with
   # threads enough for their collectives.
@@ -1845,23 +1198,20 @@ def run_and_write(
   start = time.perf_counter()
   results = run_fn(args)
   results["seconds"] = time.perf_counter() - start
-  out = _paths.output_folder(args.out, quick)
-  out.mkdir(parents=True, exist_ok=True)
-  path = out / (f"{name}_quick.json" if quick else f"{name}.json")
+  args.out.mkdir(parents=True, exist_ok=True)
+  path = args.out / (f"{name}_quick.json" if quick else f"{name}.json")
   path.write_text(json.dumps(results, indent=2) + "\n")
   plot_fn(results, path.with_suffix(".png"))
   return results, path
 
 
-def timing_arguments(parser: argparse.ArgumentParser) -> None:
-  """The flags of this benchmark: a quick run, and part 2's timing."""
-  parser.add_argument(
-    "--quick",
-    action="store_true",
-    help="k in 1 and 4, 5 rounds of 50 ms samples, to the temporary folder",
-  )
-  parser.add_argument(
-    "--rounds", type=int, help=f"part 2's timing rounds (default {PLAIN_ROUNDS})"
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark, writes the JSON and the PNG, returns the results."""
+  parser = _paths.parser(
+    __doc__,
+    quick="k in 1 and 4, 5 rounds of 50 ms samples, to the temporary folder",
+    rounds=f"part 2's timing rounds (default {PLAIN_ROUNDS})",
+    cpus=True,
   )
   parser.add_argument(
     "--min-sample-ms",
@@ -1869,18 +1219,12 @@ def timing_arguments(parser: argparse.ArgumentParser) -> None:
     help=f"repeat a step within a sample until it lasts this long (default "
     f"{PLAIN_MIN_SAMPLE_MS:g})",
   )
-  _timing.add_cpus_argument(parser)
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  """Runs the benchmark, writes the JSON and the PNG, returns the results."""
-  results, path = run_and_write(
-    "communication",
-    run,
-    plot,
-    argv,
-    __doc__.splitlines()[0],
-    add_arguments=timing_arguments,
+  results, path = run_and_write("communication", run, plot, parser.parse_args(argv))
+  print(
+    communication_bytes(results),
+    communication_plain_jit(results),
+    communication_profile(results),
+    sep="\n\n",
   )
   print(
     f"gradient: {results['grad_bytes']:,} bytes; total {results['seconds']:.1f} s; "

@@ -1100,9 +1100,7 @@ BLOCKS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
-  parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser = _paths.parser(__doc__, quick="small sizes, few rounds")
   parser.add_argument(
     "--part",
     choices=("both", "time", "memory", "ghost", "exact"),

@@ -15,74 +15,13 @@ Usage (Python 3.12, in a venv of its own: MaxText needs it)::
   pip install "jax[cuda13-local]==0.12.0.1"     # XLA's GPU compiler, for:
   python benchmarks/maxtext_llama.py --config 1b  # 1.1B llama, 8 H100s
 
-Each run rewrites its own part of ``results/maxtext_llama.json`` (a mesh at
-a time, keeping the other part and the other meshes).
-
-MaxText's model is built as its trainer builds it (``pyconfig``, its mesh,
-its logical-axis rules, its NNX model, its parameter shardings and its
-``train.loss_fn``). Its activation constraints name the data axes on the
-batch dimension, which ``view="global"`` accepts as written: ``fun`` sees
-the global micro-batch, as under plain ``jit``. For jaxaccum the loss is
-MaxText's token-weighted cross-entropy, returned as ``(xent_sum,
-total_weights)`` with ``normalize="weighted"``. Meshes: data 8, fsdp 8 and
-data 4 x fsdp 2.
-
-Three programs compute the loss and the gradients (no optimizer) of the
-same global batch, each under ``jit`` with the gradients' shardings those
-of the parameters:
-
-- the full batch: ``jax.value_and_grad`` of ``train.loss_fn``;
-- MaxText's own accumulation: its config with
-  ``gradient_accumulation_steps=k`` (and ``per_device_batch_size`` divided
-  by ``k``, so that the global batch is the same), through the function its
-  ``train_step`` calls, ``gradient_accumulation_loss_and_grad`` (a
-  ``lax.scan`` over strided micro-batches);
-- ``jaxaccum.value_and_grad(..., k, view="global")``.
-
-``--config tiny`` (the default): a tiny llama2 (2 layers, d_model 64, 4
-heads, vocabulary 256, 32 tokens, 4 sequences per device) in float32 on 8
-CPU devices. It runs the three: the loss and the largest relative gradient
-difference (max |a - b| / max |b| per leaf) of jaxaccum and of MaxText's
-accumulation against the full batch; and compiles them for XLA's memory
-analysis.
-
-``--config 1b``: MaxText's llama2 with TinyLlama-1.1B's shapes (22 layers,
-d_model 2048, 32 query and 4 key-value heads, MLP 5632, vocabulary 32000),
-bfloat16 activations and float32 weights as MaxText runs it on a GPU
-(``hardware=gpu``, full rematerialization, scanned layers; dot-product
-attention, since the cuDNN kernel needs Transformer Engine), 8 sequences of
-2048 tokens per device. Compiled for 8 H100s
-(``jaxaccum.compile_target("h100", topology="1x1x8")``), never run.
-
-Per program and device, from the compiled program:
-
-- ``peak_bytes``: XLA's memory analysis
-  (``jax.jit(f).lower(...).compile().memory_analysis()``), argument +
-  output + temp - alias bytes (``jaxaccum.MemoryStats``);
-- ``live_at_peak_bytes``: the bytes of the values live at the program's
-  fullest point, from the live-range report XLA dumps for it
-  (``--xla_dump_to``): what the program holds at once, before XLA packs it
-  into buffers (the peak adds what packing leaves unused);
-- ``in_loop_collectives``: the collective instructions inside the
-  micro-batch loop (the loop outside every other loop that runs ``k`` times
-  and holds the layer scans), read from the optimized HLO with
-  ``jaxaccum.testing.compile_step`` (its ``loops`` and ``inside``).
-
-MaxText's persistent compilation cache is off (``jax_cache_dir=""``), so
-that every program is compiled and dumped.
-
-``--explicit``: the same three programs on MaxText's own Explicit meshes
-(``shard_mode=explicit``, its model and loss unmodified), with jaxaccum
-through plain ``jit`` and no ``mesh=``:
-``jax.jit(jaxaccum.value_and_grad(summed_loss, k, normalize="weighted"))``,
-which reads the data axes from the batch's type. Its rows go to the
-results' ``explicit`` section; per program also the all-reduces over the
-batch's axes inside the micro-batch loop (their count and bytes per
-micro-batch) and, per mesh, the parameters' bytes by kind, so that the
-text can say whose gradients those are. The layers are unrolled
-(``scan_layers=false``): the run first tries jaxaccum on MaxText's scanned
-layers and records what it raised (``scanned_layers``).
+:func:`build` makes the model as MaxText's trainer does, :func:`programs`
+the three programs, :func:`measure_memory` reads each. Each run rewrites its
+own part of ``results/maxtext_llama.json``.
 """
+
+# The manual's blocks below use its typography: en dashes.
+# ruff: noqa: RUF001
 
 from __future__ import annotations
 
@@ -90,7 +29,6 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse
 import datetime
 import importlib.metadata
 import json
@@ -102,10 +40,11 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import _paths
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _report import listing
+from _report import table as md_table
 
 import jaxaccum
 from jaxaccum import testing
@@ -118,7 +57,7 @@ MESHES = {
 #: ``--explicit``: MaxText's Explicit meshes, its layers unrolled (see the
 #: module docstring for why).
 EXPLICIT = {"shard_mode": "explicit", "scan_layers": "false"}
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "maxtext_llama.json"
+RESULTS = _paths.RESULTS / "maxtext_llama.json"
 #: Where XLA dumps each compiled program (``--xla_dump_to``, set in main()).
 DUMP = pathlib.Path(tempfile.gettempdir()) / "jaxaccum-maxtext-dump"
 _LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
@@ -176,30 +115,41 @@ SIZES = {
 }
 
 
+#: The settings of every MaxText run here: synthetic data, no checkpoints,
+#: dot-product attention (the cuDNN kernel needs Transformer Engine).
+COMMON = {
+  "override_model_config": "true",
+  "attention": "dot_product",
+  "enable_checkpointing": "false",
+  "dataset_type": "synthetic",
+  "run_name": "jaxaccum",
+  "base_output_directory": "/tmp/jaxaccum-maxtext",
+  "enable_goodput_recording": "false",
+  "skip_jax_distributed_system": "true",
+}
+
+
+def pyconfig(settings: dict[str, Any]) -> Any:
+  """MaxText's config: its ``base.yml`` with :data:`COMMON` and ``settings``."""
+  import maxtext  # noqa: PLC0415
+  from maxtext.configs import pyconfig as maxtext_pyconfig  # noqa: PLC0415
+
+  base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
+  args = (f"{k}={v}" for k, v in {**COMMON, **settings}.items())
+  return maxtext_pyconfig.initialize([None, str(base), *args])
+
+
 def config(size: Size, parallelism: dict[str, int], k: int = 1) -> Any:
   """MaxText's config; with ``k``, its own accumulation over ``k``
   micro-batches of the same global batch."""
-  import maxtext  # noqa: PLC0415
-  from maxtext.configs import pyconfig  # noqa: PLC0415
-
-  base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
-  settings = {
-    **size.settings,
-    "override_model_config": "true",
-    "per_device_batch_size": size.settings["per_device_batch_size"] / k,
-    "gradient_accumulation_steps": k,
-    "attention": "dot_product",
-    "enable_checkpointing": "false",
-    "dataset_type": "synthetic",
-    "run_name": "jaxaccum",
-    "base_output_directory": "/tmp/jaxaccum-maxtext",
-    "enable_goodput_recording": "false",
-    "skip_jax_distributed_system": "true",
-    "jax_cache_dir": "",  # every program compiled, and dumped
-    **parallelism,
-  }
-  return pyconfig.initialize(
-    [None, str(base), *(f"{k}={v}" for k, v in settings.items())]
+  return pyconfig(
+    {
+      **size.settings,
+      "per_device_batch_size": size.settings["per_device_batch_size"] / k,
+      "gradient_accumulation_steps": k,
+      "jax_cache_dir": "",  # every program compiled, and dumped
+      **parallelism,
+    }
   )
 
 
@@ -529,42 +479,43 @@ def measure(size: Size, name: str, target: Any) -> tuple[dict[str, Any], dict]:
   return row, model
 
 
+def _ks(r: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+  return sorted(r["ks"].items(), key=lambda item: int(item[0]))
+
+
+def _run(run: dict[str, Any]) -> str:
+  """``2026-12-04, jax 0.12.0.1, MaxText 0.2.5``, and where it compiled."""
+  v = run["versions"]
+  where = f", {run['devices']} {run['device_kind']}s" if "devices" in run else ""
+  return f"{run['date']}, jax {v['jax']}, MaxText {v['maxtext']}{where}:"
+
+
+def _exact(c: dict[str, Any]) -> str:
+  return f"{c['loss']:.7f} / {c['grad_rel_diff']:.1e}"
+
+
 def table(results: dict[str, Any]) -> str:
-  """The manual's table: per mesh, the full batch's loss and, per k, the
-  loss and largest relative gradient difference of jaxaccum and of
-  MaxText's own accumulation."""
+  """Per mesh, the full batch's loss and, per k, the loss and largest
+  relative gradient difference of jaxaccum and of MaxText's accumulation."""
   ks = sorted({k for r in results["rows"] for k in r["ks"]}, key=int)
-  v = results["versions"]
-  head = (
-    f"Run on {results['date']}, 8 CPU devices, Python {results['python']}, "
-    f"jax {v['jax']}, flax {v['flax']}, MaxText {v['maxtext']}: MaxText's "
-    "llama and loss as its trainer builds them, unmodified, through "
-    '`jaxaccum.value_and_grad(..., mesh=mesh, view="global")` and through '
-    "MaxText's own accumulation (`gradient_accumulation_steps=k`), against "
-    "`jax.value_and_grad` of the same loss on the whole batch. Each cell: "
-    "the loss / the largest over the parameters of max |a - b| / max |b|."
-    "\n\n"
-  )
-
-  def cell(c: dict[str, Any]) -> str:
-    return f"{c['loss']:.7f} / {c['grad_rel_diff']:.1e}"
-
-  header = "| mesh | full batch loss | " + " | ".join(
-    f"k = {k}: jaxaccum | k = {k}: MaxText GA" for k in ks
-  )
-  lines = [header + " |", "|---|---|" + "---|---|" * len(ks)]
-  for r in results["rows"]:
-    cells = [f"{cell(r['ks'][k])} | {cell(r['ks'][k]['maxtext_ga'])}" for k in ks]
-    lines.append(
-      f"| {r['mesh']} | {r['full_batch_loss']:.7f} | " + " | ".join(cells) + " |"
-    )
-  return head + "\n".join(lines)
+  header = ["mesh", "full batch loss"]
+  header += [f"k = {k}: {who}" for k in ks for who in ("jaxaccum", "MaxText GA")]
+  rows = [
+    [
+      r["mesh"],
+      f"{r['full_batch_loss']:.7f}",
+      *(c for k in ks for c in (_exact(r["ks"][k]), _exact(r["ks"][k]["maxtext_ga"]))),
+    ]
+    for r in results["rows"]
+  ]
+  return _run(results) + "\n\n" + md_table(header, rows)
 
 
-def peak_table(rows: list[dict[str, Any]], head: str, unit: str) -> str:
+def peak_table(rows: list[dict[str, Any]], unit: str) -> str:
   """Per mesh and k: the three peaks (in ``unit``); jaxaccum's ratio to
   MaxText's accumulation, and its difference in peak and in the bytes live
-  at the peak; and the collectives inside each one's micro-batch loop."""
+  at the peak; the collectives inside each one's micro-batch loop, and the
+  bytes per micro-batch of the all-reduces over the batch's axes there."""
   scale = {"KiB": 2**10, "GiB": 2**30}[unit]
 
   def size(n: int) -> str:
@@ -576,156 +527,111 @@ def peak_table(rows: list[dict[str, Any]], head: str, unit: str) -> str:
     n = a - b
     return f"{n:+,} B" if abs(n) < 2**20 else f"{n / 2**20:+,.1f} MiB"
 
-  lines = [
-    head,
-    "",
-    f"| mesh | k | full batch ({unit}) | MaxText GA ({unit}) | jaxaccum ({unit}) "
-    "| jaxaccum ÷ MaxText GA | jaxaccum - MaxText GA: peak / live at peak "
-    "| in-loop collectives: MaxText GA / jaxaccum |",
-    "|---|---|---|---|---|---|---|---|",
-  ]
+  header = ["mesh", "k", f"full batch ({unit})", f"MaxText GA ({unit})"]
+  header += [f"jaxaccum ({unit})", "jaxaccum ÷ MaxText GA"]
+  header += ["jaxaccum - MaxText GA: peak / live at peak"]
+  header += ["in-loop collectives: MaxText GA / jaxaccum"]
+  reduces = any(
+    "in_loop_data_all_reduce_bytes" in c["jaxaccum"] for r in rows for _, c in _ks(r)
+  )
+  if reduces:
+    header += ["in-loop data all-reduces, B per micro-batch: MaxText GA / jaxaccum"]
+  out = []
   for r in rows:
     full = r["full_batch"]["peak_bytes"]
-    for k, cell in sorted(r["ks"].items(), key=lambda item: int(item[0])):
+    for k, cell in _ks(r):
       ga, ours = cell["maxtext_ga"], cell["jaxaccum"]
       peak = difference(ours["peak_bytes"], ga["peak_bytes"])
       live = difference(ours["live_at_peak_bytes"], ga["live_at_peak_bytes"])
-      lines.append(
-        f"| {r['mesh']} | {k} | {size(full)} | {size(ga['peak_bytes'])} "
-        f"| {size(ours['peak_bytes'])} "
-        f"| {ours['peak_bytes'] / ga['peak_bytes']:.3f} | {peak} / {live} "
-        f"| {ga['in_loop_collectives']} / {ours['in_loop_collectives']} |"
+      out.append(
+        [
+          r["mesh"],
+          k,
+          size(full),
+          size(ga["peak_bytes"]),
+          size(ours["peak_bytes"]),
+          f"{ours['peak_bytes'] / ga['peak_bytes']:.3f}",
+          f"{peak} / {live}",
+          f"{ga['in_loop_collectives']} / {ours['in_loop_collectives']}",
+        ]
       )
-  return "\n".join(lines)
+      if reduces:
+        out[-1].append(
+          " / ".join(f"{c['in_loop_data_all_reduce_bytes']:,}" for c in (ga, ours))
+        )
+  return md_table(header, out)
 
 
 def cpu_peaks(results: dict[str, Any]) -> str:
   """The tiny llama's peaks on 8 CPU devices."""
-  v = results["versions"]
-  head = (
-    f"Run on {results['date']}, jax {v['jax']}, MaxText {v['maxtext']}: the "
-    "tiny float32 llama on 8 CPU devices, loss and gradients of the same "
-    "global batch. Peak per device (XLA's memory analysis: argument + output "
-    "+ temp - alias). MaxText GA: its `gradient_accumulation_steps=k`; "
-    'jaxaccum: `value_and_grad(..., view="global")`.'
-  )
-  return peak_table(results["rows"], head, "KiB")
+  return _run(results) + "\n\n" + peak_table(results["rows"], "KiB")
 
 
 def h100_peaks(results: dict[str, Any]) -> str:
   """The 1.1B llama's peaks compiled for 8 H100s."""
   run = results["h100"]
-  v = run["versions"]
   head = (
-    f"Compile-only, {run['date']}, jax {v['jax']}, MaxText {v['maxtext']}: "
-    f"MaxText's llama2 with {run['parameters']:,} parameters (bfloat16 "
-    "activations, float32 weights), "
-    f"{run['global_batch']} sequences of {run['sequence_length']} tokens per "
-    f"step, compiled for {run['devices']} {run['device_kind']}s. Peak per "
-    "device, as above."
+    f"{_run(run)} {run['parameters']:,} parameters, {run['global_batch']} "
+    f"sequences of {run['sequence_length']} tokens per step."
   )
-  return peak_table(run["rows"], head, "GiB")
+  return head + "\n\n" + peak_table(run["rows"], "GiB")
+
+
+def _parameter_bytes(run: dict[str, Any]) -> str:
+  """The parameters' bytes by kind, and how many leaves of each a
+  rematerialized call returns as they came in."""
+  row = run["rows"][0]
+  remat = row.get("returned_by_remat", {})
+  return md_table(
+    ["parameters", "bytes", "leaves returned by a remat call"],
+    [
+      [kind, f"{n:,}", "{} of {}".format(*remat[kind]) if kind in remat else "–"]
+      for kind, n in row["parameter_bytes"].items()
+    ],
+  )
 
 
 def explicit_table(results: dict[str, Any]) -> str:
   """``--explicit``: per mesh and k, the loss and gradient difference of
   jaxaccum's plain ``jit`` and of MaxText's accumulation against the full
-  batch, the all-reduces over the batch's axes in each one's micro-batch
-  loop, and the peaks; then whose gradients those all-reduces carry, and
-  what the scanned layers raised."""
+  batch, and the peaks; the parameters' bytes; each of jaxaccum's
+  all-reduces over the batch's axes in the loop; what the scanned layers
+  did."""
   run = results.get("explicit")
   if run is None:
     return "No `--explicit` run yet: `python benchmarks/maxtext_llama.py --explicit`."
-  v = run["versions"]
-  head = (
-    f"Run on {run['date']}, 8 CPU devices, Python {run['python']}, jax "
-    f"{v['jax']}, flax {v['flax']}, MaxText {v['maxtext']}: MaxText's tiny "
-    "float32 llama and loss on its own Explicit meshes (`shard_mode=explicit`, "
-    "layers unrolled: `scan_layers=false`), unmodified, through plain "
-    '`jax.jit(jaxaccum.value_and_grad(loss, k, normalize="weighted"))` with '
-    "no `mesh=` and through MaxText's own accumulation, against "
-    "`jax.value_and_grad` on the whole batch. Loss / the largest over the "
-    "parameters of max |a - b| / max |b|; the all-reduces over the batch's "
-    "axes inside the micro-batch loop: how many / their bytes per "
-    "micro-batch; the peak per device (KiB)."
-  )
-
-  def exact(c: dict[str, Any]) -> str:
-    return f"{c['loss']:.7f} / {c['grad_rel_diff']:.1e}"
-
-  def reductions(c: dict[str, Any]) -> str:
-    return f"{c['in_loop_data_all_reduces']} / {c['in_loop_data_all_reduce_bytes']:,} B"
-
-  lines = [
-    "| mesh | k | full batch loss | jaxaccum | MaxText GA "
-    "| in-loop data all-reduces: jaxaccum | MaxText GA "
-    "| peak: full batch / MaxText GA / jaxaccum (KiB) |",
-    "|---|---|---|---|---|---|---|---|",
-  ]
-  for r in run["rows"]:
-    full = r["full_batch"]["peak_bytes"]
-    for k, cell in sorted(r["ks"].items(), key=lambda item: int(item[0])):
-      ga, ours = cell["maxtext_ga"], cell["jaxaccum"]
-      peaks = " / ".join(
-        f"{n / 2**10:,.1f}" for n in (full, ga["peak_bytes"], ours["peak_bytes"])
-      )
-      lines.append(
-        f"| {r['mesh']} | {k} | {r['full_batch_loss']:.7f} | {exact(ours)} "
-        f"| {exact(ga)} | {reductions(ours)} | {reductions(ga)} | {peaks} |"
-      )
-  kinds = run["rows"][0]["parameter_bytes"]
-  total = sum(kinds.values())
-  sizes = listing([f"{kind} {n:,} B" for kind, n in kinds.items()])
-  seen = {
-    (
-      c["jaxaccum"]["in_loop_data_all_reduce_bytes"],
-      c["maxtext_ga"]["in_loop_data_all_reduce_bytes"],
-    )
-    for r in run["rows"]
-    for c in r["ks"].values()
-  }
-
-  def whose(n: int) -> str:
-    for name, whole in (
-      ("every parameter", total),
-      ("every parameter but the unembedding", total - kinds["logits"]),
-    ):
-      if 0 <= n - whole < 64:
-        return f"{n:,} B is the gradients of {name} ({whole:,} B) and {n - whole} B of scalars"
-    return f"{n:,} B matches no group of parameters"
-
-  said = "; ".join(sorted({whose(n) for pair in seen for n in pair}))
-  remat = listing(
+  rows = [
     [
-      f"{kind} {n} of {of}"
-      for kind, (n, of) in run["rows"][0]["returned_by_remat"].items()
+      r["mesh"],
+      k,
+      f"{r['full_batch_loss']:.7f}",
+      _exact(c["jaxaccum"]),
+      _exact(c["maxtext_ga"]),
+    ]
+    for r in run["rows"]
+    for k, c in _ks(r)
+  ]
+  reduces = [
+    [r["mesh"], k, f"{n:,}", axes]
+    for r in run["rows"]
+    for k, c in _ks(r)
+    for n, axes in c["jaxaccum"]["in_loop_data_all_reduce_list"]
+  ]
+  scanned = (
+    "lowers too"
+    if run["scanned_layers"] == "lowers"
+    else f"raised `{run['scanned_layers']}` while tracing"
+  )
+  return "\n\n".join(
+    [
+      _run(run),
+      md_table(["mesh", "k", "full batch loss", "jaxaccum", "MaxText GA"], rows),
+      peak_table(run["rows"], "KiB"),
+      _parameter_bytes(run),
+      md_table(["mesh", "k", "jaxaccum's in-loop all-reduce, B", "axes"], reduces),
+      f"With MaxText's scanned layers, jaxaccum's plain-`jit` step {scanned}.",
     ]
   )
-  text = (
-    f"\n\nThe parameters' bytes: {sizes} ({total:,} B in all). Per micro-batch, "
-    f"{said}. The leaves that a rematerialized call (a `checkpoint` in the "
-    f"loss's jaxpr: MaxText's `nnx.remat` of each layer) returns as they came "
-    f"in: {remat}. With MaxText's scanned layers (`scan_layers=true`), "
-    + (
-      "jaxaccum's plain-`jit` step lowers too (its rows are not measured here)."
-      if run["scanned_layers"] == "lowers"
-      else f"jaxaccum's plain-`jit` step raised `{run['scanned_layers']}` while tracing."
-    )
-    + "\n\njaxaccum's all-reduces over the batch's axes in the loop, each "
-    "one's bytes and axes:\n\n"
-  )
-  each = [
-    f"- {r['mesh']}, k = {k}: "
-    + listing(
-      [
-        f"{n:,} B over {axes}"
-        for n, axes in c["jaxaccum"]["in_loop_data_all_reduce_list"]
-      ]
-    )
-    for r in run["rows"]
-    for k, c in sorted(r["ks"].items(), key=lambda item: int(item[0]))
-  ]
-  return head + "\n\n" + "\n".join(lines) + text + "\n".join(each)
 
 
 def h100_explicit_peaks(results: dict[str, Any]) -> str:
@@ -736,56 +642,8 @@ def h100_explicit_peaks(results: dict[str, Any]) -> str:
     return (
       "No compile yet: `python benchmarks/maxtext_llama.py --config 1b --explicit`."
     )
-  v = run["versions"]
-  head = (
-    f"Compile-only, {run['date']}, jax {v['jax']}, MaxText {v['maxtext']}: "
-    f"the same {run['parameters']:,}-parameter llama2 on MaxText's Explicit "
-    "meshes (`shard_mode=explicit`, layers unrolled), jaxaccum through plain "
-    f"`jit`, compiled for {run['devices']} {run['device_kind']}s. Peak per "
-    "device, as above."
-  )
-  cells = [c for r in run["rows"] for c in r["ks"].values()]
-  below = sum(
-    c["jaxaccum"]["peak_bytes"] <= c["maxtext_ga"]["peak_bytes"] for c in cells
-  )
-  meshes = listing([r["mesh"] for r in run["rows"]])
-  none_inside = [
-    r["mesh"]
-    for r in run["rows"]
-    if all(
-      c[a]["in_loop_collectives"] == 0
-      for c in r["ks"].values()
-      for a in ("maxtext_ga", "jaxaccum")
-    )
-  ]
-  summary = (
-    f"\n\njaxaccum's peak is at or below MaxText's accumulation on {below} of "
-    f"{len(cells)} rows (compiled: {meshes})."
-    + (
-      f" Neither program has a collective inside its micro-batch loop on "
-      f"{listing(none_inside)}."
-      if none_inside
-      else ""
-    )
-  )
-  norms = run["rows"][0]["parameter_bytes"]["norm scales"]
-  carried = {
-    r["mesh"]: {
-      n
-      for c in r["ks"].values()
-      for a in ("maxtext_ga", "jaxaccum")
-      for n, _ in c[a].get("in_loop_data_all_reduce_list") or []
-    }
-    for r in run["rows"]
-  }
-  only_norms = [mesh for mesh, sizes in carried.items() if sizes == {norms}]
-  if only_norms:
-    summary += (
-      f" On {listing(only_norms)} the one all-reduce over the batch's axes in "
-      f"each loop carries {norms:,} B per micro-batch, in both programs: the "
-      "norm scales' gradients."
-    )
-  return peak_table(run["rows"], head, "GiB") + summary
+  head = f"{_run(run)} {run['parameters']:,} parameters."
+  return "\n\n".join([head, peak_table(run["rows"], "GiB"), _parameter_bytes(run)])
 
 
 BLOCKS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -820,11 +678,12 @@ def save(
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = _paths.parser(
+    __doc__, out=False, ks="comma-separated (default: the config's)"
+  )
   parser.add_argument("--config", choices=SIZES, default="tiny")
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
   parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated")
-  parser.add_argument("--ks", help="comma-separated (default: the config's)")
   parser.add_argument(
     "--explicit",
     action="store_true",
@@ -833,7 +692,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   size = SIZES[args.config]
   if args.ks:
-    size = size._replace(ks=tuple(int(k) for k in args.ks.split(",")))
+    size = size._replace(ks=tuple(args.ks))
   if args.explicit:
     section = "explicit" if size.section == "rows" else f"{size.section}_explicit"
     size = size._replace(settings={**size.settings, **EXPLICIT}, section=section)

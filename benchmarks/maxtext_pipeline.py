@@ -10,45 +10,13 @@ Usage (Python 3.12, in a venv with MaxText and the CUDA compiler plugin)::
   # then, in the dev venv (Python 3.11), into pipeline.json and the manual:
   python benchmarks/pipeline.py --maxtext benchmarks/results/maxtext_pipeline.json
 
-Compile-only: nothing runs. The step is MaxText's ``train_step`` built as its
-ahead-of-time compiler builds it (``trainers/pre_train/train_compile.py``):
-``pyconfig``, its mesh from the config over the target's devices, its NNX
-model, its optimizer (AdamW with its gradient clipping), its abstract train
-state and shardings, ``get_functional_train_with_signature`` (the state
-donated) and its loss. That is ``pipeline.py``'s step too: the loss, its
-gradient and one AdamW update, parameters and optimizer state donated.
-
-The model is ``pipeline.py``'s ``llama_1b`` in MaxText's llama2 decoder: 16
-layers, d_model 2048, 16 heads of 128 (no grouped keys), SwiGLU of 5632, a
-vocabulary of 32,000, untied embedding and head, float32 weights and bfloat16
-activations, every layer rematerialized (``remat_policy=full``), dot-product
-attention (``hardware=gpu``: the cuDNN kernel needs Transformer Engine), a
-global batch of 128 sequences of 2,048 tokens. Its mesh: ``stage`` × ``data``
-= S × D (``ici_pipeline_parallelism``, ``ici_data_parallelism``; no FSDP, as
-``pipeline.py`` keeps the layers whole over ``"data"``), ``m`` pipeline
-micro-batches of the global batch (``num_pipeline_microbatches``: the same
-rows per micro-batch per device as ``pipeline.py``'s ``m`` micro-batches of
-each data shard) and ``r`` circular repeats (``num_pipeline_repeats``, with
-``num_layers_per_pipeline_stage`` = 16 / (S·r)). Everything else is MaxText's
-default for a pipelined model (its scan over the pipeline iterations with
-the remat policy on it, the embedding and head on the batch sharded over
-``stage`` and ``data``).
-
-Per configuration and per device, with ``pipeline.py``'s readers:
-``peak_bytes`` from XLA's compiled memory analysis (``argument + output +
-temp - alias``) and ``collective_bytes``, every collective's result bytes
-times the trip counts of the loops around it, both read by
-``jaxaccum.testing.compile_step``. A configuration MaxText refuses or fails
-to compile is a row with ``error``. With ``--steps maxtext,jaxaccum`` (the
-default) a row also holds ``jaxaccum_same_jax``: ``pipeline.py``'s own step
-of the configuration compiled here, with MaxText's jax (``pipeline.json``'s
-rows come from the dev venv's). Writes ``{note, rows}`` to
-``results/maxtext_pipeline.json`` a row at a time (a sweep stopped early
-keeps its rows; a rerun keeps the rows it does not compile again).
+:func:`compile_step` builds MaxText's train step as its ahead-of-time
+compiler does, at :data:`SETTINGS`; ``pipeline.read`` reads it. Writes
+``results/maxtext_pipeline.json`` a row at a time.
 """
 
 # The manual's typography: multiplication signs.
-# ruff: noqa: RUF001, RUF002
+# ruff: noqa: RUF002
 
 from __future__ import annotations
 
@@ -56,29 +24,27 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse
-import importlib.metadata
 import json
 import pathlib
-import platform
 import sys
-import time
 from typing import Any
 
+import _compile
+import _models
+import _paths
 import jax
+import maxtext_llama
+import pipeline
 
 import jaxaccum
 from jaxaccum import testing
 
-HERE = pathlib.Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "maxtext_pipeline.json"
-LAYOUTS = ((8, 1), (4, 2), (2, 4))  # (stages, data), as pipeline.py's
-TARGET, TOPOLOGY = "h100", "1x1x8"
-MODEL = "llama_1b"
+RESULTS = _paths.RESULTS / "maxtext_pipeline.json"
+TARGET, MODEL = "h100", "llama_1b"
+VERSIONS = ("maxtext", "jax", "flax")
 #: pipeline.py's llama_1b (fsdp.py's) in MaxText's llama2 decoder.
 SETTINGS = {
   "model_name": "llama2-7b",
-  "override_model_config": "true",
   "base_emb_dim": 2048,
   "base_num_query_heads": 16,
   "base_num_kv_heads": 16,
@@ -91,35 +57,24 @@ SETTINGS = {
   "dtype": "bfloat16",
   "weight_dtype": "float32",
   "remat_policy": "full",
-  "attention": "dot_product",
   "hardware": "gpu",
-  "enable_checkpointing": "false",
-  "dataset_type": "synthetic",
-  "run_name": "jaxaccum",
-  "base_output_directory": "/tmp/jaxaccum-maxtext",
-  "enable_goodput_recording": "false",
-  "skip_jax_distributed_system": "true",
   "ici_fsdp_parallelism": 1,
 }
 
 
 def config(stages: int, data: int, m: int, r: int) -> Any:
-  """MaxText's config of one configuration."""
-  import maxtext  # noqa: PLC0415
-  from maxtext.configs import pyconfig  # noqa: PLC0415
-
-  settings = {
-    **SETTINGS,
-    "ici_pipeline_parallelism": stages,
-    "ici_data_parallelism": data,
-    "num_pipeline_microbatches": m,
-    "num_pipeline_repeats": r,
-    "num_layers_per_pipeline_stage": SETTINGS["base_num_decoder_layers"]
-    // (stages * r),
-  }
-  base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
-  return pyconfig.initialize(
-    [None, str(base), *(f"{k}={v}" for k, v in settings.items())]
+  """MaxText's config of one configuration (``maxtext_llama.COMMON``'s
+  settings and :data:`SETTINGS`)."""
+  return maxtext_llama.pyconfig(
+    {
+      **SETTINGS,
+      "ici_pipeline_parallelism": stages,
+      "ici_data_parallelism": data,
+      "num_pipeline_microbatches": m,
+      "num_pipeline_repeats": r,
+      "num_layers_per_pipeline_stage": SETTINGS["base_num_decoder_layers"]
+      // (stages * r),
+    }
   )
 
 
@@ -153,122 +108,48 @@ def compile_step(cfg: Any, target: Any) -> Any:
 
 
 def measure(target: Any, stages: int, data: int, m: int, r: int) -> dict[str, Any]:
-  """MaxText's fields of one row, those ``pipeline.py``'s ``maxtext_bullet``
-  reads among them."""
+  """MaxText's fields of one row, read as ``pipeline.py`` reads its own."""
   row: dict[str, Any] = {"peak_bytes": None, "collective_bytes": None}
-  start = time.perf_counter()
-  try:
-    compiled = compile_step(config(stages, data, m, r), target)
-  except Exception as e:  # recorded; the sweep goes on
-    lines = str(e).strip().splitlines()
-    row["error"] = f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
-    row["compile_s"] = round(time.perf_counter() - start, 1)
-    return row
-  found, stats = compiled.collectives, compiled.memory
-  assert stats is not None, "the target reports no memory analysis"
-  loop = [c for c in found if c.in_loop and "permute" in c.op]
-  row.update(
-    peak_bytes=stats.peak_bytes,
-    argument_bytes=stats.argument_bytes,
-    temp_bytes=stats.temp_bytes,
-    collective_bytes=compiled.bytes_communicated,
-    permute_bytes=sum(c.bytes * c.executions for c in loop),
-    in_loop_ops=sorted({c.op for c in found if c.in_loop}),
-    compile_s=round(time.perf_counter() - start, 1),
-  )
-  return row
+
+  def compile_it() -> dict[str, Any]:
+    found = pipeline.read(compile_step(config(stages, data, m, r), target))
+    del found["permute_executions"]
+    return found
+
+  return _compile.timed(row, compile_it)
 
 
 def measure_jaxaccum(target: Any, stages: int, data: int, m: int, r: int) -> dict:
   """``pipeline.py``'s own row of the configuration, compiled here, with this
   venv's jax (pipeline.json's rows come from the dev venv's)."""
-  sys.path.insert(0, str(HERE))
-  import pipeline  # noqa: PLC0415
-
-  cfg = pipeline._fsdp().MODELS[MODEL]
+  cfg = _models.LLAMAS[MODEL]
   row = pipeline.measure(target, cfg, pipeline.Config(MODEL, stages, data, m, r))
   keys = ("peak_bytes", "collective_bytes", "permute_bytes", "compile_s", "error")
   return {k: row[k] for k in keys if k in row}
 
 
-def versions() -> dict[str, str]:
-  return {p: importlib.metadata.version(p) for p in ("maxtext", "jax", "flax")}
-
-
-def _span(ratios: list[float]) -> str:
-  low, high = min(ratios), max(ratios)
-  return f"{low:.2f} ×" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f} ×"
-
-
-def _factors(rows: Any) -> str:
-  """``m = S`` / ``m = 2S`` ...: the micro-batch factors of ``rows``."""
-  factors = sorted({r["m"] // r["stages"] for r in rows})
-  return " and ".join("m = S" if f == 1 else f"m = {f}S" for f in factors)
-
-
-def note(rows: list[dict[str, Any]]) -> str:
-  """The manual's sentences: what was compiled, with what, and what was not."""
-  v = versions()
-  done = [r for r in rows if r.get("peak_bytes") is not None]
-  failed = [r for r in rows if "error" in r]
-  grid = {(s, d, f * s, r) for s, d in LAYOUTS for f in (1, 2, 4) for r in (1, 2)}
-  if {(r["stages"], r["data"], r["m"], r["r"]) for r in done} == grid:
-    where = (
-      f"all {len(grid)} of pipeline.py's llama_1b configurations (8 × 1, "
-      "4 × 2 and 2 × 4; m = S, 2S and 4S; r = 1 and 2)"
-    )
-  else:
-    where = ", ".join(
-      f"{r['stages']} × {r['data']} (m = {r['m']}, r = {r['r']})" for r in done
-    )
-  text = (
-    f"MaxText {v['maxtext']}'s own pipeline (`ici_pipeline_parallelism`, "
-    "`num_pipeline_microbatches`, `num_pipeline_repeats`, "
-    "`num_layers_per_pipeline_stage` = 16 / (S·r), no FSDP; its llama2 decoder "
-    "with llama_1b's shapes, dtypes, remat, sequence length and global batch) "
-    "compiled by `benchmarks/maxtext_pipeline.py` as MaxText's ahead-of-time "
-    "compiler builds its train step (loss, gradient and its AdamW update, the "
-    f"state donated, as pipeline.py's step), with jax {v['jax']} (Python "
-    f"{platform.python_version()}), for the H100 at {where or 'no configuration'}"
-  )
-  if failed:
-    text += f"; {len(failed)} did not compile (below)"
-  text += ". The TPU v5e was not compared (libtpu is not installed in MaxText's venv)"
-  missing = [
-    {"m": f * s, "stages": s}
-    for s in (8,)
-    for f in (1, 2, 4)
-    if not any(r["m"] == f * r["stages"] for r in rows)
-  ]
-  if missing:
-    text += ", nor " + _factors(missing).replace(" and ", " or ")
-  text += ". jaxaccum's numbers below are pipeline.json's (the dev venv's jax)"
-  same = [
-    (r, r["jaxaccum_same_jax"])
-    for r in done
-    if r.get("jaxaccum_same_jax", {}).get("peak_bytes") is not None
-  ]
-  if same:
-    text += (
-      f"; compiled with MaxText's jax {v['jax']} instead, jaxaccum's peak is "
-      f"{_span([o['peak_bytes'] / r['peak_bytes'] for r, o in same])} MaxText's "
-      "and its collective bytes "
-      f"{_span([o['collective_bytes'] / r['collective_bytes'] for r, o in same])} "
-      f"over the {len(same)} at {_factors(r for r, _ in same)}"
-    )
-  return text + "."
+#: The JSON's ``note``: the manual's table shows the rows and
+#: ``benchmarks/README.md`` says what was compiled.
+NOTE = (
+  "MaxText's own pipeline on pipeline.py's llama_1b configurations, compiled "
+  "by benchmarks/maxtext_pipeline.py for the H100 (benchmarks/README.md)."
+)
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = _paths.parser(__doc__, out=False)
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
   parser.add_argument(
     "--layouts",
-    default=",".join(f"{s}x{d}" for s, d in LAYOUTS),
+    default=",".join(f"{s}x{d}" for s, d in pipeline.LAYOUTS),
     help="stages x data, comma-separated",
   )
-  parser.add_argument("--factors", default="2", help="m = factor * S, comma-separated")
-  parser.add_argument("--repeats", default="1", help="r, comma-separated")
+  parser.add_argument(
+    "--factors", default=[2], type=_paths.ints, help="m = factor * S, comma-separated"
+  )
+  parser.add_argument(
+    "--repeats", default=[1], type=_paths.ints, help="r, comma-separated"
+  )
   parser.add_argument(
     "--steps",
     default="maxtext,jaxaccum",
@@ -279,12 +160,12 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   steps = args.steps.split(",")
   testing.cpu_devices(8)  # before JAX starts: the H100s' stand-ins
-  target = jaxaccum.compile_target(TARGET, topology=TOPOLOGY)
+  target = jaxaccum.compile_target(TARGET, topology=_paths.TOPOLOGIES[TARGET])
   rows = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
   for layout in args.layouts.split(","):
     stages, data = (int(n) for n in layout.split("x"))
-    for m in (int(n) * stages for n in args.factors.split(",")):
-      for r in (int(n) for n in args.repeats.split(",")):
+    for m in (n * stages for n in args.factors):
+      for r in args.repeats:
         key = {"target": target.name, "model": MODEL, "stages": stages}
         key.update(data=data, m=m, r=r)
         old = [x for x in rows if all(x[k] == v for k, v in key.items())]
@@ -297,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
           row["jaxaccum_same_jax"] = measure_jaxaccum(target, stages, data, m, r)
         rows = [x for x in rows if x is not row and x not in old] + [row]
         rows.sort(key=lambda x: (-x["stages"], x["m"], x["r"]))
-        out = {"note": note(rows), "rows": rows, "versions": versions()}
+        out = {"note": NOTE, "rows": rows, "versions": _compile.versions(*VERSIONS)}
         args.out.write_text(json.dumps(out, indent=1) + "\n")
         ours = row.get("jaxaccum_same_jax", {})
         print(

@@ -3,58 +3,10 @@
 Run: ``python benchmarks/meshes.py [--out benchmarks/results]`` (a few
 minutes on two CPU cores).
 
-Eight fake CPU devices form the meshes large models train on:
-
-- ``tp``: (4, 2) ``("data", "model")``, tensor parallel (Megatron: ``w1``
-  column-parallel ``P(None, "model")``, ``w2`` row-parallel);
-- ``fsdp_tp``: the same mesh, weights also sharded along ``"data"`` (FSDP);
-- ``hsdp_tp``: (2, 2, 2) ``("replica", "fsdp", "model")``, weights sharded
-  along ``"fsdp"`` and ``"model"``, the batch along ``("replica", "fsdp")``.
-
-Each mesh is built twice, with ``Auto`` and with ``Explicit`` axes (what
-``jax.make_mesh`` makes by default on jax 0.10). The model is a residual tanh
-MLP, 2 blocks of 128 -> 4096 -> 128 (2,105,600 float32 parameters, 8 MiB),
-with a mean squared error; the batch has 4096 rows, so that the full-batch
-step's activations are about six times the parameters a device holds. For
-``k`` in {1, 2, 4, 8, 16} micro-batches, ``(loss, grads)`` is compiled five
-ways, each under ``jit`` with the grads' ``out_shardings`` pinned to the
-parameters' shardings (as a training step that updates them in place):
-
-(a) ``jaxaccum.value_and_grad(loss, k, mesh=mesh, data_axis=...)``, its
-    default ``fsdp_gather="per_micro_batch"``: an FSDP weight is gathered
-    where the forward needs it and each micro-batch's gradient is
-    reduce-scattered into an accumulator sharded like the parameter;
-(a') the same with ``fsdp_gather="once"``: the FSDP weights gathered before
-    the loop, the full gradient accumulated, one reduce-scatter after it
-    (on ``tp``, without FSDP, the two are the same program);
-(b) ``optax.microbatching.microbatch(jax.value_and_grad(loss), argnums=1,
-    microbatch_size=B // k, accumulator=MEAN)``;
-(c) a hand-written ``lax.scan`` over a C-order ``batch.reshape(k, B // k,
-    ...)`` (``communication.hand_scan``);
-(d) the full batch, ``jax.value_and_grad(loss)``.
-
-What is measured, per device, from the compiled step: the bytes of every
-collective (its result size times the trip counts of the loops around it,
-``jaxaccum.testing``), split by the mesh axes its replica groups span (data
-axes only, model axis only, both); how many data-axis collectives execute
-inside the micro-batch loop per step; the peak memory of XLA's compiled
-memory analysis, ``argument + output + temp - alias``
-(``jaxaccum.compiled_memory``); XLA's flops times ``k`` over the full batch's
-(an estimate of redundant compute). Every step that compiles then runs once,
-and its loss and grads are compared with the full batch on one device. An
-approach that fails to trace or compile on a mesh is recorded with the
-error's class and first line.
-
-The results, and what they show, are in ``benchmarks/README.md`` (generated
-from the JSON by ``benchmarks/_report.py``). Caveats: bytes are per-device
-result sizes, not wire traffic (a reduce-scatter counts its 1/N result, an
-all-reduce its whole result), and the schedules are the CPU compiler's:
-other compilers place collectives differently (``benchmarks/fsdp.py``
-compiles FSDP steps for H100 and TPU v5e targets).
-
-Outputs: ``meshes.json`` (every number, the jax version, the date) and
-``meshes.png`` (bytes over the data axes, over the model axis and peak per
-device against ``k``, a row per layout), in ``--out``.
+On 8 fake CPU devices, each of :data:`LAYOUTS` with ``Auto`` and
+``Explicit`` axes, the residual MLP of :func:`make_loss`; per ``k`` the
+``(loss, grads)`` of each of :data:`APPROACHES` and of the full batch, read
+by :func:`measure`. Outputs ``meshes.json`` and ``meshes.png`` in ``--out``.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -67,14 +19,16 @@ import dataclasses
 import os
 import pathlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import _approaches
+import _paths
 import communication
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _report import bullet_list, count, format_bytes, listing, mib, ratio, span, table
+from _report import format_bytes, k_axis, mib, pyplot, ratio, table
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,17 +55,9 @@ FULL_BATCH_LABEL = "(d) full batch, jit(jax.value_and_grad(loss))"
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """A mesh and where the parameters live on it.
-
-  Attributes:
-    name: the identifier used in the JSON.
-    title: what it is, for people.
-    shape: the mesh shape.
-    axis_names: the mesh axes.
-    data_axis: the axis (or axes) the batch is split over.
-    fsdp_axis: the data axis the weights are sharded over (FSDP), or None.
-    model_axis: the tensor-parallel axis.
-  """
+  """A mesh and where the parameters live on it: the axis (or axes) the
+  batch is split over, the data axis the weights are sharded over (FSDP, or
+  None) and the tensor-parallel axis."""
 
   name: str
   title: str
@@ -178,14 +124,10 @@ def init_params(rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
 
 
 def make_loss(model_axis: str, explicit: bool) -> Callable[..., jax.Array]:
-  """The residual MLP's mean squared error, written as a user writes it.
-
-  On an Auto mesh it needs no annotations. On an Explicit mesh the FSDP
-  weights are gathered in global view (``reshard``; a no-op without FSDP)
-  and the row-parallel contraction names its output sharding with the batch
-  axis read from the input's type, the idiom that runs under plain ``jit``
-  (where it is the data axis) and inside jaxaccum (where it is None).
-  """
+  """The residual MLP's mean squared error, as a user writes it: on an
+  Explicit mesh the FSDP weights are gathered (``reshard``) and the
+  row-parallel contraction names its output sharding, the batch axis read
+  from the input's type (the data axis under ``jit``, None inside jaxaccum)."""
 
   def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     h, target = batch
@@ -219,14 +161,6 @@ def axes_spanned(c: testing.Collective, layout: Layout) -> str:
   }.get((data, model), "none")
 
 
-def sharded_like(grads: PyTree, params: PyTree) -> bool:
-  """Whether every gradient has exactly its parameter's sharding."""
-  return all(
-    g.sharding.is_equivalent_to(p.sharding, g.ndim)
-    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True)
-  )
-
-
 def measure(
   fun: communication.LossAndGrads,
   k: int,
@@ -237,15 +171,10 @@ def measure(
   batch: PyTree,
   reference: tuple[jax.Array, PyTree],
 ) -> dict[str, Any]:
-  """Compiles ``jit(fun)`` on ``mesh``: bytes by mesh axes, peak memory,
-  flops; runs it once against ``reference``. A failure to trace or compile
-  is recorded (error class and first line), not raised.
-
-  The grads' ``out_shardings`` are the parameters' shardings, as in a
-  training step that updates the parameters in place: on an Auto mesh
-  GSPMD would otherwise return some plain-jit grads replicated along the
-  FSDP axis, a different (and larger) output than jaxaccum's.
-  """
+  """Compiles ``jit(fun)`` on ``mesh``, the grads' ``out_shardings`` the
+  parameters' (as a step that updates them in place): bytes by mesh axes,
+  peak memory, flops; runs it once against ``reference``. A failure to trace
+  or compile is recorded (error class and first line), not raised."""
   out_shardings = (NamedSharding(mesh, P()), jax.tree.map(lambda p: p.sharding, params))
   jitted = jax.jit(fun, out_shardings=out_shardings)
   with jax.set_mesh(mesh):  # plain jit on an Explicit mesh needs it
@@ -299,7 +228,7 @@ def measure(
     "xla_flops_per_device": communication.xla_flops(compiled),
     "k": k,
     **communication.accuracy(outputs, reference),
-    "grads_sharded_like_params": sharded_like(outputs[1], params),
+    "grads_sharded_like_params": communication.keeps_shardings(outputs[1], params),
     "compile_seconds": compile_seconds,
     "run_seconds": run_seconds,
   }
@@ -336,7 +265,7 @@ def run() -> dict[str, Any]:
   reference = jax.jit(jax.value_and_grad(make_loss("model", explicit=False)))(
     params, batch
   )
-  param_bytes = communication.tree_bytes(params)
+  param_bytes = _approaches.tree_bytes(params)
   results: dict[str, Any] = {}
   for layout in LAYOUTS:
     specs = layout.param_specs()
@@ -374,7 +303,7 @@ def run() -> dict[str, Any]:
           entry[name][str(k)] = measure(fun, k, **on_mesh)
       relative(entry)
       results[layout.name][mode_name] = entry
-      print(text_table(layout, mode_name, entry), flush=True)
+      print(f"{layout.title}, {mode_name} axes: measured", flush=True)
 
   env["machine"]["load_average_at_end"] = list(os.getloadavg())
   return {
@@ -388,7 +317,7 @@ def run() -> dict[str, Any]:
       "param_bytes": param_bytes,
     },
     "batch_size": BATCH_SIZE,
-    "batch_bytes": communication.tree_bytes(batch),
+    "batch_bytes": _approaches.tree_bytes(batch),
     "ks": list(KS),
     "byte_convention": (
       "per device: result bytes of each collective times the trip counts of "
@@ -416,53 +345,11 @@ def run() -> dict[str, Any]:
   }
 
 
-def _mib(n: float) -> str:
-  return f"{n / 2**20:8.2f}"
-
-
-def _row(label: str, k: str, r: dict[str, Any], full: dict[str, Any]) -> str:
-  if not r["ok"]:
-    return f"{label:<17} {k:>3}  FAILS: {r['error']}: {r['error_message'][:90]}"
-
-  def ratio(key: str) -> str:
-    return f"{r[key] / full[key]:5.2f}x" if full[key] else "   n/a"
-
-  return (
-    f"{label:<17} {k:>3} {_mib(r['bytes_over_data_axes'])} {ratio('bytes_over_data_axes')} "
-    f"{_mib(r['bytes_over_model_axis'])} {ratio('bytes_over_model_axis')} "
-    f"{_mib(r['bytes_over_data_and_model'])} {_mib(r['peak_bytes'])} "
-    f"{ratio('peak_bytes')} {r['in_loop_data_axis_executions']:>5} "
-    f"{r.get('compute_vs_full_est', 1.0):>6.2f}x {r['grads_rel_error']:>8.1e} "
-    f"{'yes' if r['grads_sharded_like_params'] else 'no':>4}"
-  )
-
-
-def text_table(layout: Layout, mode: str, entry: dict[str, Any]) -> str:
-  """One mesh's rows: MiB per device over the data axes, the model axis and
-  both, peak MiB, each also relative to the full batch."""
-  full = entry[FULL_BATCH]
-  lines = [
-    "",
-    f"{layout.title}, {mode} axes, data_axis={layout.data_axis!r}",
-    f"{'approach':<17} {'k':>3} {'data MiB':>8} {'/full':>6} {'model':>8} "
-    f"{'/full':>6} {'both':>8} {'peak MiB':>8} {'/full':>6} {'loop':>5} "
-    f"{'compute':>7} {'grad err':>8} {'shrd':>4}",
-    _row("full batch", "-", full, full),
-  ]
-  for name in APPROACHES:
-    for k, r in entry[name].items():
-      lines.append(_row(name, k, r, full))
-  return "\n".join(lines)
-
-
 def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   """Per layout (rows): MiB over the data axes (log scale), over the model
   axis, and the peak per device, against ``k``; solid Auto, dashed Explicit
   axes, gray lines the full batch. Failed approaches are named in the legend."""
-  import matplotlib  # noqa: PLC0415  (importing the script for its blocks plots nothing)
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  plt = pyplot()
   import matplotlib.ticker  # noqa: PLC0415
 
   ks = results["ks"]
@@ -474,18 +361,8 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
   fig, axes = plt.subplots(
     len(results["layouts"]), len(columns), figsize=(15, 12), layout="constrained"
   )
-  colors = {
-    "jaxaccum": "C0",
-    "jaxaccum_once": "C3",
-    "optax_microbatch": "C1",
-    "hand_scan": "C2",
-  }
-  markers = {
-    "jaxaccum": "o",
-    "jaxaccum_once": "D",
-    "optax_microbatch": "s",
-    "hand_scan": "^",
-  }
+  colors = dict(zip(APPROACHES, ("C0", "C3", "C1", "C2"), strict=True))
+  markers = dict(zip(APPROACHES, "oDs^", strict=True))
   styles = {"auto": "-", "explicit": "--"}
   for row, (lname, layout) in zip(axes, results["layouts"].items(), strict=True):
     for ax, (key, ylabel) in zip(row, columns, strict=True):
@@ -513,18 +390,12 @@ def plot(results: dict[str, Any], png: pathlib.Path) -> None:
             mfc="none" if mode == "explicit" else colors[name],
             label=f"{label} ({mode}{failed})",
           )
-      ax.set_xscale("log", base=2)
-      ax.set_xticks(ks, [str(k) for k in ks])
-      if key == "bytes_over_data_axes":
-        ax.set_yscale("log")
+      log = key == "bytes_over_data_axes"
+      k_axis(ax, ks, ylabel, logy=log, title=layout["title"])
+      if log:
         ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-      else:
-        ax.set_ylim(0, None)
-      ax.set(xlabel="micro-batches per step, k", ylabel=ylabel)
-      ax.set_title(layout["title"], fontsize=9)
-      ax.grid(True, which="major", alpha=0.3)
   handles, labels = axes[0][0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8)
   fig.suptitle(
@@ -613,12 +484,15 @@ def meshes_layouts(results: dict[str, Any]) -> str:
 
 def meshes_machine(results: dict[str, Any]) -> str:
   model = results["model"]
+  widths = f"{model['features']} → {model['hidden']} → {model['features']}"
+  header = ["model", "parameters", "blocks", "MiB", "batch rows", "batch MiB"]
+  row = [model["kind"], f"{model['num_params']:,}", f"{model['num_blocks']} × {widths}"]
+  row += [mib(model["param_bytes"], 2), f"{results['batch_size']:,}"]
+  row += [mib(results["batch_bytes"], 2)]
   return (
-    communication.machine_line(results, "python benchmarks/meshes.py")
-    + f" The model: a {model['num_params']:,}-parameter {model['kind']} "
-    f"({model['num_blocks']} blocks of {model['features']} → {model['hidden']} → "
-    f"{model['features']}, {mib(model['param_bytes'], 2)} MiB), batch "
-    f"{results['batch_size']:,} rows ({mib(results['batch_bytes'], 2)} MiB)."
+    communication.machine_table(results, "python benchmarks/meshes.py")
+    + "\n\n"
+    + table(header, [row])
   )
 
 
@@ -670,127 +544,18 @@ def meshes_in_loop(results: dict[str, Any]) -> str:
   )
 
 
-def _ok(
-  results: dict[str, Any], approach: str, layouts: Sequence[str], modes: Sequence[str]
-) -> Iterable[tuple[str, str, int, dict[str, Any]]]:
-  """Every measured ``(layout, mode, k, row)`` of ``approach``."""
-  for layout in layouts:
-    for mode in modes:
-      entry = results["results"].get(layout, {}).get(mode, {})
-      for k, r in entry.get(approach, {}).items():
-        yield layout, mode, int(k), r
-
-
-def _per_k(
-  results: dict[str, Any],
-  approach: str,
-  layouts: Sequence[str],
-  modes: Sequence[str],
-  key: str,
-  *,
-  fmt: Callable[[float], str] = ratio,
-) -> str:
-  """``a to b at k = 1, c at k = 2 and ...``: ``key``'s span per k over the
-  configurations of ``approach`` that compiled."""
-  by_k: dict[int, list[float]] = {}
-  for _, _, k, r in _ok(results, approach, layouts, modes):
-    if r["ok"]:
-      by_k.setdefault(k, []).append(r[key])
-  spans = {k: span(v, fmt) for k, v in sorted(by_k.items())}
-  if len(set(spans.values())) == 1 and len(spans) > 1:
-    return f"{next(iter(spans.values()))} at every k"
-  return listing([f"{v} at k = {k}" for k, v in spans.items()])
-
-
-def _fails(
-  results: dict[str, Any],
-  approach: str,
-  layouts: Sequence[str],
-  modes: Sequence[str],
-  k_min: int = 1,
-) -> tuple[int, int, list[str]]:
-  """How many configurations with ``k >= k_min`` fail, of how many, and why."""
-  rows = [r for _, _, k, r in _ok(results, approach, layouts, modes) if k >= k_min]
-  failed = [r for r in rows if not r["ok"]]
-  return len(failed), len(rows), sorted({r["error"] for r in failed})
-
-
-def meshes_summary(results: dict[str, Any]) -> str:
-  layouts = list(results["results"])
-  modes = ("auto", "explicit")
-  fsdp = [name for name in layouts if name != "tp"]
-  bullets = []
-  if "tp" in layouts:
-    bullets.append(
-      "**Tensor parallel, jaxaccum.** Relative to the full batch on the same "
-      "mesh (Auto and Explicit axes): data-axis bytes "
-      f"{_per_k(results, 'jaxaccum', ['tp'], modes, 'bytes_over_data_axes_vs_full')}; "
-      "model-axis bytes "
-      f"{_per_k(results, 'jaxaccum', ['tp'], modes, 'bytes_over_model_axis_vs_full')}; "
-      f"peak {_per_k(results, 'jaxaccum', ['tp'], modes, 'peak_bytes_vs_full')}. "
-      "Data-axis collectives in the loop per step: "
-      + _per_k(
-        results, "jaxaccum", ["tp"], modes, "in_loop_data_axis_executions", fmt=count
-      )
-      + "."
-    )
-  for approach, name in (
-    ("jaxaccum", 'jaxaccum\'s default, `fsdp_gather="per_micro_batch"`'),
-    ("jaxaccum_once", 'jaxaccum, `fsdp_gather="once"`'),
-  ):
-    if not fsdp or not any(r["ok"] for *_, r in _ok(results, approach, fsdp, modes)):
-      continue
-    bullets.append(
-      f"**FSDP and HSDP, {name}.** Relative to the full batch on the same mesh "
-      "(both layouts, Auto and Explicit axes): data-axis bytes "
-      f"{_per_k(results, approach, fsdp, modes, 'bytes_over_data_axes_vs_full')}; "
-      f"peak {_per_k(results, approach, fsdp, modes, 'peak_bytes_vs_full')}. "
-      "Data-axis collectives in the loop per step: "
-      + _per_k(
-        results, approach, fsdp, modes, "in_loop_data_axis_executions", fmt=count
-      )
-      + "."
-    )
-  failed, total, errors = _fails(results, "optax_microbatch", layouts, ["explicit"])
-  text = "**optax.microbatch.**"
-  if total:
-    text += f" On Explicit axes it fails in {failed} of {total} configurations"
-    text += f" ({', '.join(f'`{e}`' for e in errors)})." if errors else "."
-  text += (
-    " On Auto axes, relative to the full batch: data-axis bytes "
-    f"{_per_k(results, 'optax_microbatch', layouts, ['auto'], 'bytes_over_data_axes_vs_full')}; "
-    f"peak {_per_k(results, 'optax_microbatch', layouts, ['auto'], 'peak_bytes_vs_full')}."
+def meshes_compute(results: dict[str, Any]) -> str:
+  header = ["mesh, axes", "full batch", "approach", *_ks_header(results)]
+  rows = _mesh_rows(
+    results,
+    lambda r: ratio(r["compute_vs_full_est"]),
+    lambda r: f"{r['grads_rel_error']:.1e}",
   )
-  bullets.append(text)
-  failed, total, errors = _fails(results, "hand_scan", layouts, ["explicit"], 2)
-  text = "**The hand-written scan.**"
-  if total:
-    text += (
-      f" On Explicit axes it fails in {failed} of {total} configurations with k ≥ 2"
-    )
-    text += f" ({', '.join(f'`{e}`' for e in errors)})." if errors else "."
-  text += (
-    " On Auto axes its estimated compute per device over the full batch's is "
-    f"{_per_k(results, 'hand_scan', layouts, ['auto'], 'compute_vs_full_est')} "
-    "(the partitioner shards the micro-batch axis, and devices compute rows that "
-    "are not theirs), its data-axis bytes "
-    f"{_per_k(results, 'hand_scan', layouts, ['auto'], 'bytes_over_data_axes_vs_full')}."
+  return (
+    "XLA's flops per device times k over the full batch's (a loop body counts "
+    "once); the full batch's gradients' error against one device:\n\n"
+    + table(header, rows)
   )
-  bullets.append(text)
-  measured = [
-    r
-    for approach in MESH_APPROACHES
-    for *_, r in _ok(results, approach, layouts, modes)
-    if r["ok"]
-  ]
-  sharded = sum(r["grads_sharded_like_params"] for r in measured)
-  bullets.append(
-    f"**Every step that compiles** ({len(measured)} of them) equals the full "
-    "batch on one device within a relative error of "
-    f"{max(r['grads_rel_error'] for r in measured):.1e}, and in {sharded} of them "
-    "the grads come back sharded exactly like the parameters."
-  )
-  return bullet_list(bullets)
 
 
 #: The generated blocks this file writes from ``meshes.json``, by name
@@ -801,17 +566,18 @@ BLOCKS = {
   "meshes bytes": meshes_bytes,
   "meshes peak": meshes_peak,
   "meshes in_loop": meshes_in_loop,
-  "meshes summary": meshes_summary,
+  "meshes compute": meshes_compute,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark, writes the JSON and the PNG, returns the results."""
-  results, path = communication.run_and_write(
-    "meshes", lambda args: run(), plot, argv, __doc__.splitlines()[0]
-  )
+  args = _paths.parser(__doc__).parse_args(argv)
+  results, path = communication.run_and_write("meshes", lambda _: run(), plot, args)
+  for block in (meshes_bytes, meshes_in_loop, meshes_peak):
+    print(block(results), end="\n\n")
   print(
-    f"\nparameters {format_bytes(results['model']['param_bytes'])}, batch "
+    f"parameters {format_bytes(results['model']['param_bytes'])}, batch "
     f"{format_bytes(results['batch_bytes'])}; total {results['seconds']:.1f} s; "
     f"wrote {path} and {path.with_suffix('.png')}"
   )

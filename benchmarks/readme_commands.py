@@ -2,25 +2,19 @@
 
 Run: ``python benchmarks/readme_commands.py [--out benchmarks/results]``.
 
-README.md gives a newcomer two commands, each with its own install step: one
-that runs the main demo and one that runs the tests. This script reads both
-from README.md (the ``bash`` blocks that run ``examples/quickstart.py`` and
-``python -m pytest``), clones the repository's committed ``HEAD`` into a
-temporary folder once per command, and runs each command there exactly as
-written, in a clean environment (no active venv, no ``JAX_PLATFORMS``).
-pip's download cache is left as it is, so the install time is that of a
-machine that has fetched the wheels before; the first install on a new
-machine adds the download. It records each command's wall time, exit
-status, the size of the ``.venv`` it made, and the last line the command
-printed (pytest's summary), and the lines in which a compile-only plugin
-(CUDA, libtpu) reports an error. Then it runs the demo command again in the
-tests' clone, in the venv they made, as a newcomer who runs both would.
-Outputs ``readme_commands.json`` in ``--out``.
+It reads README.md's demo and test commands (:data:`COMMANDS`), clones the
+committed ``HEAD`` into a temporary folder once per command and runs each
+there as written, in a clean environment (pip's download cache as it is),
+then the demo again in the tests' venv. Per run: wall and CPU time, exit
+status, the ``.venv``'s size, the last line printed and any line in which a
+compile-only plugin reports an error. Outputs ``readme_commands.json``.
 """
+
+# The README's typography: en dashes.
+# ruff: noqa: RUF001
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -33,7 +27,8 @@ import tempfile
 import time
 from typing import Any
 
-from _report import cpu_model
+import _paths
+from _report import cpu_model, table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -127,46 +122,30 @@ def run_fresh(commands: list[str]) -> list[dict[str, Any]]:
     return [_run(command, clone) for command in commands]
 
 
-def _report(name: str, r: dict[str, Any]) -> None:
-  print(
-    f"  {name}: exit {r['returncode']}, {r['seconds'] / 60:.1f} min "
-    f"({r['cpu_seconds'] / 60:.1f} min of CPU), "
-    f".venv {r['venv_bytes'] / 2**30:.2f} GiB, "
-    f"{len(r['plugin_error_lines'])} plugin error lines: {r['last_line']}",
-    flush=True,
-  )
-
-
 # ---------------------------------------------------------------- README.md's block
 
 
 def readme_commands_times(results: dict[str, Any]) -> str:
-  runs, m = results["runs"], results["machine"]
-
-  def one(name: str, what: str) -> str:
-    r = runs[name]
-    outcome = "" if r["returncode"] == 0 else f", **exit {r['returncode']}**"
-    cpu = ""
-    if "cpu_seconds" in r:  # runs recorded before the CPU time was
-      cpu = f" ({r['cpu_seconds'] / 60:.1f} min of CPU)"
-    return (
-      f"{what} took {r['seconds'] / 60:.1f} min{cpu} and made a "
-      f"{r['venv_bytes'] / 2**30:.1f} GiB `.venv`{outcome}"
-    )
-
-  plugin = sum(len(r["plugin_error_lines"]) for r in runs.values())
+  """Each run: minutes of wall and CPU time, the ``.venv``'s size, its exit
+  status and pytest's summary line."""
+  m = results["machine"]
+  rows = [
+    [
+      name.replace("_", " "),
+      f"{r['seconds'] / 60:.1f}",
+      f"{r['cpu_seconds'] / 60:.1f}" if "cpu_seconds" in r else "–",
+      f"{r['venv_bytes'] / 2**30:.1f}",
+      r["returncode"],
+      len(r["plugin_error_lines"]),
+      f"`{r['last_line'].strip('= ')}`" if name == "tests" else "",
+    ]
+    for name, r in results["runs"].items()
+  ]
+  header = ["run", "minutes", "CPU minutes", "`.venv`, GiB", "exit"]
+  header += ["plugin error lines", "pytest"]
   return (
     f"Measured by `python benchmarks/readme_commands.py` on {results['date']}, "
-    "each in a fresh clone, on a "
-    f"{m['cores']}-core {m['cpu']} (Python {m['python']}) with the wheels "
-    "already in pip's cache (a first install also downloads them): "
-    + one("demo", "the demo")
-    + "; "
-    + one("tests", "the tests")
-    + f" (`{runs['tests']['last_line'].strip('= ')}`). The demo run again in the "
-    "tests' venv took "
-    f"{runs['demo_after_tests']['seconds'] / 60:.0f} min."
-    + ("" if not plugin else f" A CUDA or TPU plugin printed {plugin} error lines.")
+    f"a {m['cores']}-core {m['cpu']}, Python {m['python']}:\n\n" + table(header, rows)
   )
 
 
@@ -178,9 +157,7 @@ BLOCKS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks/results")
-  args = parser.parse_args(argv)
+  args = _paths.parser(__doc__).parse_args(argv)
   commit = subprocess.run(
     ["git", "rev-parse", "--short", "HEAD"],
     cwd=ROOT,
@@ -199,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     strict=True,
   ):
     runs[name] = r
-    _report(name, r)
   (runs["demo"],) = run_fresh([commands["demo"]])
-  _report("demo", runs["demo"])
   results = {
     "date": datetime.date.today().isoformat(),
     "commit": commit,
@@ -214,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
   }
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "readme_commands.json").write_text(json.dumps(results, indent=2) + "\n")
+  print(readme_commands_times(results))
   return 0 if all(r["returncode"] == 0 for r in runs.values()) else 1
 
 

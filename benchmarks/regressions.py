@@ -4,24 +4,12 @@ committed baseline.
 Run: ``python benchmarks/regressions.py --check`` (CI runs it; exit 1 on a
 regression), ``--rebaseline`` to rewrite ``results/regressions.json`` (the
 commit that does so says why), ``--targets`` to add the H100 and TPU v5e
-rows (the ``targets`` extra; CI's targets leg).
-
-Each step is a two-layer MLP with a bias (so that one leaf is reduced each
-micro-batch on every path) on 8 CPU devices, ``k = 4``, in the layouts a
-user's setup has: replicated, tensor parallel over ``"model"``, FSDP, HSDP,
-and a 4-stage pipeline with a data axis; each under plain ``jit`` on an
-Explicit mesh (no ``mesh=``) and through ``mesh=`` on an Auto mesh. For each
-compiled step it reads, with the public API only
-(:func:`jaxaccum.compiled_memory`, :mod:`jaxaccum.testing`):
-
-- ``peak_bytes``: the per-device peak of XLA's memory analysis;
-- ``collective_bytes``: every collective's result bytes times its
-  executions per step;
-- ``data_bytes_in_loop``: the bytes of the collectives inside the loop that
-  span a data axis.
-
-Any of them more than 1% above the baseline fails, naming the step and
-both numbers. Nothing runs: the steps are only compiled.
+rows (the ``targets`` extra). Each step is a two-layer MLP with a bias on 8
+CPU devices, ``k = 4``, in the layouts of :data:`LAYOUTS` and a 4-stage
+pipeline, under plain ``jit`` on Explicit axes and through ``mesh=`` on Auto
+axes; :func:`measure` reads its peak, its collective bytes and the bytes of
+the data-axis collectives in the loop (:data:`METRICS`). Any of them more
+than 1% above the baseline fails. Nothing runs.
 """
 
 from __future__ import annotations
@@ -31,13 +19,13 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _paths
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
@@ -211,7 +199,7 @@ def regressions(rows: dict[str, dict], baseline: dict[str, dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = _paths.parser(__doc__, out=False)
   parser.add_argument("--check", action="store_true", help="compare (the default)")
   parser.add_argument("--rebaseline", action="store_true", help="rewrite the baseline")
   parser.add_argument("--targets", action="store_true", help="add the H100/TPU rows")

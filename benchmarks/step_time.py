@@ -3,48 +3,15 @@
 Usage::
 
   python benchmarks/step_time.py [--quick] [--out benchmarks/results]
-
-For every model and every number of micro-batches ``k`` the script builds six
-approaches that all compute the same optimizer update for the same effective
-batch of ``B`` rows (see ``_approaches.py``): full batch, jaxaccum (with and
-without its finite check, ``skip_nonfinite``), optax.microbatch,
-optax.MultiSteps and a naive Python loop. It reports:
-
-- the median wall time of one optimizer step (the whole effective batch plus
-  one update), after compilation and warmup, each timing ended by
-  ``jax.block_until_ready``. The approaches of a configuration are timed in
-  interleaved rounds: round ``r`` times every approach once, in an order
-  rotated by ``r``, so machine noise hits them alike. Judge ratios, not
-  absolute times, on a shared machine;
-- the compiled peak memory, ``argument + output + temp - alias`` from
-  ``compiled.memory_analysis()`` (for MultiSteps and the naive loop the peak
-  of their per-call functions; see ``_approaches.py``);
-- a correctness check: the parameters after one step from the same
-  initialization, compared with the full batch's;
-- jaxaccum's memory bound: the full-batch step compiled at the micro-batch
-  size, plus one float32 accumulator, plus the rest of the batch;
-- the performance targets, PASS or MISS per configuration. Misses are
-  reported; the script never fails on them;
-- an A/A control: the full batch timed a second time (``full_batch_again``)
-  in the same rounds. Its median over the full batch's (``aa_ratio``) is the
-  noise floor of every ratio of the configuration, and a time target counts
-  as passed or missed only where it is within 3% of 1 (``decided``).
-
-Everything runs in one process on JAX's default backend. The results go to
-``<out>/step_time[_quick].json`` and one PNG per model (time and peak memory
-against ``k``). On an accelerator the ``gpu`` preset sizes the models up; use
-``--dtype bfloat16`` for the transformer and ``--micro-batch-sizes`` to sweep
-micro-batch sizes instead of ``k``, e.g. on an H200::
-
   python benchmarks/step_time.py --models transformer --dtype bfloat16 \
     --micro-batch-sizes 1,4,16,64 --rounds 7 --device-note "H200"
 
-On a CPU shared with other work, ``--cpus 0-3`` keeps the run (and XLA's
-threads) on those cores, and more ``--rounds`` and a longer
-``--min-time-ms`` narrow the spread.
-
-Compilation dominates the wall time (every approach compiles per ``k``), so
-size the sweep to the time you have.
+Per model (``_models.py``) and ``k``, :func:`run_config` times, compiles and
+checks the approaches of ``_approaches.py`` and the A/A control;
+:func:`evaluate_targets` holds them to the targets. ``NOTES`` says what the
+JSON's numbers mean. Outputs ``step_time[_quick].json`` and a PNG per model
+in ``--out``; ``--cpus``, ``--rounds`` and ``--min-time-ms`` steady a run on
+a shared machine.
 """
 
 # The manual's blocks below use its typography: multiplication signs, en
@@ -56,9 +23,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import functools
 import gc
 import json
-import math
 import os
 import pathlib
 import platform
@@ -66,7 +33,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import _approaches
@@ -79,21 +46,17 @@ import jaxlib
 import numpy as np
 import optax
 from _report import (
-  AA_TOLERANCE,
   aa_decides,
   aa_note,
-  bullet_list,
-  by_k,
   capital,
   command_line,
+  cpu_model,
   date,
-  duration,
   format_bytes,
-  ks_text,
-  listing,
+  k_axis,
   ms,
+  pyplot,
   ratio,
-  span,
   table,
 )
 from tqdm import tqdm
@@ -109,42 +72,31 @@ MODEL_NAMES = ("dispatch_mlp", "compute_mlp", "transformer")
 #: What the numbers in the JSON mean; stored with the results.
 NOTES = {
   "median_ms": "median over interleaved rounds of the wall time per optimizer "
-  "step (the whole effective batch plus one update), after compilation and "
-  "warmup; each sample times repeats_per_sample back-to-back steps ended by "
-  "jax.block_until_ready, divided by the repeats",
-  "peak_bytes": "argument + output + temp - alias of compiled.memory_analysis(); "
-  "full batch, jaxaccum, optax.microbatch: the whole step (batch included); "
-  "optax.MultiSteps: its per-micro-batch call (one micro-batch, params, "
-  "MultiSteps state); naive loop: max of its micro-batch grad call and its "
-  "update call (resident_bytes adds the live accumulator and optimizer state)",
+  "step (the whole batch, one update), after compilation and warmup; a sample "
+  "is repeats_per_sample steps ended by jax.block_until_ready",
+  "peak_bytes": "argument + output + temp - alias of the compiled step (the "
+  "batch included); MultiSteps: its per-micro-batch call; naive loop: the "
+  "larger of its grad and update calls (resident_bytes adds what stays alive)",
   "jaxaccum_memory_bound": "full-batch step compiled at B/k rows + float32 "
-  "accumulator (params in f32) + input bytes of the other B - B/k rows",
+  "accumulator + input bytes of the other B - B/k rows",
   "correctness": "parameters after one step from the same init vs the full "
   "batch's; tolerance 1e-4 * max|update| + 4 ulp(max|param|)",
-  "jaxpr_effects": "effects of the traced step; any effect disables the C++ "
-  "dispatch fast path of jax.jit (a Python-path overhead on every call)",
+  "jaxpr_effects": "effects of the traced step; any effect disables jax.jit's "
+  "C++ dispatch fast path",
   "micro_batches": "MultiSteps and the naive loop get their micro-batches "
   "pre-sliced (slicing is not timed)",
-  "aa_ratio": "the A/A control: full_batch_again (the full batch's step, timed "
-  "a second time in the same interleaved rounds) over full_batch, median over "
-  "median; a time target is decided (met or missed) only where it is within "
-  "0.03 of 1",
+  "aa_ratio": "full_batch_again (the full batch timed again in the same rounds) "
+  "over full_batch; a time target is decided only within 0.03 of 1",
 }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """The command line."""
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  parser.add_argument(
-    "--quick", action="store_true", help="fewer k, smaller models, fewer rounds"
-  )
-  parser.add_argument(
-    "--out",
-    type=pathlib.Path,
-    help="output folder (default: benchmarks/results; quick: the temporary folder)",
+  parser = _paths.parser(
+    __doc__,
+    quick="fewer k, smaller models, fewer rounds",
+    rounds="timing rounds (default 11, quick 7)",
+    cpus=True,
   )
   parser.add_argument(
     "--models",
@@ -153,10 +105,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   sweep = parser.add_mutually_exclusive_group()
   sweep.add_argument(
-    "--ks", help="comma-separated numbers of micro-batches (default 1,2,4,8,16)"
+    "--ks",
+    type=_paths.ints,
+    help="comma-separated numbers of micro-batches (default 1,2,4,8,16)",
   )
   sweep.add_argument(
     "--micro-batch-sizes",
+    type=_paths.ints,
     help="comma-separated micro-batch sizes m, e.g. 1,2,4,8,16,32,64; "
     "k = B / m per model (sizes that do not divide B are skipped)",
   )
@@ -180,14 +135,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "-lr * grad, so the correctness check compares gradients directly",
   )
   parser.add_argument("--lr", type=float, default=1e-2)
-  parser.add_argument("--rounds", type=int, help="timing rounds (default 11, quick 7)")
   parser.add_argument(
     "--min-time-ms",
     type=float,
     help="repeat a step within one timing until it lasts this long "
     "(default 20, quick 10); the time per step is the average",
   )
-  _timing.add_cpus_argument(parser)
   parser.add_argument(
     "--device-note", default="", help="free text stored with the results"
   )
@@ -195,16 +148,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
-def _ints(text: str) -> list[int]:
-  return [int(part) for part in text.split(",") if part.strip()]
-
-
 def resolve_ks(args: argparse.Namespace, batch_size: int) -> list[int]:
   """The numbers of micro-batches to sweep for a batch of ``batch_size``."""
   if args.micro_batch_sizes:
-    ks = [batch_size // m for m in _ints(args.micro_batch_sizes) if batch_size % m == 0]
+    ks = [batch_size // m for m in args.micro_batch_sizes if batch_size % m == 0]
   else:
-    ks = _ints(args.ks) if args.ks else list(QUICK_KS if args.quick else DEFAULT_KS)
+    ks = args.ks or list(QUICK_KS if args.quick else DEFAULT_KS)
     ks = [k for k in ks if batch_size % k == 0]
   return sorted(set(ks))
 
@@ -216,19 +165,6 @@ def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
   return optax.sgd(lr, momentum=0.9)
 
 
-def _cpu_model() -> str:
-  """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()``
-  is often empty on Linux)."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return ""
-
-
 def machine_info(args: argparse.Namespace, cpus: list[int] | None) -> dict[str, Any]:
   """What ran the benchmark (``cpus``: the CPUs it ran on)."""
   device = jax.devices()[0]
@@ -238,7 +174,7 @@ def machine_info(args: argparse.Namespace, cpus: list[int] | None) -> dict[str, 
     affinity = None
   return {
     "processor": platform.processor(),
-    "cpu_model": _cpu_model(),
+    "cpu_model": cpu_model(),
     "machine": platform.machine(),
     "platform": platform.platform(),
     "python": platform.python_version(),
@@ -276,14 +212,10 @@ def compare_params(
   initial: list[np.ndarray],
   eps: float,
 ) -> dict[str, Any]:
-  """Compares one approach's parameters after a step with the full batch's.
-
-  The tolerance is float rounding: ``1e-4`` of the largest update, plus four
-  units in the last place of the largest parameter (``p - lr * g`` rounds to
-  the parameter's precision, and the gradients are summed in another order).
-  A wrong normalization (a sum instead of a mean, a missing micro-batch)
-  moves the parameters by a sizeable fraction of the update and fails.
-  """
+  """One approach's parameters after a step against the full batch's, within
+  float rounding: ``1e-4`` of the largest update plus four ulps of the
+  largest parameter. A wrong normalization moves them by a sizeable part of
+  the update."""
   max_diff = max(
     float(np.max(np.abs(a - b))) for a, b in zip(params, reference, strict=True)
   )
@@ -323,25 +255,12 @@ TIMED_TARGETS = (
 )
 
 
-def time_step(approach: _approaches.Approach, repeats: int) -> float:
-  """Milliseconds per step over ``repeats`` back-to-back steps."""
-  start = time.perf_counter()
-  for _ in range(repeats):
-    out = approach.step()
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) * 1e3 / repeats
-
-
 def memory_bound(
   model: _models.Model, tx: optax.GradientTransformation, k: int
 ) -> dict[str, int]:
-  """jaxaccum's memory bound for ``k`` micro-batches.
-
-  The full-batch step compiled at the micro-batch size (``B / k`` rows: the
-  parameters, the optimizer state and one micro-batch's activations), plus one
-  float32 accumulator the size of the parameters, plus the input bytes of the
-  other ``B - B / k`` rows of the batch.
-  """
+  """jaxaccum's memory bound for ``k`` micro-batches: the full-batch step
+  compiled at ``B / k`` rows, plus one float32 accumulator the size of the
+  parameters, plus the other ``B - B / k`` rows of the batch."""
   batch_size = model.batch_size
   micro = batch_size // k
   micro_batch = jax.tree.map(
@@ -402,47 +321,29 @@ def run_config(
     for name, params in after_one_step.items()
   }
 
-  # Warmup, then choose how many steps one timing repeats.
-  repeats = {}
-  for a in approaches:
-    jax.block_until_ready(a.step())
-    once = time_step(a, 1)
-    repeats[a.name] = max(1, min(1000, math.ceil(min_time_ms / max(once, 1e-3))))
+  started: dict[str, float] = {}
 
-  # One untimed round first: the first sample after the warmup ran slow
-  # (the A/A control showed it, on the approach timed first).
-  for a in approaches:
-    time_step(a, repeats[a.name])
-
-  timing_start = time.perf_counter()
-  samples: dict[str, list[float]] = {a.name: [] for a in approaches}
-  for r in range(rounds):
+  def progress(r: int) -> None:
     bar.set_postfix_str(f"{model.name} k={k}: round {r + 1}/{rounds}")
-    shift = r % len(approaches)
-    gc.collect()
-    gc.disable()
-    try:
-      for a in approaches[shift:] + approaches[:shift]:
-        samples[a.name].append(time_step(a, repeats[a.name]))
-    finally:
-      gc.enable()
     bar.update(1)
 
-  end = time.perf_counter()
+  samples, repeats = _timing.interleaved(
+    {a.name: a.step for a in approaches},
+    rounds=rounds,
+    min_sample_ms=min_time_ms,
+    max_repeats=1000,
+    after_round=progress,
+    started=started,
+  )
+  timing_start, end = started["timing"], time.perf_counter()
   full_ms = statistics.median(samples[_approaches.FullBatch.name])
   results = {}
   for a in approaches:
-    median = statistics.median(samples[a.name])
-    quartiles = (
-      statistics.quantiles(samples[a.name], n=4) if rounds > 1 else [median] * 3
-    )
+    stats = _timing.quartiles(samples[a.name])
     results[a.name] = {
       "label": a.label,
-      "median_ms": median,
-      "min_ms": min(samples[a.name]),
-      "q1_ms": quartiles[0],
-      "q3_ms": quartiles[2],
-      "ratio_to_full": median / full_ms,
+      **stats,
+      "ratio_to_full": stats["median_ms"] / full_ms,
       "samples_ms": samples[a.name],
       "repeats_per_sample": repeats[a.name],
       "calls_per_step": a.calls_per_step(),
@@ -518,12 +419,7 @@ def evaluate_targets(model_name: str, config: dict[str, Any]) -> list[dict[str, 
   return targets
 
 
-# ---------------------------------------------------------------- the report:
-# the text tables the script prints, and its plots
-
-
-def _mark(ok: bool | None) -> str:
-  return "n/a" if ok is None else ("PASS" if ok else "MISS")
+# ---------------------------------------------------------------- the report
 
 
 def undecided(t: dict[str, Any], config: dict[str, Any]) -> bool:
@@ -532,95 +428,11 @@ def undecided(t: dict[str, Any], config: dict[str, Any]) -> bool:
   return t["target"] in TIMED_TARGETS and not aa_decides(config.get("aa_ratio"))
 
 
-def _fast_path(effects: list[str]) -> str:
-  """``yes``, or ``no`` and the effects that rule out jit's C++ fast path."""
-  return "no: " + ",".join(sorted(set(effects))) if effects else "yes"
-
-
-def model_table(name: str, entry: dict[str, Any]) -> str:
-  """One model's rows: time, ratio, memory and correctness per ``k``."""
-  lines = [
-    "",
-    f"{entry['title']} [{name}]: B={entry['batch_size']}, "
-    f"{entry['num_params']:,} params ({format_bytes(entry['param_bytes'])}), "
-    f"batch {format_bytes(entry['batch_bytes'])}",
-    f"{'k':>4} {'m':>5}  {'approach':<17} {'ms/step':>9} {'x full':>7} {'calls':>6} "
-    f"{'peak':>11} {'x full':>7}  {'max|dp|':>9} {'check':>5}  fast path",
-  ]
-  for config in entry["configs"]:
-    res = config["approaches"]
-    full_peak = res["full_batch"]["peak_bytes"]
-    for i, r in enumerate(res.values()):
-      head = f"{config['k']:>4} {config['micro_batch_size']:>5}" if i == 0 else " " * 10
-      check = r["correctness"]
-      lines.append(
-        f"{head}  {r['label']:<17} {r['median_ms']:>9.3f} {r['ratio_to_full']:>7.2f} "
-        f"{r['calls_per_step']:>6} {format_bytes(r['peak_bytes']):>11} "
-        f"{r['peak_bytes'] / full_peak:>7.2f}  {check['max_abs_diff']:>9.2e} "
-        f"{_mark(check['pass']):>5}  {_fast_path(r['jaxpr_effects'])}"
-      )
-    bound = config["jaxaccum_memory_bound"]
-    lines.append(
-      f"{'':10}  jaxaccum bound {format_bytes(bound['bound_bytes'])} = micro-batch "
-      f"step {format_bytes(bound['micro_step_peak_bytes'])} + f32 accumulator "
-      f"{format_bytes(bound['accumulator_bytes'])} + rest of batch "
-      f"{format_bytes(bound['rest_of_batch_bytes'])}; peak/bound "
-      f"{bound['jaxaccum_peak_over_bound']:.3f}"
-    )
-    lines.append(
-      f"{'':10}  noise floor: {aa_note(config.get('aa_ratio'))} (full batch again "
-      "/ full batch; a time target is decided within 0.03 of 1)"
-    )
-    for t in config["targets"]:
-      note = f" ({t['note']})" if t["note"] else ""
-      mark = "UNDEC" if undecided(t, config) else _mark(t["pass"])
-      lines.append(
-        f"{'':10}  target {t['target']:<30} {t['value']:>7.3f} {t['threshold']:<7} "
-        f"{mark}{note}"
-      )
-  return "\n".join(lines)
-
-
-def summary(results: dict[str, Any]) -> str:
-  """PASS/MISS/undecided counts per target, over all configurations."""
-  counts: dict[str, list[int]] = {}
-  misses: list[str] = []
-  for name, entry in results["models"].items():
-    for config in entry["configs"]:
-      for t in config["targets"]:
-        if t["pass"] is None:
-          continue
-        row = counts.setdefault(t["target"], [0, 0, 0])
-        if undecided(t, config):
-          row[2] += 1
-          continue
-        row[0 if t["pass"] else 1] += 1
-        if not t["pass"]:
-          misses.append(
-            f"  MISS {name} k={config['k']}: {t['target']} = {t['value']:.3f}"
-          )
-  lines = ["", "targets (pass / miss / undecided over configurations):"]
-  lines += [
-    f"  {target:<32} {p:>3} / {m:<3} / {u:<3}" for target, (p, m, u) in counts.items()
-  ]
-  return "\n".join(lines + misses)
-
-
-def tables(results: dict[str, Any]) -> str:
-  """Every model's table and the target summary."""
-  parts = [model_table(name, entry) for name, entry in results["models"].items()]
-  return "\n".join([*parts, summary(results)])
-
-
 def plots(
   results: dict[str, Any], out: pathlib.Path, suffix: str = ""
 ) -> list[pathlib.Path]:
   """One PNG per model: ms/step and peak bytes against ``k``, a line per approach."""
-  import matplotlib  # noqa: PLC0415  (the manual's generator needs no plotting)
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-
+  plt = pyplot()
   paths = []
   machine = results["machine"]
   for name, entry in results["models"].items():
@@ -650,12 +462,8 @@ def plots(
       (ax_time, "median ms / optimizer step"),
       (ax_mem, "XLA peak MiB"),
     ):
-      ax.set_xscale("log", base=2)
-      ax.set_yscale("log")
-      ax.set_xticks(ks, [str(k) for k in ks])
-      ax.set_xlabel(f"micro-batches k (B = {entry['batch_size']})")
-      ax.set_ylabel(ylabel)
-      ax.grid(True, which="both", alpha=0.3)
+      xlabel = f"micro-batches k (B = {entry['batch_size']})"
+      k_axis(ax, ks, ylabel, xlabel=xlabel, logy=True)
     ax_time.legend(fontsize=8)
     ax_mem.legend(fontsize=8)
     fig.suptitle(
@@ -681,40 +489,29 @@ STEP_TIME_COLUMNS = (
   "optax_multisteps",
   "naive_loop",
 )
-STEP_TIME_PEERS = ("optax_microbatch", "optax_multisteps", "naive_loop")
-BOUND_TARGET = 1.05  # step_time.py's target: jaxaccum's peak <= 1.05 x its bound
-PROSE_NAMES = {
-  "dispatch_mlp": "the dispatch-bound MLP",
-  "compute_mlp": "the compute-bound MLP",
-  "transformer": "the transformer",
-}
-
-
-def _step_time_configs(results: dict[str, Any], model: str) -> list[dict[str, Any]]:
-  entry = results["models"].get(model)
-  return entry["configs"] if entry else []
 
 
 def step_time_machine(results: dict[str, Any]) -> str:
   m, s = results["machine"], results["settings"]
-  cores = f"{m['cpu_count']} cores"
+  cpus = str(m["cpu_count"])
   if m.get("pinned"):
-    cores += f", pinned to CPUs {','.join(map(str, m['cpus']))}"
+    cpus += f", pinned to {','.join(map(str, m['cpus']))}"
   elif m.get("cpu_affinity") not in (None, m["cpu_count"]):
-    cores += f", {m['cpu_affinity']} usable"
-  note = f" ({m['device_note']})" if m.get("device_note") else ""
+    cpus += f", {m['cpu_affinity']} usable"
+  backend = f"{m['backend'].upper()} ({m['num_devices']} device)"
+  if m.get("device_note"):
+    backend += f", {m['device_note']}"
   start, end = m["load_average_at_start"][0], m["load_average_at_end"][0]
-  return (
-    f"Measured on {date(m['date'])} with "
-    f"`{command_line('python benchmarks/step_time.py', m.get('argv'))}`: "
-    f"{m['cpu_model'] or m['machine']} ({cores}), {m['backend'].upper()} backend "
-    f"({m['num_devices']} device){note}, jax {m['jax']}, optax {m['optax']}, "
-    f"jaxaccum {m['jaxaccum']}; preset `{s['preset']}`, {s['rounds']} interleaved "
-    f"rounds, samples of at least {s['min_time_ms']:g} ms, "
-    f"`{s['optimizer']}` (learning rate {s['lr']:g}), {s['dtype']}. The "
-    f"one-minute load average was {start:.1f} at the start and {end:.1f} at "
-    f"the end; the run took {duration(results['wall_s'])}."
-  )
+  header = ["measured", "command", "CPU", "cores", "backend", "jax", "optax"]
+  header += ["jaxaccum", "preset", "rounds", "sample, ms", "optimizer (lr)"]
+  header += ["dtype", "load average, start / end", "wall time, s"]
+  row = [date(m["date"])]
+  row += [f"`{command_line('python benchmarks/step_time.py', m.get('argv'))}`"]
+  row += [m["cpu_model"] or m["machine"], cpus, backend, m["jax"], m["optax"]]
+  row += [m["jaxaccum"], f"`{s['preset']}`", s["rounds"], f"{s['min_time_ms']:g}"]
+  row += [f"`{s['optimizer']}` ({s['lr']:g})", s["dtype"]]
+  row += [f"{start:.1f} / {end:.1f}", f"{results['wall_s']:.0f}"]
+  return table(header, [row])
 
 
 def _step_time_table(results: dict[str, Any], model: str) -> str:
@@ -726,18 +523,9 @@ def _step_time_table(results: dict[str, Any], model: str) -> str:
   head = (
     f"**{entry['title']}**, batch {entry['batch_size']:,} rows "
     f"({format_bytes(entry['batch_bytes'])}), {entry['num_params']:,} parameters "
-    f"({format_bytes(entry['param_bytes'])}): median ms per step (× full batch), "
-    "jaxaccum's peak memory against the full batch's, its bound's and "
-    "optax.microbatch's, and the approaches whose parameters after one step "
-    "equal the full batch's"
+    f"({format_bytes(entry['param_bytes'])})"
   )
   has_aa = any("aa_ratio" in c for c in configs)
-  if has_aa:
-    head += (
-      "; A/A: the full batch timed twice in the same rounds, its second median "
-      "over its first (the noise floor of the row's ratios; its time targets "
-      f"count where it is within {AA_TOLERANCE:.0%} of 1)"
-    )
   rows = []
   for c in configs:
     res = c["approaches"]
@@ -775,18 +563,6 @@ def _step_time_table(results: dict[str, Any], model: str) -> str:
   return text
 
 
-def step_time_dispatch_mlp(results: dict[str, Any]) -> str:
-  return _step_time_table(results, "dispatch_mlp")
-
-
-def step_time_compute_mlp(results: dict[str, Any]) -> str:
-  return _step_time_table(results, "compute_mlp")
-
-
-def step_time_transformer(results: dict[str, Any]) -> str:
-  return _step_time_table(results, "transformer")
-
-
 def step_time_targets(results: dict[str, Any]) -> str:
   counts: dict[str, list[int]] = {}
   misses: dict[str, list[str]] = {}
@@ -808,249 +584,18 @@ def step_time_targets(results: dict[str, Any]) -> str:
     [f"`{target}`", p, m, u, "; ".join(misses.get(target, [])) or "–"]
     for target, (p, m, u) in counts.items()
   ]
-  head = (
-    "Over every configuration; a time target counts as passed or missed only "
-    f"where the configuration's A/A ratio is within {AA_TOLERANCE:.0%} of 1."
-    if _has_aa(results)
-    else f"Over every configuration. {capital(aa_note(None))}: its time "
-    "targets are undecided."
-  )
-  return (
-    head
-    + "\n\n"
-    + table(["target", "pass", "miss", "undecided", "misses (value)"], rows)
-  )
-
-
-def _has_aa(results: dict[str, Any]) -> bool:
-  return any(
-    "aa_ratio" in c for entry in results["models"].values() for c in entry["configs"]
-  )
-
-
-def _ratios(
-  configs: list[dict[str, Any]], num: str, den: str | Sequence[str], ks_from: int = 1
-) -> dict[int, float]:
-  """``k -> num's median over den's`` (or over the fastest of ``den``)."""
-  out = {}
-  for c in configs:
-    if c["k"] < ks_from:
-      continue
-    res = c["approaches"]
-    dens = (den,) if isinstance(den, str) else den
-    out[c["k"]] = res[num]["median_ms"] / min(res[d]["median_ms"] for d in dens)
-  return out
-
-
-def step_time_summary(results: dict[str, Any]) -> str:
-  models = {n: _step_time_configs(results, n) for n in PROSE_NAMES}
-  models = {n: c for n, c in models.items() if c}
-  return bullet_list(
-    text
-    for text in (
-      _step_time_memory(models),
-      _step_time_noise(models),
-      _step_time_check(models),
-      _step_time_dispatch(models),
-      _step_time_speed(models),
-      _step_time_correctness(models),
-    )
-    if text
-  )
-
-
-def _step_time_memory(models: dict[str, list[dict[str, Any]]]) -> str:
-  vs_micro, vs_full_last, bound_rows, k1 = [], {}, [], []
-  for name, configs in models.items():
-    for c in configs:
-      res = c["approaches"]
-      peak = res["jaxaccum"]["peak_bytes"]
-      over = c["jaxaccum_memory_bound"]["jaxaccum_peak_over_bound"]
-      bound_rows.append((name, c["k"], over))
-      if c["k"] >= 2:
-        vs_micro.append(peak / res["optax_microbatch"]["peak_bytes"])
-      if c["k"] == 1:
-        k1.append(peak / res["jaxaccum_no_skip"]["peak_bytes"])
-    last = configs[-1]["approaches"]
-    vs_full_last[name] = (
-      configs[-1]["k"],
-      last["jaxaccum"]["peak_bytes"] / last["full_batch"]["peak_bytes"],
-    )
-  text = "**Memory.** "
-  if vs_micro:
-    below = sum(r < 1 for r in vs_micro)
-    text += (
-      f"From k = 2 on, jaxaccum's peak is below optax.microbatch's in {below} "
-      f"of {len(vs_micro)} rows (jaxaccum's over microbatch's: {span(vs_micro)}). "
-    )
-  text += (
-    "At the largest k its peak over the full batch's is "
-    + listing(
-      [
-        f"{ratio(r)} for {PROSE_NAMES[n]} (k = {k})"
-        for n, (k, r) in vs_full_last.items()
-      ]
-    )
-    + ". "
-  )
-  above = [r for r in bound_rows if r[2] > BOUND_TARGET]
-  text += (
-    f"Its peak over the memory bound is at most {BOUND_TARGET:.2f} in "
-    f"{len(bound_rows) - len(above)} of {len(bound_rows)} rows"
-  )
-  if above:
-    text += "; above it: " + listing(
-      [f"{PROSE_NAMES[n]} at k = {k} ({ratio(r)})" for n, k, r in above]
-    )
-  text += "."
-  if k1:
-    text += (
-      " At k = 1 its peak with the finite check over its peak without it is "
-      f"{span(k1)}."
-    )
-  return text
-
-
-def _step_time_noise(models: dict[str, list[dict[str, Any]]]) -> str:
-  """The A/A control: the noise floor of every ratio below."""
-  aas = {n: [c["aa_ratio"] for c in cs if "aa_ratio" in c] for n, cs in models.items()}
-  if not any(aas.values()):
-    return (
-      f"**Noise floor.** {capital(aa_note(None))} (the full batch timed "
-      "twice in the same rounds), so the time targets below are undecided."
-    )
-  decided = sum(aa_decides(a) for v in aas.values() for a in v)
-  return (
-    "**Noise floor.** The full batch timed twice in the same rounds, its "
-    "second median over its first (A/A): "
-    + listing([f"{span(v)} on {PROSE_NAMES[n]}" for n, v in aas.items() if v])
-    + f". Within {AA_TOLERANCE:.0%} of 1, where a time target counts as met "
-    f"or missed, in {decided} of {sum(map(len, aas.values()))} configurations."
-  )
-
-
-def _goal(
-  values: dict[int, float], ok: Callable[[float], bool], configs: list[dict[str, Any]]
-) -> str:
-  """``met at k = 2 and 4, missed at k = 8 and undecided at k = 16 (A/A
-  1.07)``: a time target per k, decided where the A/A control decides."""
-  aa = {c["k"]: c.get("aa_ratio") for c in configs}
-  met = [k for k, v in values.items() if aa_decides(aa[k]) and ok(v)]
-  missed = [k for k, v in values.items() if aa_decides(aa[k]) and not ok(v)]
-  open_ = [k for k in values if not aa_decides(aa[k])]
-  parts = [f"met at {ks_text(met)}"] if met else []
-  parts += [f"missed at {ks_text(missed)}"] if missed else []
-  if open_ and all(aa[k] is None for k in open_):
-    parts.append(f"undecided at {ks_text(open_)}, with {aa_note(None)}")
-  elif open_:
-    parts.append(
-      "undecided at " + listing([f"k = {k} ({aa_note(aa[k])})" for k in open_])
-    )
-  return listing(parts)
-
-
-def _step_time_check(models: dict[str, list[dict[str, Any]]]) -> str:
-  parts = [
-    f"{span(_ratios(c, 'jaxaccum', 'jaxaccum_no_skip').values())} on {PROSE_NAMES[n]}"
-    for n, c in models.items()
-  ]
-  text = (
-    "**The finite check.** `make_train_step` checks that the loss and every "
-    "gradient are finite and otherwise drops the update, which none of the "
-    "peers does. jaxaccum's time with the check over its time without it "
-    f"(`skip_nonfinite=False`) is {listing(parts)}."
-  )
-  if "dispatch_mlp" in models:
-    configs = models["dispatch_mlp"]
-    cost_us = statistics.median(
-      1e3
-      * (
-        c["approaches"]["jaxaccum"]["median_ms"]
-        - c["approaches"]["jaxaccum_no_skip"]["median_ms"]
-      )
-      for c in configs
-    )
-    with_check = _ratios(configs, "jaxaccum", STEP_TIME_PEERS)
-    without = _ratios(configs, "jaxaccum_no_skip", STEP_TIME_PEERS)
-    text += (
-      " On the dispatch-bound MLP, whose full-batch step takes "
-      f"{ms(configs[0]['approaches']['full_batch']['median_ms'])} ms, the check "
-      f"costs {cost_us:.0f} µs per step (median over k), and jaxaccum's time "
-      f"over the best peer's is {span(with_check.values())} with it, "
-      f"{span(without.values())} without it."
-    )
-  return text
-
-
-def _step_time_dispatch(models: dict[str, list[dict[str, Any]]]) -> str:
-  configs = models.get("dispatch_mlp", [])
-  with_check = {
-    k: 1 / r for k, r in _ratios(configs, "jaxaccum", "optax_multisteps", 2).items()
-  }
-  without = {
-    k: 1 / r
-    for k, r in _ratios(configs, "jaxaccum_no_skip", "optax_multisteps", 2).items()
-  }
-  if not with_check:
-    return ""
-  return (
-    "**Dispatch.** jaxaccum makes one call per step where optax.MultiSteps "
-    "makes `k`. On the dispatch-bound MLP MultiSteps' time over jaxaccum's is "
-    f"{by_k(with_check)} with the check "
-    f"({listing([ratio(v) for v in without.values()])} without it). The "
-    f"target, at least 2, is {_goal(with_check, lambda r: r >= 2, configs)}."
-  )
-
-
-def _step_time_speed(models: dict[str, list[dict[str, Any]]]) -> str:
-  text = "**Speed.**"
-  if "compute_mlp" in models:
-    configs = models["compute_mlp"]
-    vs_full = _ratios(configs, "jaxaccum", "full_batch")
-    vs_peer = _ratios(configs, "jaxaccum", STEP_TIME_PEERS, 2)
-    text += (
-      " On the compute-bound MLP jaxaccum's time over the full batch's is "
-      f"{by_k(vs_full)}"
-    )
-    if vs_peer:
-      text += f", and over the best peer's {span(vs_peer.values())} from k = 2 on"
-    text += (
-      f". The target there, at most 1.10 × the full batch, is "
-      f"{_goal(vs_full, lambda r: r <= 1.10, configs)}."
-    )
-  if "transformer" in models:
-    configs = models["transformer"]
-    vs_micro = _ratios(configs, "jaxaccum", "optax_microbatch")
-    vs_full = _ratios(configs, "jaxaccum", "full_batch")
-    text += (
-      " On the transformer its time over optax.microbatch's is "
-      f"{span(vs_micro.values())}, and over the full batch's {by_k(vs_full)}."
-    )
-  return text if text != "**Speed.**" else ""
-
-
-def _step_time_correctness(models: dict[str, list[dict[str, Any]]]) -> str:
-  checks = [
-    c["approaches"][key]["correctness"]["pass"]
-    for configs in models.values()
-    for c in configs
-    for key in STEP_TIME_COLUMNS
-  ]
-  return (
-    f"**Correctness.** In {sum(checks)} of {len(checks)} (approach, k) pairs "
-    "the parameters after one step equal the full batch's within float rounding."
-  )
+  return table(["target", "pass", "miss", "undecided", "misses (value)"], rows)
 
 
 #: The generated blocks this file writes from ``step_time.json``, by name
 #: (``_report.py`` puts each on its page).
 BLOCKS = {
   "step_time machine": step_time_machine,
-  "step_time dispatch_mlp": step_time_dispatch_mlp,
-  "step_time compute_mlp": step_time_compute_mlp,
-  "step_time transformer": step_time_transformer,
   "step_time targets": step_time_targets,
-  "step_time summary": step_time_summary,
+  **{
+    f"step_time {name}": functools.partial(_step_time_table, model=name)
+    for name in MODEL_NAMES
+  },
 }
 
 
@@ -1123,7 +668,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   results["machine"]["load_average_at_end"] = list(os.getloadavg())
   results["wall_s"] = time.perf_counter() - start
 
-  print(tables(results))
+  print(*(block(results) for block in BLOCKS.values()), sep="\n\n")
   walls = ", ".join(f"{n} {e['wall_s']:.0f} s" for n, e in results["models"].items())
   print(f"\nwall time {results['wall_s']:.0f} s ({walls})")
   args.out = _paths.output_folder(args.out, args.quick)
