@@ -246,6 +246,7 @@ class Engine:
       rng_argnum=o.rng_argnum,
       state_argnum=o.state_argnum,
       mask_argnum=o.example_mask,
+      closed_over=jax.tree.leaves(kwargs),
     )
     assemble = self._call_args(args, total)
 
@@ -288,6 +289,9 @@ class Engine:
         state_argnum=o.state_argnum,
         mask_argnum=o.example_mask,
         clip_method=o.clip_method,
+        # fun reaches the keyword arguments by closure: under
+        # clip_per_example only jaxaccum's own hold arrays (check_public_args).
+        closed_over=jax.tree.leaves(kwargs),
       )
       assemble = self._call_args(args, total)
 
