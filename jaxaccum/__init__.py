@@ -70,6 +70,7 @@ from jaxaccum._optim.scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._optim.scaling import warmup as warmup
 from jaxaccum._pipeline.pipeline import pipeline as pipeline
 from jaxaccum._privacy import ClipRecord as ClipRecord
+from jaxaccum._privacy import ClipWithoutNoiseWarning as ClipWithoutNoiseWarning
 from jaxaccum._privacy import DPNoiseState as DPNoiseState
 from jaxaccum._privacy import GhostFallbackWarning as GhostFallbackWarning
 from jaxaccum._privacy import PoissonSampler as PoissonSampler
@@ -86,6 +87,7 @@ __all__ = [
   "AccumulateState",
   "AdamHyperparams",
   "ClipRecord",
+  "ClipWithoutNoiseWarning",
   "CompileTarget",
   "DPNoiseState",
   "Deviation",

@@ -119,6 +119,7 @@ def make_train_step(
   options = _options.create(loss_fn, num_micro_batches, **value_and_grad_kwargs)
   plain = _value_and_grad.Step(loss_fn, options)
   scaled = _value_and_grad.Step(_scaled(loss_fn, options), options)
+  check_noise = NoiseCheck(options)
 
   def step(params, opt_state, /, *args, **kwargs):
     loss_scale = find_loss_scale(opt_state)
@@ -128,7 +129,7 @@ def make_train_step(
       result = scaled(params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs)
       result = _unscaled(result, loss_scale)
     engine_options = plain.engine(len(args) + 1).options
-    noise = _privacy.find_noise(opt_state)
+    noise = check_noise(opt_state)
     extra: dict[str, Any] = {}
     if noise is not None:
       extra["clip_record"] = noise_record(result, options, noise)
@@ -221,6 +222,35 @@ def _unscaled(result: Result, loss_scale: DynamicLossScale) -> Result:
     value=result.value / loss_scale.scale,
     noise=None if result.noise is None else result.noise.unscaled(loss_scale.scale),
   )
+
+
+class NoiseCheck:
+  """The :func:`jaxaccum.dp_noise` in a step's optimizer state, or None,
+  read at trace time, with one :class:`jaxaccum.ClipWithoutNoiseWarning` per
+  step built with ``clip_per_example`` whose optimizer holds none (unless
+  ``clip_without_noise=True``)."""
+
+  def __init__(self, options: _options.Options):
+    self.options = options
+    self.warned = False
+
+  def __call__(self, opt_state: PyTree) -> _privacy.NoiseConfig | None:
+    noise = _privacy.find_noise(opt_state)
+    o = self.options
+    if (
+      noise is None
+      and o.clip_per_example is not None
+      and not o.clip_without_noise
+      and not self.warned
+    ):
+      self.warned = True
+      _privacy.warn_without_noise(
+        f"The train step clips each example's gradient (clip_per_example="
+        f"{o.clip_per_example}), but its optimizer holds no jaxaccum.dp_noise: "
+        "its updates are not private.",
+        stacklevel=4,
+      )
+    return noise
 
 
 def noise_record(

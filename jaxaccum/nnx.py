@@ -95,6 +95,7 @@ def value_and_grad(
   public_argnums: int | Sequence[int] = (),
   clip_record: bool = False,
   clip_method: str = "vmap",
+  clip_without_noise: bool = False,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -148,6 +149,10 @@ def value_and_grad(
       optimizer (or :func:`jaxaccum.nnx.make_train_step`, which does it).
     clip_method: ``"vmap"`` or ``"ghost"``, as in
       :func:`jaxaccum.value_and_grad`.
+    clip_without_noise: with ``clip_per_example``, no
+      :func:`jaxaccum.dp_noise` will see the clipped gradient, on purpose, as
+      in :func:`jaxaccum.value_and_grad`: no
+      :class:`jaxaccum.ClipWithoutNoiseWarning`.
 
   Returns:
     A function ``(*args, **kwargs) -> (value, grads)`` (or
@@ -174,6 +179,7 @@ def value_and_grad(
   """
   # Every parameter above but wrt is an option of the engine: validated once.
   options = _options.create(**{k: v for k, v in locals().items() if k != "wrt"})
+  _value_and_grad.warn_if_without_noise(options)
   run = _accumulated_results(fun, options, wrt)
 
   @functools.wraps(fun)
@@ -475,13 +481,14 @@ def make_train_step(
   wrt = kwargs.pop("wrt")
   options = _options.create(loss_fn, num_micro_batches, **kwargs)
   run = _accumulated_results(loss_fn, options, wrt)
+  check_noise = _train_step.NoiseCheck(options)
   both_update = isinstance(optimizer, flax_nnx.ModelAndOptimizer)
 
   def pure(graphdef, rngs, rest, /, *args, **call_kwargs):
     model, opt = flax_nnx.merge(graphdef, rngs, rest, copy=True)
     result, _ = run(model, *args, **call_kwargs)
     grads = result.grads[0]
-    noise = _privacy.find_noise(opt.opt_state)
+    noise = check_noise(opt.opt_state)
     extra: dict[str, Any] = {}
     if noise is not None:  # dp_noise, as jaxaccum.make_train_step passes it
       extra["clip_record"] = _train_step.noise_record(result, options, noise)

@@ -28,6 +28,9 @@ from scipy import optimize, stats
 import jaxaccum
 from jaxaccum import _privacy
 
+# These tests clip without noise on purpose (the clipped sum is what they check).
+pytestmark = pytest.mark.filterwarnings("ignore::jaxaccum.ClipWithoutNoiseWarning")
+
 EPS = float(jnp.finfo(jnp.float32).eps)
 B, F, H = 32, 3, 4
 C = 0.5  # between the examples' gradient norms: some are clipped, some not

@@ -17,6 +17,8 @@ epsilon right or refused at trace time, naming the fix.
   noise anywhere; the count of changed variables.
 """
 
+import warnings
+
 import chex
 import equinox as eqx
 import jax
@@ -137,7 +139,7 @@ def test_a_loss_closing_over_the_traced_batch_is_refused(closure, method):
   @jax.jit
   def step(params, x, y):
     fun = jaxaccum.value_and_grad(
-      make_loss(x), 2, clip_per_example=C, clip_method=method
+      make_loss(x), 2, clip_per_example=C, clip_method=method, clip_without_noise=True
     )
     return fun(params, (x, y))
 
@@ -188,7 +190,9 @@ def test_nnx_refuses_a_loss_closing_over_the_traced_batch(method):
       xi, yi = example
       return (model((xi - jnp.mean(x, 0)) / jnp.std(x, 0)) - yi) ** 2
 
-    fun = jaxaccum.nnx.value_and_grad(loss, 2, clip_per_example=C, clip_method=method)
+    fun = jaxaccum.nnx.value_and_grad(
+      loss, 2, clip_per_example=C, clip_method=method, clip_without_noise=True
+    )
     return fun(model, (x, y))
 
   with pytest.raises(ValueError, match=CLOSED_OVER):
@@ -226,7 +230,9 @@ def test_an_equinox_model_closing_over_the_traced_batch_is_refused(method):
       xi, yi = example
       return (model((xi - jnp.mean(x, 0)) / jnp.std(x, 0)) - yi) ** 2
 
-    fun = jaxaccum.value_and_grad(loss, 2, clip_per_example=C, clip_method=method)
+    fun = jaxaccum.value_and_grad(
+      loss, 2, clip_per_example=C, clip_method=method, clip_without_noise=True
+    )
     return fun(model, (x, y))
 
   with pytest.raises(ValueError, match=CLOSED_OVER):
@@ -248,6 +254,7 @@ def test_a_concrete_array_closed_over_inside_jit_is_a_constant_and_allowed(metho
     normalize="sum",
     clip_per_example=C,
     clip_method=method,
+    clip_without_noise=True,
   )
   got = jax.jit(fun)(params, batch)
   assert_tree_close(got, clipped_sum(loss, params, batch), tolerance(B))
@@ -268,6 +275,7 @@ def test_parameters_closed_over_outside_jit_are_constants_and_allowed(method):
     normalize="sum",
     clip_per_example=C,
     clip_method=method,
+    clip_without_noise=True,
   )
   assert_tree_close(fun(head, batch), clipped_sum(loss, head, batch), tolerance(B))
 
@@ -294,6 +302,106 @@ def test_a_model_that_changes_its_variables_is_named_with_the_right_count(method
     x, y = example
     return (model(x) - y) ** 2
 
-  fun = jaxaccum.nnx.grad(loss, 2, clip_per_example=C, clip_method=method)
+  fun = jaxaccum.nnx.grad(
+    loss, 2, clip_per_example=C, clip_method=method, clip_without_noise=True
+  )
   with pytest.raises(ValueError, match=r"fun changed 2 of the 2 variables"):
     fun(BatchNormNet(nnx.Rngs(0)), data())
+
+
+# ------------------------------------------------------- clipping without noise
+
+
+def without_noise(caught):
+  return [w for w in caught if issubclass(w.category, jaxaccum.ClipWithoutNoiseWarning)]
+
+
+def count_warnings(build_and_run):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    build_and_run()
+  return without_noise(caught)
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda **kw: jaxaccum.value_and_grad(example_loss, 2, **kw),
+    lambda **kw: jaxaccum.grad(example_loss, 2, **kw),
+    lambda **kw: jaxaccum.nnx.value_and_grad(lambda m, e: m(e[0]) ** 2, 2, **kw),
+    lambda **kw: jaxaccum.nnx.grad(lambda m, e: m(e[0]) ** 2, 2, **kw),
+  ],
+  ids=["value_and_grad", "grad", "nnx.value_and_grad", "nnx.grad"],
+)
+def test_a_clipped_gradient_that_cannot_reach_dp_noise_warns_once(make):
+  caught = count_warnings(lambda: make(clip_per_example=C))
+  assert len(caught) == 1
+  assert "without clip_record=True" in str(caught[0].message)
+  assert "Clipping alone gives no privacy" in str(caught[0].message)
+  assert not count_warnings(lambda: make(clip_per_example=C, clip_record=True))
+  assert not count_warnings(lambda: make(clip_per_example=C, clip_without_noise=True))
+  assert not count_warnings(make)  # no clipping: nothing to say
+
+
+def test_clip_without_noise_needs_clip_per_example():
+  with pytest.raises(ValueError, match="it needs clip_per_example=C"):
+    jaxaccum.grad(example_loss, 2, clip_without_noise=True)
+
+
+@pytest.mark.parametrize(
+  ("tx", "flag", "want"),
+  [("sgd", False, 1), ("dp_noise", False, 0), ("sgd", True, 0)],
+)
+def test_a_train_step_without_dp_noise_warns_once_and_only_once(tx, flag, want):
+  params, batch = params0(), data()
+  tx = noisy_tx() if tx == "dp_noise" else optax.sgd(0.1)
+
+  def run():
+    step = jaxaccum.make_train_step(
+      example_loss, tx, 2, clip_per_example=C, clip_without_noise=flag, donate=False
+    )
+    opt_state = tx.init(params)
+    step(params, opt_state, batch)
+    step(params, opt_state, jax.tree.map(lambda x: x[:8], batch))  # a retrace
+
+  caught = count_warnings(run)
+  assert len(caught) == want
+  if want:
+    assert "its optimizer holds no jaxaccum.dp_noise" in str(caught[0].message)
+
+
+@pytest.mark.parametrize(("tx", "want"), [("sgd", 1), ("dp_noise", 0)])
+def test_an_nnx_train_step_without_dp_noise_warns_once(tx, want):
+  model = NnxNet(nnx.Rngs(0))
+  tx = noisy_tx() if tx == "dp_noise" else optax.sgd(0.1)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def loss(model, example):
+    x, y = example
+    return (model(x) - y) ** 2
+
+  def run():
+    step = jaxaccum.nnx.make_train_step(loss, optimizer, 2, clip_per_example=C)
+    step(model, data())
+    step(model, data())
+
+  caught = count_warnings(run)
+  assert len(caught) == want
+
+
+def test_accumulate_given_a_record_without_dp_noise_warns_once():
+  grad = jaxaccum.grad(
+    example_loss, 1, normalize="sum", clip_per_example=C, clip_record=True
+  )
+  params, (x, y) = params0(), data()
+  tx = jaxaccum.accumulate(optax.sgd(0.1), 2)
+
+  def run():
+    state = tx.init(params)
+    for i in range(4):
+      rows = slice(4 * i, 4 * (i + 1))
+      _, state = tx.update(grad(params, (x[rows], y[rows])), state, params)
+
+  caught = count_warnings(run)
+  assert len(caught) == 1
+  assert "its inner optimizer holds no jaxaccum.dp_noise" in str(caught[0].message)

@@ -380,6 +380,7 @@ def accumulate(
   _normalize.check_accum_dtype(accum_dtype)
   auto = _autopilot.is_auto(every_k)
   noise_stats = noise_stats or auto  # the autopilot steers by the noise
+  warned: list[bool] = []  # one ClipWithoutNoiseWarning per accumulate()
 
   def init_fn(params):
     return _init_state(inner, params, accum_dtype, loss_scale, every_k)
@@ -390,6 +391,15 @@ def accumulate(
     grads, record = _privacy.accumulated_record(
       grads, extra_args.pop("clip_record", None), noise_config
     )
+    if record is not None and noise_config is None and not warned:
+      warned.append(True)
+      _privacy.warn_without_noise(
+        "accumulate() was given a jaxaccum.ClipRecord, a clipped sum, but its "
+        "inner optimizer holds no jaxaccum.dp_noise: each window's update is "
+        "not private (accumulate(optax.chain(jaxaccum.dp_noise(...), ...), k) "
+        "adds the noise once per window).",
+        stacklevel=3,
+      )
     if weight is None and record is not None:
       weight = record.examples
     weight = _check_update_args(grads, state, weight)

@@ -29,6 +29,7 @@ from jaxaccum._privacy.clipping import ghost_objective as ghost_objective
 from jaxaccum._privacy.clipping import public_fix as public_fix
 from jaxaccum._privacy.ghost import GhostFallbackWarning as GhostFallbackWarning
 from jaxaccum._privacy.noise import ClipRecord as ClipRecord
+from jaxaccum._privacy.noise import ClipWithoutNoiseWarning as ClipWithoutNoiseWarning
 from jaxaccum._privacy.noise import DPNoiseState as DPNoiseState
 from jaxaccum._privacy.noise import NoiseConfig as NoiseConfig
 from jaxaccum._privacy.noise import accumulated_record as accumulated_record
@@ -37,4 +38,5 @@ from jaxaccum._privacy.noise import dp_noise as dp_noise
 from jaxaccum._privacy.noise import find_noise as find_noise
 from jaxaccum._privacy.noise import noise_config as noise_config
 from jaxaccum._privacy.noise import record_of as record_of
+from jaxaccum._privacy.noise import warn_without_noise as warn_without_noise
 from jaxaccum._privacy.sampling import PoissonSampler as PoissonSampler

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +24,36 @@ from jaxaccum._options import check_clip_norm
 PyTree = Any
 
 NORMALIZATIONS = ("poisson", "fixed")
+
+
+class ClipWithoutNoiseWarning(UserWarning):
+  """Each example's gradient is clipped (``clip_per_example``) where no
+  :func:`jaxaccum.dp_noise` can add noise to it: clipping alone gives no
+  privacy.
+
+  Warned once where that is visible: by ``value_and_grad`` and ``grad``
+  (also ``jaxaccum.nnx``'s) built with ``clip_per_example`` but without
+  ``clip_record=True`` (their gradient cannot reach ``dp_noise``), by
+  ``make_train_step`` (and ``jaxaccum.nnx.make_train_step``) whose optimizer
+  holds no ``dp_noise``, and by :func:`jaxaccum.accumulate` given a
+  :class:`ClipRecord` with no ``dp_noise`` in its inner optimizer. Pass
+  ``clip_without_noise=True`` with ``clip_per_example`` where clipping alone
+  is meant (noise added by your own code, or clipping for robustness), or
+  filter the warning by this class.
+  """
+
+
+def warn_without_noise(where: str, stacklevel: int = 3) -> None:
+  """A :class:`ClipWithoutNoiseWarning` saying where clipping meets no noise."""
+  warnings.warn(
+    f"{where} Clipping alone gives no privacy. Put jaxaccum.dp_noise(...) first "
+    "in the optimizer (optax.chain(jaxaccum.dp_noise(...), ...)); pass "
+    "clip_without_noise=True with clip_per_example where clipping without "
+    "noise is meant (noise added by your own code, or clipping for "
+    "robustness).",
+    ClipWithoutNoiseWarning,
+    stacklevel=stacklevel,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
