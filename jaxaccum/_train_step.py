@@ -133,7 +133,7 @@ def make_train_step(
     extra: dict[str, Any] = {}
     if noise is not None:
       extra["clip_record"] = noise_record(result, options, noise)
-    ok = worth_a_step(result, options, noise)
+    ok = worth_a_step(result, options, noise, extra.get("clip_record"))
     if engine_options.state_argnum is not None and skip_nonfinite:
       # A skipped step leaves the threaded state (BatchNorm statistics) as it
       # was too: one bad batch must not poison every later step.
@@ -260,9 +260,13 @@ def noise_record(
   :func:`jaxaccum.dp_noise` hands its optimizer with the gradient, after
   checking the noise against the step's options."""
   _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
-  assert options.clip_per_example is not None
+  assert options.clip_per_example is not None and result.sums is not None
   return _privacy.record_of(
-    result.grads[0], result.total_weight, options.clip_per_example, options.normalize
+    result.grads[0],
+    result.total_weight,
+    options.clip_per_example,
+    options.normalize,
+    result.sums[0],
   )
 
 
@@ -270,6 +274,7 @@ def worth_a_step(
   result: Result,
   options: _options.Options,
   noise: _privacy.NoiseConfig | None = None,
+  record: _privacy.ClipRecord | None = None,
 ) -> jax.Array:
   """The step is taken only if its value and gradients are finite and, with
   ``normalize="weighted"``, its total weight is not zero (a batch of padding
@@ -277,14 +282,21 @@ def worth_a_step(
 
   With ``clip_per_example`` the value does not count (an example whose loss
   is not finite already added nothing to the gradient, and a step must not
-  depend on one example), and a batch without real examples is skipped
-  unless the noise is divided by the expected batch size: under Poisson
-  sampling an empty draw is part of the mechanism, and its step is noise."""
-  ok = _tree.all_finite(result.grads)
+  depend on one example). With :func:`jaxaccum.dp_noise` (its ``record``)
+  the decision reads only the clipped sum and what the noise divides by: a
+  batch without real examples is skipped where that is their count
+  (``"fixed"``, public at a fixed batch size), and never where it is a
+  public number (under Poisson sampling an empty draw is part of the
+  mechanism, and its step is noise). The private total weight of a weighted
+  step decides nothing."""
   if options.clip_per_example is not None:
-    if noise is None or noise.normalize == "fixed":
-      ok = ok & (result.total_weight != 0)
-    return ok
+    if noise is not None and record is not None:
+      ok = _tree.all_finite(record.clipped_sum)
+      if noise.public_denominator is None:
+        ok = ok & (record.examples != 0)
+      return ok
+    return _tree.all_finite(result.grads) & (result.total_weight != 0)
+  ok = _tree.all_finite(result.grads)
   ok = ok & jnp.all(jnp.isfinite(result.value))
   if options.normalize == "weighted":
     ok = ok & (result.total_weight != 0)

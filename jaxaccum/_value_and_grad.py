@@ -327,9 +327,14 @@ def recorded(result: _engine.Result, options: _options.Options) -> _engine.Resul
   ``clip_record=True``."""
   if not options.clip_record:
     return result
-  assert options.clip_per_example is not None
+  assert options.clip_per_example is not None and result.sums is not None
   record = _privacy.record_of(
-    result.grads[0], result.total_weight, options.clip_per_example, options.normalize
+    result.grads[0],
+    result.total_weight,
+    options.clip_per_example,
+    options.normalize,
+    result.sums[0],
+    ticket=True,  # the record leaves jaxaccum: each update takes it once
   )
   return result._replace(grads=(record,))
 

@@ -228,7 +228,10 @@ def _accumulated_results(
     result = step_for(user, layout)(tuple(diff_states), threaded, *plain, **kwargs)
     aux, new_threaded = result.aux
     _write_back(args, layout, new_threaded)
-    return result._replace(aux=aux, grads=tuple(result.grads[0])), user
+    assert result.sums is not None
+    return result._replace(
+      aux=aux, grads=tuple(result.grads[0]), sums=tuple(result.sums[0])
+    ), user
 
   return run
 
@@ -499,7 +502,7 @@ def make_train_step(
     parts: tuple[Any, ...] = flax_nnx.split((model, opt), flax_nnx.RngState, ...)
     _, new_rngs, new_rest = parts
     if skip_nonfinite:
-      ok = _train_step.worth_a_step(result, options, noise)
+      ok = _train_step.worth_a_step(result, options, noise, extra.get("clip_record"))
       new_rest = _tree.select(ok, new_rest, _tree.cast_like(rest, new_rest))
     value = (result.value, result.aux) if options.has_aux else result.value
     return new_rngs, new_rest, (value, result.noise) if options.noise_stats else value

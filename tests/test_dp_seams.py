@@ -23,6 +23,7 @@ import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import linen as nn
@@ -405,3 +406,294 @@ def test_accumulate_given_a_record_without_dp_noise_warns_once():
   caught = count_warnings(run)
   assert len(caught) == 1
   assert "its inner optimizer holds no jaxaccum.dp_noise" in str(caught[0].message)
+
+
+# ------------------------------------ the noise's denominator: every combination
+
+SIGMA, EBS, EW = 0.8, 12.0, 40.0  # expected examples, expected total weight
+MASK = (jnp.arange(B) % 4 != 3).astype(jnp.float32)  # 12 real rows of 16
+TOKENS = jnp.arange(B) % 5 + 1.0  # each example's weight (its token count)
+
+NOISES = {
+  "poisson": {"normalize": "poisson", "expected_batch_size": EBS},
+  "poisson+expected_weight": {"normalize": "poisson", "expected_weight": EW},
+  "fixed": {"normalize": "fixed"},
+  "fixed+expected_weight": {"normalize": "fixed", "expected_weight": EW},
+}
+
+
+def weighted_loss(p, example):
+  """One example's (loss_sum, weight): the loss does not read the weight, so
+  that a weight changed alone must not change the update."""
+  x, y, w = example
+  return example_loss(p, (x, y)), w
+
+
+def dp_sgd_by_hand(params, batch, mask, key, divide_by, *, loss=example_loss):
+  """DP-SGD by hand: the clipped sum of the masked rows, plus dp_noise's
+  first draw (``fold_in(key, 0)``, leaf i from ``split(.., n)[i]``), divided
+  by ``divide_by``, one SGD step of rate 1."""
+  total = clipped_sum(loss, params, batch, mask)
+  leaves, treedef = jax.tree.flatten(total)
+  keys = jax.random.split(jax.random.fold_in(key, 0), len(leaves))
+  noisy = [
+    (g + SIGMA * C * jax.random.normal(k, g.shape)) / divide_by
+    for g, k in zip(leaves, keys, strict=True)
+  ]
+  return jax.tree.map(lambda p, g: p - g, params, jax.tree.unflatten(treedef, noisy))
+
+
+COUNT = object()  # the count of real examples, public at a fixed batch size
+WEIGHTED_PRIVATE = "which is private"
+FOR_WEIGHTED = "is the public denominator of weighted"
+STEP_TABLE = [  # (the step's normalize, dp_noise, the denominator or the error)
+  ("mean", "poisson", EBS),
+  ("mean", "poisson+expected_weight", FOR_WEIGHTED),
+  ("mean", "fixed", COUNT),
+  ("mean", "fixed+expected_weight", FOR_WEIGHTED),
+  ("sum", "poisson", EBS),
+  ("sum", "poisson+expected_weight", FOR_WEIGHTED),
+  ("sum", "fixed", 'the step\'s normalize="sum" divides by nothing'),
+  ("sum", "fixed+expected_weight", FOR_WEIGHTED),
+  ("weighted", "poisson", WEIGHTED_PRIVATE),
+  ("weighted", "poisson+expected_weight", EW),
+  ("weighted", "fixed", WEIGHTED_PRIVATE),  # divided by the private weight
+  ("weighted", "fixed+expected_weight", EW),
+]
+
+
+@pytest.mark.parametrize(
+  ("normalize", "noise", "want"),
+  STEP_TABLE,
+  ids=[f"{n} step, dp_noise {z}" for n, z, _ in STEP_TABLE],
+)
+def test_each_train_step_cell_is_dp_sgd_over_a_public_number_or_refused(
+  normalize, noise, want
+):
+  key = jax.random.key(7)
+  tx = optax.chain(jaxaccum.dp_noise(SIGMA, C, key, **NOISES[noise]), optax.sgd(1.0))
+  weighted = normalize == "weighted"
+  loss = weighted_loss if weighted else example_loss
+  step = jaxaccum.make_train_step(
+    loss, tx, 2, normalize=normalize, clip_per_example=C, donate=False
+  )
+  params, (x, y) = params0(), data()
+  batch = (x, y, TOKENS) if weighted else (x, y)
+  if isinstance(want, str):
+    with pytest.raises(ValueError, match=want) as error:
+      step(params, tx.init(params), batch, example_mask=MASK)
+    if weighted:
+      assert "expected_weight=W" in str(error.value)
+    return
+  new, opt_state, _ = step(params, tx.init(params), batch, example_mask=MASK)
+  divide_by = float(MASK.sum()) if want is COUNT else want
+  per_example = (lambda p, e: loss(p, e)[0]) if weighted else loss
+  want_params = dp_sgd_by_hand(params, batch, MASK, key, divide_by, loss=per_example)
+  assert_tree_close(new, want_params, tolerance(B) + 1e-6)
+  assert int(opt_state[0].draws) == 1
+
+
+ACCUMULATE_TABLE = [  # (weight= given, dp_noise, the denominator or the error)
+  (False, "poisson", EBS),
+  (False, "poisson+expected_weight", "pass each call's weight="),
+  (False, "fixed", COUNT),
+  (False, "fixed+expected_weight", "pass each call's weight="),
+  (True, "poisson", WEIGHTED_PRIVATE),  # the weights were silently unused
+  (True, "poisson+expected_weight", EW),
+  (True, "fixed", WEIGHTED_PRIVATE),  # divided by the private weight
+  (True, "fixed+expected_weight", EW),
+]
+
+
+def accumulated(noise, weights, key=None, k=4):
+  """One window of accumulate(chain(dp_noise, sgd(1)), k) fed the clipped
+  sums of the micro-batches of (data(), MASK), with ``weights`` (one per
+  call) as weight= when given; the parameters after it."""
+  key = jax.random.key(11) if key is None else key
+  tx = jaxaccum.accumulate(
+    optax.chain(jaxaccum.dp_noise(SIGMA, C, key, **NOISES[noise]), optax.sgd(1.0)),
+    k,
+  )
+  grad = jaxaccum.grad(
+    example_loss, 1, normalize="sum", clip_per_example=C, clip_record=True
+  )
+  params, batch, m = params0(), data(), B // k
+  state = tx.init(params)
+  for i in range(k):
+    rows = slice(i * m, (i + 1) * m)
+    record = grad(
+      params, jax.tree.map(lambda x, r=rows: x[r], batch), example_mask=MASK[rows]
+    )
+    kwargs = {} if weights is None else {"weight": weights[i]}
+    updates, state = tx.update(record, state, params, **kwargs)
+  return optax.apply_updates(params, updates), state
+
+
+@pytest.mark.parametrize(
+  ("weighted", "noise", "want"),
+  ACCUMULATE_TABLE,
+  ids=[
+    f"accumulate {'with' if w else 'without'} weight=, dp_noise {z}"
+    for w, z, _ in ACCUMULATE_TABLE
+  ],
+)
+def test_each_accumulate_cell_is_dp_sgd_over_a_public_number_or_refused(
+  weighted, noise, want
+):
+  weights = (
+    jnp.sum(TOKENS.reshape(4, -1) * MASK.reshape(4, -1), 1) if weighted else None
+  )
+  if isinstance(want, str):
+    with pytest.raises(ValueError, match=want):
+      accumulated(noise, weights)
+    return
+  new, state = accumulated(noise, weights)
+  divide_by = float(MASK.sum()) if want is COUNT else want
+  params, batch = params0(), data()
+  want_params = dp_sgd_by_hand(params, batch, MASK, jax.random.key(11), divide_by)
+  assert_tree_close(new, want_params, tolerance(B) + 1e-6)
+  assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("noise", ["poisson+expected_weight", "fixed+expected_weight"])
+def test_the_private_total_weight_enters_no_update_of_a_weighted_step(noise):
+  """The leak: an update divided by the batch's total weight W has norm
+  about sigma C |z| / W, and told one extra token in one example apart in
+  200 of 200 draws at sigma = 10. Under a public denominator the update is
+  the same, bit for bit, whatever the weights (one more token, a zero, a
+  NaN, all zero: a batch the weighted step would skip)."""
+  tx = optax.chain(
+    jaxaccum.dp_noise(SIGMA, C, jax.random.key(3), **NOISES[noise]), optax.sgd(1.0)
+  )
+  step = jaxaccum.make_train_step(
+    weighted_loss, tx, 2, normalize="weighted", clip_per_example=C, donate=False
+  )
+  params, (x, y) = params0(), data()
+  opt_state = tx.init(params)
+
+  def update(tokens):
+    return step(params, opt_state, (x, y, tokens), example_mask=MASK)[0]
+
+  want = update(TOKENS)
+  for tokens in (
+    TOKENS.at[0].add(1.0),
+    TOKENS.at[5].set(0.0),
+    TOKENS.at[5].set(jnp.nan),
+    jnp.zeros(B),
+  ):
+    chex.assert_trees_all_equal(update(tokens), want)
+  assert not np.allclose(want["w1"], params["w1"])  # a step, not a skip
+
+
+def test_the_private_weights_enter_no_update_of_a_weighted_window():
+  """accumulate(..., weight=) under a public denominator: the window's update
+  is the same whatever the weights, and a micro-batch is not dropped for a
+  weight that is not finite (that would drop its examples' clipped sums)."""
+  want, _ = accumulated("fixed+expected_weight", jnp.array([3.0, 4.0, 5.0, 6.0]))
+  for weights in (jnp.array([3.0, 4.0, 6.0, 6.0]), jnp.array([3.0, 0.0, jnp.nan, 6.0])):
+    got, state = accumulated("fixed+expected_weight", weights)
+    chex.assert_trees_all_equal(got, want)
+    assert int(state.num_skipped) == 0
+
+
+# ------------------------------------------------------------- ClipRecord's checks
+
+USED_TWICE = "was given to an update before"
+
+
+def record_maker():
+  return jaxaccum.grad(
+    example_loss, 1, normalize="sum", clip_per_example=C, clip_record=True
+  )
+
+
+def noisy_window(k=4):
+  return jaxaccum.accumulate(noisy_tx(), k)
+
+
+def micro_batch(i, m=4):
+  return jax.tree.map(lambda x: x[i * m : (i + 1) * m], data())
+
+
+def test_a_record_fed_twice_to_an_eager_accumulate_is_refused():
+  grad, tx, params = record_maker(), noisy_window(), params0()
+  record = grad(params, micro_batch(0))
+  state = tx.init(params)
+  _, state = tx.update(record, state, params)
+  with pytest.raises(ValueError, match=USED_TWICE):
+    tx.update(record, state, params)
+  _, state = tx.update(grad(params, micro_batch(1)), state, params)  # a new one
+  assert int(state.micro_step) == 2
+
+
+def test_a_record_fed_twice_to_a_jitted_accumulate_is_refused_before_any_result():
+  grad, tx, params = record_maker(), noisy_window(k=2), params0()
+  update = jax.jit(tx.update)
+  record = grad(params, micro_batch(0))
+  _, state = update(record, tx.init(params), params)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=USED_TWICE):
+    updates, after = update(record, state, params)  # it would end the window
+    jax.block_until_ready((updates, after))
+  assert int(state.micro_step) == 1  # what the caller holds is the state before
+
+
+def test_a_record_used_twice_inside_one_jitted_function_is_refused():
+  grad, tx, params = record_maker(), noisy_window(), params0()
+
+  @jax.jit
+  def twice(params, state, batch):
+    record = grad(params, batch)
+    _, state = tx.update(record, state, params)
+    return tx.update(record, state, params)
+
+  with pytest.raises(jax.errors.JaxRuntimeError, match=USED_TWICE):
+    jax.block_until_ready(twice(params, tx.init(params), micro_batch(0)))
+
+
+def test_a_record_closed_over_by_a_jitted_update_is_taken_on_every_run():
+  """Taken at trace time, a constant record would be taken once for any
+  number of runs of the compiled update."""
+  grad, tx, params = record_maker(), noisy_window(), params0()
+  record = grad(params, micro_batch(0))
+  update = jax.jit(lambda state: tx.update(record, state, params))
+  _, state = update(tx.init(params))
+  with pytest.raises(jax.errors.JaxRuntimeError, match=USED_TWICE):
+    jax.block_until_ready(update(state))
+
+
+def test_a_record_given_twice_to_dp_noise_itself_is_refused():
+  grad, params = (
+    jaxaccum.grad(example_loss, 2, clip_per_example=C, clip_record=True),
+    params0(),
+  )
+  tx = noisy_tx()
+  record = grad(params, data())
+  _, state = tx.update(record.grads, tx.init(params), params, clip_record=record)
+  with pytest.raises(ValueError, match=USED_TWICE):
+    tx.update(record.grads, state, params, clip_record=record)
+
+
+def test_records_made_by_a_jitted_step_fed_once_each_in_any_order_are_taken():
+  """Each run of a compiled step gets its own serial (a host callback, not a
+  constant of the trace), and the order they are fed in does not matter."""
+  grad, tx, params = jax.jit(record_maker()), noisy_window(k=3), params0()
+  same = micro_batch(0)
+  records = [grad(params, same), grad(params, same), grad(params, micro_batch(1))]
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for record in reversed(records):
+    updates, state = update(record, state, params)
+  assert int(state.step) == 1
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+def test_a_record_built_by_hand_is_refused():
+  params = params0()
+  grads = jax.tree.map(jnp.ones_like, params)
+  forged = jaxaccum.ClipRecord(grads, jnp.float32(1), jnp.float32(4), C, "sum")
+  tx = noisy_window()
+  with pytest.raises(ValueError, match="that no clipped step made"):
+    tx.update(forged, tx.init(params), params)
+  noise = noisy_tx()
+  with pytest.raises(ValueError, match="that no clipped step made"):
+    noise.update(grads, noise.init(params), params, clip_record=forged)
