@@ -697,3 +697,53 @@ def test_a_record_built_by_hand_is_refused():
   noise = noisy_tx()
   with pytest.raises(ValueError, match="that no clipped step made"):
     noise.update(grads, noise.init(params), params, clip_record=forged)
+
+
+# ---------------------------------------- the epsilon of fixed-size batches
+
+
+@pytest.mark.parametrize(
+  ("rate", "sigma", "steps"), [(0.01, 1.1, 1000), (0.1, 2.0, 50)]
+)
+def test_fixed_size_batches_are_accounted_for_by_dp_accountings_own_event(
+  rate, sigma, steps
+):
+  """Batches of B = q N drawn without replacement, replace-one adjacency: the
+  sum's sensitivity is 2 C, so the Gaussian event's multiplier is sigma / 2."""
+  import dp_accounting  # noqa: PLC0415
+
+  n = 10_000
+  counter = dp_accounting.rdp.RdpAccountant(
+    neighboring_relation=dp_accounting.privacy_accountant.NeighboringRelation.REPLACE_ONE
+  )
+  event = dp_accounting.SampledWithoutReplacementDpEvent(
+    n, round(rate * n), dp_accounting.GaussianDpEvent(sigma / 2)
+  )
+  counter.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+  want = counter.get_epsilon(1e-5)
+  got = jaxaccum.dp_epsilon(rate, sigma, steps, 1e-5, sampling="fixed", num_examples=n)
+  assert got == want
+  # Replace-one is the weaker guarantee at the same sigma and rate.
+  assert got > jaxaccum.dp_epsilon(rate, sigma, steps, 1e-5, accountant="rdp")
+
+
+def test_the_whole_data_set_as_one_fixed_batch_is_the_gaussian_at_half_sigma():
+  """At B = N every step is the whole data set, under either sampling:
+  replace-one at sigma is add-or-remove-one at sigma / 2 (another event and
+  another code path in dp-accounting)."""
+  fixed = jaxaccum.dp_epsilon(1.0, 2.0, 3, 1e-5, sampling="fixed", num_examples=100)
+  poisson = jaxaccum.dp_epsilon(1.0, 1.0, 3, 1e-5, accountant="rdp")
+  np.testing.assert_allclose(fixed, poisson, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "want"),
+  [
+    ({}, "sampling='fixed' needs num_examples=N"),
+    ({"num_examples": 1001}, "must be a whole number"),
+    ({"num_examples": 1000, "accountant": "pld"}, "Rényi DP accountant only"),
+  ],
+)
+def test_fixed_size_accounting_arguments_are_named(kwargs, want):
+  with pytest.raises(ValueError, match=want):
+    jaxaccum.dp_epsilon(0.01, 1.0, 10, 1e-5, sampling="fixed", **kwargs)
