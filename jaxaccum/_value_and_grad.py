@@ -234,7 +234,12 @@ def value_and_grad(
       Row ``j`` of micro-batch ``i`` gets the key ``fold_in(key_i, j)``. Add
       the noise with :func:`jaxaccum.dp_noise`. Every other argument that
       holds arrays is a ``ValueError`` unless listed in ``public_argnums``,
-      and so is an array passed by keyword.
+      and so is an array passed by keyword, and an array that ``fun`` closes
+      over from an enclosing trace (a loss defined inside your ``jax.jit``
+      that reads the traced batch: a BatchNorm over its statistics, in-batch
+      negatives); pass such an array as an argument. Constants that ``fun``
+      closes over (a concrete array, parameters closed over outside
+      ``jit``) are allowed, and taken as public, as the parameters are.
     public_argnums: with ``clip_per_example``, the arguments besides the
       differentiated ones, the batch and the key that every example's loss
       may read, declared to depend on no example: a learning-rate schedule's

@@ -6,8 +6,8 @@ differentiated, split (``batch_argnums``), the key, or declared public
 escapes that rule: a loss defined inside the user's ``jax.jit`` may close
 over the traced batch itself (a BatchNorm over the batch's mean and std,
 in-batch contrastive negatives), and every example's loss then reads every
-example. One removed example moved such a clipped sum by 14 C at B = 16,
-where the bound is C.
+example. In the check that found it (issue 44), one removed example moved
+such a clipped sum by 14 C at B = 16, where the bound is C.
 
 ``jax.make_jaxpr`` inside an enclosing trace turns such an array into a
 *const* of the closed jaxpr that is a tracer of the enclosing trace, while
