@@ -92,5 +92,7 @@ def refuse_traced_consts(closed: Any, closed_over: Sequence[Any] = ()) -> None:
     "value, a frozen table; a key goes by rng_argnum=), or make it part of the "
     "batch (batch_argnums=) if it holds examples, so that each example sees "
     "only its own row. Constants are allowed: a concrete array, or parameters "
-    "closed over outside jit."
+    "closed over outside jit. (An array computed inside the jit is traced even "
+    "where it depends on no example, a positional table made there, say: "
+    "compute it outside the jit, or pass it with public_argnums=.)"
   )
