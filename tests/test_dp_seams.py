@@ -5,14 +5,16 @@ epsilon right or refused at trace time, naming the fix.
 - A loss that closes over an array traced by an enclosing ``jit`` (the batch
   itself: a hand-written BatchNorm over its mean and std, in-batch
   contrastive negatives, Linen's ``BatchNorm`` in training mode) carried
-  every example into every example's loss; the clipped sum moved by 14 C at
-  B = 16 where the bound is C.
+  every example into every example's loss (in the issue's check, the clipped
+  sum moved by 14 C at B = 16 where the bound is C).
 - ``normalize="weighted"`` with ``dp_noise(normalize="fixed")`` (and
   ``accumulate(..., weight=)``) divided the noise by the batch's private
   total weight, which the update's norm gives away. Every combination of the
-  step's ``normalize``, the noise's ``normalize``, ``weight=`` and the
-  sampling is one test below, accepted with its update checked against DP-SGD
-  by hand, or refused (the table in ``docs/privacy.md``).
+  step's ``normalize`` (or ``accumulate``'s ``weight=``) and ``dp_noise``'s
+  ``normalize`` and ``expected_weight`` is one test below, accepted with its
+  update checked against DP-SGD by hand, or refused (the table in
+  ``docs/privacy.md``); the sampling, which jaxaccum does not see, decides
+  the epsilon, and ``dp_epsilon``'s two samplings are tested last.
 - A ``ClipRecord`` fed twice, or not made by a clipped step; clipping with no
   noise anywhere; the count of changed variables.
 """
