@@ -506,6 +506,7 @@ def exact_rows(ks: tuple[int, ...]) -> list[dict[str, Any]]:
           normalize="sum",
           clip_per_example=clip,
           clip_method="ghost",
+          clip_without_noise=True,  # measured, not trained
           **options,
         )
         with warnings.catch_warnings(record=True) as caught, jax.set_mesh(mesh):

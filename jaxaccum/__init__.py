@@ -71,6 +71,7 @@ from jaxaccum._optim.scaling import warmup as warmup
 from jaxaccum._parallel import DataParallel as DataParallel
 from jaxaccum._pipeline.pipeline import pipeline as pipeline
 from jaxaccum._privacy import ClipRecord as ClipRecord
+from jaxaccum._privacy import ClipWithoutNoiseWarning as ClipWithoutNoiseWarning
 from jaxaccum._privacy import DPNoiseState as DPNoiseState
 from jaxaccum._privacy import GhostFallbackWarning as GhostFallbackWarning
 from jaxaccum._privacy import PoissonSampler as PoissonSampler
@@ -87,6 +88,7 @@ __all__ = [
   "AccumulateState",
   "AdamHyperparams",
   "ClipRecord",
+  "ClipWithoutNoiseWarning",
   "CompileTarget",
   "DPNoiseState",
   "DataParallel",

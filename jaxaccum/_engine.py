@@ -132,6 +132,9 @@ class Result(NamedTuple):
       ``jax.grad`` gives.
     noise: the step's :class:`GradientNoise` (None unless ``noise_stats``).
     total_weight: the sum of the weights; shape=(), float32 (or wider).
+    sums: the gradient sums before normalization, one tree per entry of
+      ``argnums``, in the accumulator's dtype: with ``clip_per_example`` the
+      clipped sums that :func:`jaxaccum.dp_noise` adds its noise to.
   """
 
   value: jax.Array
@@ -139,6 +142,7 @@ class Result(NamedTuple):
   grads: tuple[PyTree, ...]
   noise: _noise_scale.GradientNoise | None
   total_weight: jax.Array
+  sums: tuple[PyTree, ...] | None = None
 
   def arranged(self, options: Options) -> Any:
     """What ``jaxaccum.value_and_grad`` returns: ``(value, grads)``, with
@@ -246,6 +250,7 @@ class Engine:
       rng_argnum=o.rng_argnum,
       state_argnum=o.state_argnum,
       mask_argnum=o.example_mask,
+      closed_over=jax.tree.leaves(kwargs),
     )
     assemble = self._call_args(args, total)
 
@@ -288,6 +293,9 @@ class Engine:
         state_argnum=o.state_argnum,
         mask_argnum=o.example_mask,
         clip_method=o.clip_method,
+        # fun reaches the keyword arguments by closure: under
+        # clip_per_example only jaxaccum's own hold arrays (check_public_args).
+        closed_over=jax.tree.leaves(kwargs),
       )
       assemble = self._call_args(args, total)
 
@@ -471,7 +479,7 @@ class Engine:
       if not norm.divide:  # a sum over the batch's rows: its mean is sum / B_big
         big_sq_norm = big_sq_norm / sums.noise.examples**2
       noise = sums.noise.finalize(big_sq_norm)
-    return Result(value, aux, grads, noise, sums.weight)
+    return Result(value, aux, grads, noise, sums.weight, sums.grads)
 
   def local(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Result:
     """The whole step on one device: plan, loop, normalize."""

@@ -98,6 +98,7 @@ class Options:
   public_argnums: tuple[int, ...] = ()
   clip_record: bool = False
   clip_method: str = "vmap"
+  clip_without_noise: bool = False
   tree_grads: bool = True
   names: ArgNames = ArgNames()
   example_mask: int | None = None
@@ -335,6 +336,12 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   clip_record = bool(get("clip_record"))
   _check_clip_record(clip_record, clip, argnums)
   clip_method = _check_clip_method(get("clip_method"), clip)
+  clip_without_noise = bool(get("clip_without_noise"))
+  if clip_without_noise and clip is None:
+    raise ValueError(
+      "clip_without_noise=True says that clip_per_example is used without "
+      "jaxaccum.dp_noise on purpose; it needs clip_per_example=C."
+    )
   options = Options(
     num_micro_batches=None if num_micro_batches is None else int(num_micro_batches),
     micro_batch_size=None if micro_batch_size is None else int(micro_batch_size),
@@ -355,6 +362,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     public_argnums=public,
     clip_record=clip_record,
     clip_method=clip_method,
+    clip_without_noise=clip_without_noise,
     tree_grads=isinstance(argnums, numbers.Integral),
   )
   for group in groups.values():

@@ -119,6 +119,7 @@ def make_train_step(
   options = _options.create(loss_fn, num_micro_batches, **value_and_grad_kwargs)
   plain = _value_and_grad.Step(loss_fn, options)
   scaled = _value_and_grad.Step(_scaled(loss_fn, options), options)
+  check_noise = NoiseCheck(options)
 
   def step(params, opt_state, /, *args, **kwargs):
     loss_scale = find_loss_scale(opt_state)
@@ -128,11 +129,11 @@ def make_train_step(
       result = scaled(params, *args, _jaxaccum_loss_scale=loss_scale, **kwargs)
       result = _unscaled(result, loss_scale)
     engine_options = plain.engine(len(args) + 1).options
-    noise = _privacy.find_noise(opt_state)
+    noise = check_noise(opt_state)
     extra: dict[str, Any] = {}
     if noise is not None:
       extra["clip_record"] = noise_record(result, options, noise)
-    ok = worth_a_step(result, options, noise)
+    ok = worth_a_step(result, options, noise, extra.get("clip_record"))
     if engine_options.state_argnum is not None and skip_nonfinite:
       # A skipped step leaves the threaded state (BatchNorm statistics) as it
       # was too: one bad batch must not poison every later step.
@@ -223,6 +224,35 @@ def _unscaled(result: Result, loss_scale: DynamicLossScale) -> Result:
   )
 
 
+class NoiseCheck:
+  """The :func:`jaxaccum.dp_noise` in a step's optimizer state, or None,
+  read at trace time, with one :class:`jaxaccum.ClipWithoutNoiseWarning` per
+  step built with ``clip_per_example`` whose optimizer holds none (unless
+  ``clip_without_noise=True``)."""
+
+  def __init__(self, options: _options.Options):
+    self.options = options
+    self.warned = False
+
+  def __call__(self, opt_state: PyTree) -> _privacy.NoiseConfig | None:
+    noise = _privacy.find_noise(opt_state)
+    o = self.options
+    if (
+      noise is None
+      and o.clip_per_example is not None
+      and not o.clip_without_noise
+      and not self.warned
+    ):
+      self.warned = True
+      _privacy.warn_without_noise(
+        f"The train step clips each example's gradient (clip_per_example="
+        f"{o.clip_per_example}), but its optimizer holds no jaxaccum.dp_noise: "
+        "its updates are not private.",
+        stacklevel=4,
+      )
+    return noise
+
+
 def noise_record(
   result: Result, options: _options.Options, noise: _privacy.NoiseConfig
 ) -> _privacy.ClipRecord:
@@ -230,9 +260,13 @@ def noise_record(
   :func:`jaxaccum.dp_noise` hands its optimizer with the gradient, after
   checking the noise against the step's options."""
   _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
-  assert options.clip_per_example is not None
+  assert options.clip_per_example is not None and result.sums is not None
   return _privacy.record_of(
-    result.grads[0], result.total_weight, options.clip_per_example, options.normalize
+    result.grads[0],
+    result.total_weight,
+    options.clip_per_example,
+    options.normalize,
+    result.sums[0],
   )
 
 
@@ -240,6 +274,7 @@ def worth_a_step(
   result: Result,
   options: _options.Options,
   noise: _privacy.NoiseConfig | None = None,
+  record: _privacy.ClipRecord | None = None,
 ) -> jax.Array:
   """The step is taken only if its value and gradients are finite and, with
   ``normalize="weighted"``, its total weight is not zero (a batch of padding
@@ -247,14 +282,21 @@ def worth_a_step(
 
   With ``clip_per_example`` the value does not count (an example whose loss
   is not finite already added nothing to the gradient, and a step must not
-  depend on one example), and a batch without real examples is skipped
-  unless the noise is divided by the expected batch size: under Poisson
-  sampling an empty draw is part of the mechanism, and its step is noise."""
-  ok = _tree.all_finite(result.grads)
+  depend on one example). With :func:`jaxaccum.dp_noise` (its ``record``)
+  the decision reads only the clipped sum and what the noise divides by: a
+  batch without real examples is skipped where that is their count
+  (``"fixed"``, public at a fixed batch size), and never where it is a
+  public number (under Poisson sampling an empty draw is part of the
+  mechanism, and its step is noise). The private total weight of a weighted
+  step decides nothing."""
   if options.clip_per_example is not None:
-    if noise is None or noise.normalize == "fixed":
-      ok = ok & (result.total_weight != 0)
-    return ok
+    if noise is not None and record is not None:
+      ok = _tree.all_finite(record.clipped_sum)
+      if noise.public_denominator is None:
+        ok = ok & (record.examples != 0)
+      return ok
+    return _tree.all_finite(result.grads) & (result.total_weight != 0)
+  ok = _tree.all_finite(result.grads)
   ok = ok & jnp.all(jnp.isfinite(result.value))
   if options.normalize == "weighted":
     ok = ok & (result.total_weight != 0)

@@ -52,6 +52,7 @@ def value_and_grad(
   public_argnums: int | Sequence[int] = (),
   clip_record: bool = False,
   clip_method: str = "vmap",
+  clip_without_noise: bool = False,
   parallel: Any = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
@@ -234,7 +235,12 @@ def value_and_grad(
       Row ``j`` of micro-batch ``i`` gets the key ``fold_in(key_i, j)``. Add
       the noise with :func:`jaxaccum.dp_noise`. Every other argument that
       holds arrays is a ``ValueError`` unless listed in ``public_argnums``,
-      and so is an array passed by keyword.
+      and so is an array passed by keyword, and an array that ``fun`` closes
+      over from an enclosing trace (a loss defined inside your ``jax.jit``
+      that reads the traced batch: a BatchNorm over its statistics, in-batch
+      negatives); pass such an array as an argument. Constants that ``fun``
+      closes over (a concrete array, parameters closed over outside
+      ``jit``) are allowed, and taken as public, as the parameters are.
     public_argnums: with ``clip_per_example``, the arguments besides the
       differentiated ones, the batch and the key that every example's loss
       may read, declared to depend on no example: a learning-rate schedule's
@@ -259,6 +265,15 @@ def value_and_grad(
       reduce-scattered into an accumulator sharded like the leaf, as without
       privacy); ``"vmap"`` gathers them once, each device holding whole
       per-example gradients. See ``docs/privacy.md``.
+    clip_without_noise: with ``clip_per_example``, say that no
+      :func:`jaxaccum.dp_noise` will see the clipped gradient, on purpose
+      (you add noise yourself, or clip for robustness): without it, a
+      function built with ``clip_per_example`` and without ``clip_record``,
+      whose gradient cannot reach ``dp_noise``, warns once
+      (:class:`jaxaccum.ClipWithoutNoiseWarning`), as do
+      :func:`jaxaccum.make_train_step` with no ``dp_noise`` in its optimizer
+      and :func:`jaxaccum.accumulate` given a record with none in its inner
+      optimizer.
 
   Returns:
     A function of the same arguments as ``fun`` that returns
@@ -282,6 +297,7 @@ def value_and_grad(
   """
   # Every parameter above is an option: validated once, in one place.
   options = _options.create(**locals())
+  warn_if_without_noise(options)
   step = Step(fun, options)
 
   @functools.wraps(fun)
@@ -291,14 +307,40 @@ def value_and_grad(
   return accumulated
 
 
+def warn_if_without_noise(options: _options.Options, stacklevel: int = 4) -> None:
+  """A :class:`jaxaccum.ClipWithoutNoiseWarning` for a function built with
+  ``clip_per_example`` whose gradient cannot reach :func:`jaxaccum.dp_noise`
+  (no ``clip_record=True``), unless ``clip_without_noise=True`` says that is
+  meant. ``make_train_step`` builds its step without this: it sees its
+  optimizer, and warns itself."""
+  if (
+    options.clip_per_example is None
+    or options.clip_record
+    or options.clip_without_noise
+  ):
+    return
+  _privacy.warn_without_noise(
+    f"clip_per_example={options.clip_per_example} without clip_record=True: "
+    "the clipped gradient this function returns cannot reach jaxaccum.dp_noise, "
+    "which takes it only with its jaxaccum.ClipRecord (clip_record=True, or "
+    "make_train_step, which passes the record itself).",
+    stacklevel=stacklevel,
+  )
+
+
 def recorded(result: _engine.Result, options: _options.Options) -> _engine.Result:
   """The result with its gradient in a :class:`jaxaccum.ClipRecord` when
   ``clip_record=True``."""
   if not options.clip_record:
     return result
-  assert options.clip_per_example is not None
+  assert options.clip_per_example is not None and result.sums is not None
   record = _privacy.record_of(
-    result.grads[0], result.total_weight, options.clip_per_example, options.normalize
+    result.grads[0],
+    result.total_weight,
+    options.clip_per_example,
+    options.normalize,
+    result.sums[0],
+    ticket=True,  # the record leaves jaxaccum: each update takes it once
   )
   return result._replace(grads=(record,))
 
@@ -321,6 +363,7 @@ def grad(
   7.0
   """
   options = _options.create(fun, num_micro_batches, **kwargs)
+  warn_if_without_noise(options)
   step = Step(fun, options)
 
   @functools.wraps(fun)

@@ -96,6 +96,7 @@ def value_and_grad(
   public_argnums: int | Sequence[int] = (),
   clip_record: bool = False,
   clip_method: str = "vmap",
+  clip_without_noise: bool = False,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, accumulated over micro-batches.
 
@@ -149,6 +150,10 @@ def value_and_grad(
       optimizer (or :func:`jaxaccum.nnx.make_train_step`, which does it).
     clip_method: ``"vmap"`` or ``"ghost"``, as in
       :func:`jaxaccum.value_and_grad`.
+    clip_without_noise: with ``clip_per_example``, no
+      :func:`jaxaccum.dp_noise` will see the clipped gradient, on purpose, as
+      in :func:`jaxaccum.value_and_grad`: no
+      :class:`jaxaccum.ClipWithoutNoiseWarning`.
 
   Returns:
     A function ``(*args, **kwargs) -> (value, grads)`` (or
@@ -175,6 +180,7 @@ def value_and_grad(
   """
   # Every parameter above but wrt is an option of the engine: validated once.
   options = _options.create(**{k: v for k, v in locals().items() if k != "wrt"})
+  _value_and_grad.warn_if_without_noise(options)
   run = _accumulated_results(fun, options, wrt)
 
   @functools.wraps(fun)
@@ -226,7 +232,10 @@ def _accumulated_results(
     result = step_for(user, layout)(tuple(diff_states), threaded, *plain, **kwargs)
     aux, new_threaded = result.aux
     _write_back(args, layout, new_threaded)
-    return result._replace(aux=aux, grads=tuple(result.grads[0])), user
+    assert result.sums is not None
+    return result._replace(
+      aux=aux, grads=tuple(result.grads[0]), sums=tuple(result.sums[0])
+    ), user
 
   return run
 
@@ -479,13 +488,14 @@ def make_train_step(
   wrt = kwargs.pop("wrt")
   options = _options.create(loss_fn, num_micro_batches, **kwargs)
   run = _accumulated_results(loss_fn, options, wrt)
+  check_noise = _train_step.NoiseCheck(options)
   both_update = isinstance(optimizer, flax_nnx.ModelAndOptimizer)
 
   def pure(graphdef, rngs, rest, /, *args, **call_kwargs):
     model, opt = flax_nnx.merge(graphdef, rngs, rest, copy=True)
     result, _ = run(model, *args, **call_kwargs)
     grads = result.grads[0]
-    noise = _privacy.find_noise(opt.opt_state)
+    noise = check_noise(opt.opt_state)
     extra: dict[str, Any] = {}
     if noise is not None:  # dp_noise, as jaxaccum.make_train_step passes it
       extra["clip_record"] = _train_step.noise_record(result, options, noise)
@@ -496,7 +506,7 @@ def make_train_step(
     parts: tuple[Any, ...] = flax_nnx.split((model, opt), flax_nnx.RngState, ...)
     _, new_rngs, new_rest = parts
     if skip_nonfinite:
-      ok = _train_step.worth_a_step(result, options, noise)
+      ok = _train_step.worth_a_step(result, options, noise, extra.get("clip_record"))
       new_rest = _tree.select(ok, new_rest, _tree.cast_like(rest, new_rest))
     value = (result.value, result.aux) if options.has_aux else result.value
     return new_rngs, new_rest, (value, result.noise) if options.noise_stats else value

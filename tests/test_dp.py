@@ -28,6 +28,9 @@ from scipy import optimize, stats
 import jaxaccum
 from jaxaccum import _privacy
 
+# These tests clip without noise on purpose (the clipped sum is what they check).
+pytestmark = pytest.mark.filterwarnings("ignore::jaxaccum.ClipWithoutNoiseWarning")
+
 EPS = float(jnp.finfo(jnp.float32).eps)
 B, F, H = 32, 3, 4
 C = 0.5  # between the examples' gradient norms: some are clipped, some not
@@ -81,10 +84,12 @@ def assert_tree_close(got, want, atol):
 
 
 def record(grads, divided_by, clip=C, normalize="mean"):
-  """The record a clipped step hands dp_noise with ``grads``, built by hand
-  for tests of dp_noise alone."""
+  """The record a clipped step hands dp_noise with ``grads`` (the clipped sum
+  over ``divided_by`` examples), with the mark of a clipped step, for tests
+  of dp_noise alone."""
   n = jnp.float32(divided_by)
-  return _privacy.ClipRecord(grads, n, n, clip, normalize)
+  total = jax.tree.map(lambda g: g * n, grads)
+  return _privacy.made_record(grads, n, n, clip, normalize, clipped_sum=total)
 
 
 # ---------------------------------------------------------------- clipping
@@ -493,7 +498,7 @@ def test_accumulate_draws_noise_once_per_window_across_calls(monkeypatch):
   state = acc.init(params)
   for call in range(12):  # three windows of four calls
     g = grad(params, jax.tree.map(lambda x, c=call: x[c : c + 1], batch))
-    _, state = update(g, state, params, weight=jnp.float32(1))
+    _, state = update(g, state, params)  # weight: the record's one example
     jax.effects_barrier()
     assert len(draws) == (call + 1) // 4, call
   assert int(state.inner_state[0].draws) == 3
@@ -517,7 +522,7 @@ def test_the_update_variance_over_2000_seeds_is_one_draw_per_window():
     acc = jaxaccum.accumulate(dp_tx(sigma, key, "fixed"), k)
     state = acc.init(params)
     for g in sums:
-      updates, state = acc.update(g, state, params, weight=jnp.float32(m))
+      updates, state = acc.update(g, state, params)  # weight: its m examples
     return jnp.concatenate([u.ravel() for u in jax.tree.leaves(updates)])
 
   keys = jax.random.split(jax.random.key(2026), 2000)
@@ -693,12 +698,14 @@ def test_weighted_with_poisson_normalization_is_named():
   x, y = data()
   with pytest.raises(ValueError) as error:
     step(params0(), tx.init(params0()), (x, y, jnp.ones(B)))
-  assert message(error) == (
-    'normalize="weighted" divides by the actual total weight, and dp_noise\'s '
-    'normalize="poisson" by the expected batch size: choose one. For Poisson '
-    'sampling use normalize="mean" (or "sum") and mark padding with '
-    'example_mask=; for a fixed batch size use dp_noise(..., normalize="fixed").'
+  # The message used to recommend dp_noise(..., normalize="fixed"), which
+  # divided the noise by the private total weight (issue 44).
+  assert message(error).startswith(
+    'normalize="weighted" divides the clipped sum by the batch\'s total weight, '
+    "which is private"
   )
+  assert 'dp_noise(..., normalize="poisson", expected_weight=W)' in message(error)
+  assert 'normalize="fixed"' not in message(error)
 
 
 def test_noise_calibrated_to_another_clip_norm_is_named():
@@ -732,7 +739,7 @@ def test_fixed_noise_with_a_summed_step_is_named():
   assert message(error) == (
     'dp_noise\'s normalize="fixed" divides by the actual number of examples, and '
     'the step\'s normalize="sum" divides by nothing: the update would be the noisy '
-    'sum. Use normalize="mean" (or "weighted") with a fixed batch size, or '
+    'sum. Use normalize="mean" with a fixed batch size, or '
     'dp_noise(..., normalize="poisson") for Poisson sampling.'
   )
 
@@ -851,7 +858,8 @@ def test_a_clip_norm_that_is_not_a_number_is_named():
       {"normalize": "poisson"},
       'normalize="poisson" divides by the expected batch size: pass '
       "expected_batch_size= (sampling rate times data set size), e.g. "
-      "PoissonSampler(...).expected_batch_size.",
+      "PoissonSampler(...).expected_batch_size; for weighted steps, "
+      "expected_weight= (the expected total weight of a batch) instead.",
     ),
     (
       {"normalize": "poisson", "expected_batch_size": 0.0},

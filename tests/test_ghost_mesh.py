@@ -38,6 +38,9 @@ from test_ghost import (
 
 import jaxaccum
 
+# These tests clip without noise on purpose (the clipped sum is what they check).
+pytestmark = pytest.mark.filterwarnings("ignore::jaxaccum.ClipWithoutNoiseWarning")
+
 DEVICES = 8
 
 

@@ -166,6 +166,8 @@ def verify_equivalence(
   o = o.resolve(len(args))
   # Leaves that jax.grad refuses (an Equinox module's) are static on both sides.
   args, fun_kwargs = _static.partition_args(args, o.argnums, fun_kwargs)
+  if o.clip_per_example is not None:  # a check, not training: no noise meant
+    options = {"clip_without_noise": True, **options}
   accumulated = value_and_grad(fun, num_micro_batches, **options)
   full = _full_batch(_static.combining(fun), o)
   if o.clip_per_example is not None:

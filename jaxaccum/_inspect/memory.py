@@ -386,6 +386,8 @@ def plan_micro_batches(
     if builder:
       step = fun(num_micro_batches=k, **kwargs)
     else:
+      if kwargs.get("clip_per_example") is not None:  # measured, not trained
+        kwargs.setdefault("clip_without_noise", True)
       step = _value_and_grad.value_and_grad(fun, k, **kwargs)
     row = _measure(step, args, target, options, memory_limit_bytes)
     row = row._replace(num_micro_batches=k, micro_batch_size=batch_size // k)

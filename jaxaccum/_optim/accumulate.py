@@ -252,10 +252,16 @@ def _add_micro_batch(
   *,
   drop_nonfinite: bool,
   noise_stats: bool,
+  weight_decides: bool = True,
 ) -> _Window:
   """Adds one micro-batch's gradient to the window, or drops it (selected
-  away, never multiplied: ``0 * nan`` is ``nan``) when it is not finite."""
-  finite = _tree.all_finite(summand) & jnp.isfinite(weight) & (weight >= 0)
+  away, never multiplied: ``0 * nan`` is ``nan``) when it is not finite (nor
+  its weight, unless ``weight_decides`` is False: under ``dp_noise`` with a
+  public denominator the weight is private and enters no update, so it must
+  not decide which clipped sums count either)."""
+  finite = _tree.all_finite(summand)
+  if weight_decides:
+    finite = finite & jnp.isfinite(weight) & (weight >= 0)
   valid = finite if drop_nonfinite else jnp.asarray(True)
   acc_grads = jax.tree.map(
     lambda a, g: jnp.where(valid, a + g.astype(a.dtype), a), state.acc_grads, summand
@@ -336,14 +342,22 @@ def accumulate(
   ``grad(fun, k, clip_per_example=C, normalize="sum", clip_record=True)``
   returns, in place of the gradient; ``weight`` defaults to its number of
   real examples. Anything else is a ``ValueError`` at trace time: a plain
-  gradient (unclipped, or its record lost), a record clipped at another norm
-  than the noise's ``clip_norm``, or of another ``normalize`` than
-  ``"sum"`` (a mean would shrink the signal against the noise). The noise
-  is added once per window, inside the branch that runs ``inner``, to the
+  gradient (unclipped, or its record lost), a record built by hand, a record
+  clipped at another norm than the noise's ``clip_norm``, or of another
+  ``normalize`` than ``"sum"`` (a mean would shrink the signal against the
+  noise). A record is taken once: fed again (to this window or any other
+  update) it raises (:class:`jaxaccum.ClipRecord` says how). The noise is
+  added once per window, inside the branch that runs ``inner``, to the
   window's clipped sum; ``inner`` gets a record of it, so ``dp_noise``
-  anywhere but first in ``inner`` is refused too. With
-  ``normalize="poisson"`` a window without examples still applies its
-  noise.
+  anywhere but first in ``inner`` is refused too. The window's noisy sum is
+  divided by a public number, never by a private weight: ``dp_noise``'s
+  ``expected_batch_size`` (``"poisson"``), the count of real examples
+  (``"fixed"``: public at a fixed batch size), or, for a weighted window
+  (``weight=`` given, e.g. token counts), ``dp_noise``'s
+  ``expected_weight``, which ``weight=`` needs (and which needs
+  ``weight=``). Under a public denominator a window without examples still
+  applies its noise, and the weights decide nothing (a micro-batch is not
+  dropped for its weight).
 
   Dtypes: ``inner`` gets the window's mean in the dtype of the gradients
   passed (float32 with ``loss_scale``) and its updates come back as it makes
@@ -380,6 +394,7 @@ def accumulate(
   _normalize.check_accum_dtype(accum_dtype)
   auto = _autopilot.is_auto(every_k)
   noise_stats = noise_stats or auto  # the autopilot steers by the noise
+  warned: list[bool] = []  # one ClipWithoutNoiseWarning per accumulate()
 
   def init_fn(params):
     return _init_state(inner, params, accum_dtype, loss_scale, every_k)
@@ -388,11 +403,23 @@ def accumulate(
     _check_state(state)
     noise_config = _privacy.find_noise(state.inner_state)
     grads, record = _privacy.accumulated_record(
-      grads, extra_args.pop("clip_record", None), noise_config
+      grads, extra_args.pop("clip_record", None), noise_config, weight is not None
     )
+    if record is not None and noise_config is None and not warned:
+      warned.append(True)
+      _privacy.warn_without_noise(
+        "accumulate() was given a jaxaccum.ClipRecord, a clipped sum, but its "
+        "inner optimizer holds no jaxaccum.dp_noise: each window's update is "
+        "not private (accumulate(optax.chain(jaxaccum.dp_noise(...), ...), k) "
+        "adds the noise once per window).",
+        stacklevel=3,
+      )
     if weight is None and record is not None:
       weight = record.examples
     weight = _check_update_args(grads, state, weight)
+    if noise_config is not None and record is not None:
+      _privacy.take(record, state)  # every check passed: the record is taken once
+    public = noise_config is not None and noise_config.public_denominator is not None
     scale = state.loss_scale
     summand = grads if scale is None else scale.unscale(grads)
     window = _add_micro_batch(
@@ -401,6 +428,7 @@ def accumulate(
       weight,
       drop_nonfinite=skip_nonfinite or scale is not None,
       noise_stats=noise_stats,
+      weight_decides=not public,
     )
     micro_step = state.micro_step + 1
     done = (micro_step >= state.window_size) | jnp.asarray(flush)
@@ -426,10 +454,11 @@ def accumulate(
 
 
 def _applies(done: jax.Array, window: Any, noise_config: Any, scale: Any) -> jax.Array:
-  """Whether this call runs ``inner``: a window is done and holds weight (an
-  empty Poisson draw too: its update is noise), and under a loss scale its
-  sums are finite."""
-  if noise_config is not None and noise_config.normalize == "poisson":
+  """Whether this call runs ``inner``: a window is done and holds weight (or,
+  where ``dp_noise`` divides by a public number, whatever it holds: an empty
+  Poisson draw is part of the mechanism, its update noise, and a private
+  weight must decide nothing), and under a loss scale its sums are finite."""
+  if noise_config is not None and noise_config.public_denominator is not None:
     apply = done
   else:
     apply = done & (window.acc_weight > 0)
@@ -458,9 +487,15 @@ def _inner_update(
     # (a float16 mean would underflow where the scale had saved it).
     mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand)
     extra = extra_args
-    if noise_config is not None:  # the window's clipped sum: mean * Σ w
-      window_record = _privacy.ClipRecord(
-        mean, acc_weight, acc_weight, noise_config.clip_norm, "mean"
+    if noise_config is not None:  # the window's clipped sum, and its count
+      weighted = noise_config.expected_weight is not None
+      window_record = _privacy.made_record(
+        mean,
+        acc_weight,
+        acc_weight,
+        noise_config.clip_norm,
+        "weighted" if weighted else "mean",
+        clipped_sum=acc_grads,
       )
       extra = {**extra_args, "clip_record": window_record}
     updates, new_inner_state = inner.update(mean, inner_state, params, **extra)

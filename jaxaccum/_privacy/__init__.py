@@ -29,12 +29,16 @@ from jaxaccum._privacy.clipping import ghost_objective as ghost_objective
 from jaxaccum._privacy.clipping import public_fix as public_fix
 from jaxaccum._privacy.ghost import GhostFallbackWarning as GhostFallbackWarning
 from jaxaccum._privacy.noise import ClipRecord as ClipRecord
+from jaxaccum._privacy.noise import ClipWithoutNoiseWarning as ClipWithoutNoiseWarning
 from jaxaccum._privacy.noise import DPNoiseState as DPNoiseState
 from jaxaccum._privacy.noise import NoiseConfig as NoiseConfig
 from jaxaccum._privacy.noise import accumulated_record as accumulated_record
 from jaxaccum._privacy.noise import check_noise_matches as check_noise_matches
 from jaxaccum._privacy.noise import dp_noise as dp_noise
 from jaxaccum._privacy.noise import find_noise as find_noise
+from jaxaccum._privacy.noise import made_record as made_record
 from jaxaccum._privacy.noise import noise_config as noise_config
 from jaxaccum._privacy.noise import record_of as record_of
+from jaxaccum._privacy.noise import take as take
+from jaxaccum._privacy.noise import warn_without_noise as warn_without_noise
 from jaxaccum._privacy.sampling import PoissonSampler as PoissonSampler

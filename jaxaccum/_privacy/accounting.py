@@ -14,6 +14,7 @@ PyTree = Any
 
 
 ACCOUNTANTS = ("pld", "rdp")
+SAMPLINGS = ("poisson", "fixed")
 
 
 def dp_epsilon(
@@ -22,16 +23,31 @@ def dp_epsilon(
   steps: int,
   delta: float,
   *,
-  accountant: str = "pld",
+  accountant: str | None = None,
   value_discretization_interval: float = 1e-4,
+  sampling: str = "poisson",
+  num_examples: int | None = None,
 ) -> float:
   """Epsilon of DP-SGD, from Google's ``dp-accounting`` package.
 
-  The mechanism is ``steps`` compositions of the Poisson-subsampled Gaussian
-  mechanism (``dp_accounting.PoissonSampledDpEvent`` of a
-  ``GaussianDpEvent``), under add-or-remove-one adjacency: what
-  :class:`PoissonSampler`, ``clip_per_example`` and :func:`dp_noise` with
-  ``normalize="poisson"`` implement. jaxaccum computes nothing itself.
+  With ``sampling="poisson"`` (the default) the mechanism is ``steps``
+  compositions of the Poisson-subsampled Gaussian mechanism
+  (``dp_accounting.PoissonSampledDpEvent`` of a ``GaussianDpEvent``), under
+  add-or-remove-one adjacency: what :class:`PoissonSampler`,
+  ``clip_per_example`` and :func:`dp_noise` with a public denominator
+  (``expected_batch_size``, or ``expected_weight``) implement.
+
+  With ``sampling="fixed"`` it is ``steps`` compositions of the Gaussian
+  mechanism on a batch of ``B = sampling_rate * num_examples`` examples drawn
+  uniformly *without replacement*, afresh each step
+  (``dp_accounting.SampledWithoutReplacementDpEvent``), under replace-one
+  adjacency (the data set's size is public; one example is replaced by
+  another), which is what a fixed batch size can be analysed under. One
+  example replaced moves the clipped sum by up to ``2 C``, so the Gaussian
+  event's noise multiplier is ``noise_multiplier / 2``. Only the Rényi DP
+  accountant has this event. Batches taken by shuffling once per epoch are
+  another mechanism, which this epsilon does not cover. jaxaccum computes
+  nothing itself.
 
   Args:
     sampling_rate: q, each example's probability of being drawn per step
@@ -40,25 +56,35 @@ def dp_epsilon(
     steps: the number of steps (noise draws).
     delta: the target delta, e.g. 1e-5; below 1 / N for N examples.
     accountant: ``"pld"`` (privacy loss distributions: the tighter) or
-      ``"rdp"`` (Rényi DP: an upper bound).
+      ``"rdp"`` (Rényi DP: an upper bound); by default ``"pld"`` for
+      Poisson sampling and ``"rdp"`` for ``sampling="fixed"``, which only it
+      accounts for.
     value_discretization_interval: the PLD accountant's grid of privacy loss
       values (``dp_accounting``'s default, 1e-4). Its arrays hold about
       ``(20 / sigma + 1 / sigma**2) / interval`` points, so a small sigma needs
       a coarser grid (or ``"rdp"``); more than :data:`PLD_MAX_POINTS` is
       refused before anything is allocated.
+    sampling: ``"poisson"`` or ``"fixed"`` (batches of a fixed size drawn
+      without replacement each step; needs ``num_examples``).
+    num_examples: N, the data set's size, for ``sampling="fixed"``; the
+      batch size ``sampling_rate * N`` must be a whole number.
 
   Returns:
     The smallest epsilon the accountant certifies at ``delta``.
 
-  What it covers: Poisson sampling (:class:`PoissonSampler`) with the noise
-  divided by the expected batch size (``dp_noise(..., normalize="poisson")``),
-  under add-or-remove-one adjacency. Batches of a fixed size drawn by
-  shuffling (``normalize="fixed"``) are a different mechanism that this
-  epsilon does not cover, and neither does replace-one adjacency.
+  What it covers is in ``docs/privacy.md``, "Which epsilon covers which
+  step": every step that jaxaccum accepts divides the noisy clipped sum by a
+  public number, and is covered by one of the two samplings. The one
+  combination jaxaccum cannot see is the sampling itself:
+  ``dp_noise(..., normalize="fixed")`` divides by the count of real examples,
+  which is public at a fixed batch size and private under Poisson sampling.
 
   >>> import jaxaccum
   >>> round(jaxaccum.dp_epsilon(0.01, 1.1, 1000, 1e-5), 2)
   1.52
+  >>> round(jaxaccum.dp_epsilon(0.01, 1.1, 1000, 1e-5, sampling="fixed",
+  ...   num_examples=10_000), 2)  # batches of 100, replace-one: weaker
+  15.57
   """
   try:
     import dp_accounting  # noqa: PLC0415 (an optional dependency)
@@ -82,8 +108,27 @@ def dp_epsilon(
   check_number("delta", delta)
   if not 0 < delta < 1:
     raise ValueError(f"delta must be in (0, 1), got {delta=}.")
+  if sampling not in SAMPLINGS:
+    raise ValueError(f"Unknown {sampling=}; choose one of {list(SAMPLINGS)}.")
+  if accountant is None:
+    accountant = "pld" if sampling == "poisson" else "rdp"
   if accountant not in ACCOUNTANTS:
     raise ValueError(f"Unknown {accountant=}; choose one of {list(ACCOUNTANTS)}.")
+  if sampling == "fixed":
+    return _without_replacement(
+      dp_accounting,
+      sampling_rate,
+      noise_multiplier,
+      steps,
+      delta,
+      accountant=accountant,
+      num_examples=num_examples,
+    )
+  if num_examples is not None:
+    raise ValueError(
+      f"{num_examples=} is for sampling='fixed'; Poisson sampling needs only "
+      "the sampling rate."
+    )
   event = dp_accounting.PoissonSampledDpEvent(
     float(sampling_rate), dp_accounting.GaussianDpEvent(float(noise_multiplier))
   )
@@ -94,6 +139,55 @@ def dp_epsilon(
     )
   else:
     counter = dp_accounting.rdp.RdpAccountant()
+  counter.compose(dp_accounting.SelfComposedDpEvent(event, int(steps)))
+  return float(counter.get_epsilon(float(delta)))
+
+
+def _without_replacement(
+  dp_accounting: Any,
+  sampling_rate: float,
+  noise_multiplier: float,
+  steps: int,
+  delta: float,
+  *,
+  accountant: str,
+  num_examples: Any,
+) -> float:
+  """:func:`dp_epsilon` for batches of a fixed size drawn without
+  replacement: ``dp_accounting``'s event, replace-one adjacency, sensitivity
+  ``2 C``."""
+  if accountant != "rdp":
+    raise ValueError(
+      f"sampling='fixed' is accounted for by dp-accounting's Rényi DP "
+      f"accountant only (its PLD accountant has no sampling without "
+      f"replacement): pass accountant='rdp' or leave it out, not {accountant=}."
+    )
+  if (
+    isinstance(num_examples, bool)
+    or not isinstance(num_examples, numbers.Integral)
+    or num_examples < 1
+  ):
+    raise ValueError(
+      "sampling='fixed' needs num_examples=N, the data set's size (a positive "
+      f"integer), got {num_examples=}: the batch is sampling_rate * N examples "
+      "drawn from N without replacement."
+    )
+  n = int(num_examples)
+  size = float(sampling_rate) * n
+  if abs(size - round(size)) > 1e-9 * n or round(size) < 1:
+    raise ValueError(
+      f"sampling='fixed' draws a batch of sampling_rate * num_examples = {size:g} "
+      "examples, which must be a whole number >= 1: pass sampling_rate = "
+      "batch_size / num_examples."
+    )
+  relation = dp_accounting.privacy_accountant.NeighboringRelation.REPLACE_ONE
+  event = dp_accounting.SampledWithoutReplacementDpEvent(
+    n,
+    round(size),
+    # One example replaced by another moves the clipped sum by up to 2 C.
+    dp_accounting.GaussianDpEvent(float(noise_multiplier) / 2),
+  )
+  counter = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
   counter.compose(dp_accounting.SelfComposedDpEvent(event, int(steps)))
   return float(counter.get_epsilon(float(delta)))
 

@@ -13,7 +13,7 @@ add exactly zero: they are selected away, never multiplied.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,6 +22,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jaxaccum import _compat, _normalize
+from jaxaccum._privacy import closure as _closure
 from jaxaccum._privacy import ghost as _ghost
 
 PyTree = Any
@@ -60,6 +61,7 @@ def clipped_value_and_grad(
   state_argnum: int | None = None,
   mask_argnum: int | None = None,
   clip_method: str = "vmap",
+  closed_over: Sequence[Any] = (),
 ) -> Callable[..., Any]:
   """``jax.value_and_grad(loss_fn, argnums, has_aux=True)`` over a
   micro-batch, with each example's gradient clipped to L2 norm
@@ -75,6 +77,12 @@ def clipped_value_and_grad(
   its mask is non-zero and its gradient is finite; row ``j`` gets the key
   ``fold_in(key, j)``. ``clip_method="ghost"`` computes the same sum
   without per-example gradients (:func:`jaxaccum._privacy.ghost.clipped_sum`).
+
+  ``fun`` is traced once, every array argument an input of the trace, and
+  an array it closes over that an enclosing transformation traces is a
+  ``ValueError`` (:mod:`jaxaccum._privacy.closure`), unless it is among
+  ``closed_over``: the arrays jaxaccum itself closed ``loss_fn`` over (its
+  own keyword arguments).
   """
   rows_of = _RowArgs(loss_fn, batch_argnums, rng_argnum, state_argnum, mask_argnum)
   grad_fn = jax.value_and_grad(rows_of.per_example_loss, argnums=argnums, has_aux=True)
@@ -90,20 +98,28 @@ def clipped_value_and_grad(
         present=present,
         clip_norm=clip_norm,
         accum_dtype=accum_dtype,
+        closed_over=closed_over,
       )
     else:
       per_example = jax.vmap(grad_fn, in_axes=tuple(in_axes))
-      (loss, (weight, aux, _)), grads = checked_per_example(per_example, args)
+      (loss, (weight, aux, _)), grads = checked_per_example(
+        per_example, args, closed_over
+      )
       clipped, _ = clip_and_sum(grads, clip_norm, present, accum_dtype)
     return rows_of.finish(present, loss, weight, aux, state), clipped
 
   return value_and_clipped_grad
 
 
-def checked_per_example(per_example: Callable[..., Any], args: Any) -> Any:
-  """``per_example(*args)`` (the ``vmap`` of each example's gradient), or,
-  in a process with more than one device, a ``ValueError`` where it holds a
-  convolution grouped over the examples.
+def checked_per_example(
+  per_example: Callable[..., Any], args: Any, closed_over: Sequence[Any] = ()
+) -> Any:
+  """``per_example(*args)`` (the ``vmap`` of each example's gradient),
+  evaluated from the jaxpr it is traced to once: a ``ValueError`` where
+  ``fun`` closes over an array that an enclosing transformation traces (other
+  than ``closed_over``, :mod:`jaxaccum._privacy.closure`), and, in a process
+  with more than one device, where it holds a convolution grouped over the
+  examples.
 
   ``vmap`` makes a convolution kernel's per-example gradient one
   convolution grouped over the examples, and XLA's SPMD partitioner
@@ -115,11 +131,9 @@ def checked_per_example(per_example: Callable[..., Any], args: Any) -> Any:
   one window offset at a time, as matrix products, and is exact there. The
   program is traced once, and evaluated from the jaxpr that was checked.
   """
+  closed, out_tree, inputs = _closure.trace(per_example, args, closed_over)
   devices = jax.device_count()
-  if devices == 1:
-    return per_example(*args)
-  closed, shape = jax.make_jaxpr(per_example, return_shape=True)(*args)
-  if _grouped_convolution(closed.jaxpr):
+  if devices > 1 and _grouped_convolution(closed.jaxpr):
     raise ValueError(
       f'clip_per_example with clip_method="vmap" in a process with {devices} '
       "devices: fun's per-example gradient holds a convolution grouped over "
@@ -130,8 +144,7 @@ def checked_per_example(per_example: Callable[..., Any], args: Any) -> Any:
       "kernel gradient one window offset at a time, without that "
       "convolution), or run in a process with one device."
     )
-  flat = jex_core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
-  return jax.tree.unflatten(jax.tree.structure(shape), flat)
+  return jax.tree.unflatten(out_tree, jex_core.jaxpr_as_fun(closed)(*inputs))
 
 
 def _grouped_convolution(jaxpr: Any) -> bool:
@@ -159,6 +172,7 @@ def ghost_objective(
   rng_argnum: int | None = None,
   state_argnum: int | None = None,
   mask_argnum: int | None = None,
+  closed_over: Sequence[Any] = (),
 ) -> Callable[..., Any]:
   """Ghost clipping over a micro-batch as a loss, for a caller that
   differentiates it itself (the data-parallel path, whose FSDP leaves are
@@ -183,6 +197,7 @@ def ghost_objective(
       in_axes=in_axes,
       present=present,
       clip_norm=clip_norm,
+      closed_over=closed_over,
     )
     weight, aux, _ = weighted.rest
     out = rows_of.finish(present, weighted.losses, weight, aux, state)
@@ -209,12 +224,15 @@ class _RowArgs:
     self.state_argnum = state_argnum
     self.mask_argnum = mask_argnum
     self.mapped = set(batch_argnums) - {mask_argnum}
-    self.changed: list[int] = []
+    # The state leaves fun replaced, by position: fun may be traced more than
+    # once (ghost clipping traces it for the norms and again for the sum), and
+    # a leaf it replaces in each trace is one leaf.
+    self.changed: set[int] = set()
 
   def per_example_loss(self, *call_args):
     loss, (weight, aux, new_state) = self.loss_fn(*call_args)
     if self.state_argnum is not None:
-      self.changed.append(_changed_leaves(call_args[self.state_argnum], new_state))
+      self.changed |= _changed_leaves(call_args[self.state_argnum], new_state)
     return loss, (weight, aux, new_state)
 
   def __call__(
@@ -250,7 +268,7 @@ class _RowArgs:
   ) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
     """``(loss, (weight, aux, state))``: the kept rows' losses and weights
     summed, the aux stacked, the state as it came."""
-    _check_state_kept(sum(self.changed), len(jax.tree.leaves(state)))
+    _check_state_kept(len(self.changed), len(jax.tree.leaves(state)))
 
     def kept_sum(v):
       which = _rows_like(present, v)
@@ -264,13 +282,14 @@ class _RowArgs:
     )
 
 
-def _changed_leaves(before: PyTree, after: PyTree) -> int:
-  """How many leaves of the threaded state ``fun`` replaced, read at trace
-  time: a leaf ``fun`` only read comes back as the very value it was given."""
+def _changed_leaves(before: PyTree, after: PyTree) -> set[int]:
+  """The positions of the leaves of the threaded state that ``fun``
+  replaced, read at trace time: a leaf ``fun`` only read comes back as the
+  very value it was given."""
   old, new = jax.tree.leaves(before), jax.tree.leaves(after)
   if len(old) != len(new):
-    return max(len(old), len(new))
-  return sum(a is not b for a, b in zip(old, new, strict=True))
+    return set(range(max(len(old), len(new))))
+  return {i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a is not b}
 
 
 def _check_state_kept(changed: int, held: int) -> None:

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from jaxaccum import _compat, _normalize
+from jaxaccum._privacy import closure as _closure
 
 PyTree = Any
 
@@ -532,7 +533,7 @@ def squared_norms(
 class _Traced(NamedTuple):
   """``fun`` on one example, traced, and what the walk found in it."""
 
-  jaxpr: Any  # a ClosedJaxpr of (parameter leaves, example leaves)
+  jaxpr: Any  # a ClosedJaxpr of (parameter, example, shared array leaves)
   out_def: Any  # the treedef of (loss, (weight, aux, state))
   tags: list[Tag | None]
   uses: list[Use]
@@ -540,11 +541,22 @@ class _Traced(NamedTuple):
 
 
 def _trace(
-  per_example: Callable[..., Any], leaves: list[Any], example: list[Any]
+  per_example: Callable[..., Any],
+  leaves: list[Any],
+  example: list[Any],
+  shared: list[Any],
+  closed_over: Sequence[Any] = (),
 ) -> _Traced:
-  closed, out_shape = jax.make_jaxpr(per_example, return_shape=True)(leaves, example)
+  """``per_example(leaves, example, shared)`` traced once; an array it
+  closes over that an enclosing transformation traces is refused
+  (:mod:`jaxaccum._privacy.closure`), unless jaxaccum passed it
+  (``closed_over``)."""
+  closed, out_shape = jax.make_jaxpr(per_example, return_shape=True)(
+    leaves, example, shared
+  )
+  _closure.refuse_traced_consts(closed, closed_over)
   tags: list[Tag | None] = [Tag(i, ()) for i in range(len(leaves))]
-  tags += [None] * len(example)
+  tags += [None] * (len(example) + len(shared))
   walk = _Walk()
   _run_top(walk, closed, [None] * len(tags), tags)
   plan = plan_uses(walk.uses, len(leaves))
@@ -669,6 +681,7 @@ def weighted_loss(
   in_axes: list[int | None],
   present: jax.Array,
   clip_norm: float,
+  closed_over: Sequence[Any] = (),
 ) -> Weighted:
   """Ghost clipping as a loss whose gradient is the clipped sum.
 
@@ -683,13 +696,22 @@ def weighted_loss(
   every leaf before the clip, and no device holds a per-example or whole
   gradient of a leaf beyond what the non-private step holds (but for the
   leaves that fall back, :class:`GhostFallbackWarning`).
+
+  The arrays of the other arguments (public, shared, the model's other
+  variables) are inputs of the traced program too, so that an array ``fun``
+  closes over from an enclosing trace stands out, and is refused unless it
+  is among ``closed_over`` (jaxaccum's own).
   """
   diff = tuple(args[n] for n in argnums)
   leaves, diff_def = jax.tree.flatten(diff)
   batched = [n for n, axis in enumerate(in_axes) if axis == 0]
   batch_leaves, batch_def = jax.tree.flatten([args[n] for n in batched])
+  others = [n for n in range(len(args)) if n not in argnums and n not in batched]
+  other_leaves, other_def = jax.tree.flatten([args[n] for n in others])
+  dynamic = [i for i, x in enumerate(other_leaves) if _closure.is_array(x)]
+  shared = [other_leaves[i] for i in dynamic]
 
-  def per_example(param_leaves, example_leaves):
+  def per_example(param_leaves, example_leaves, shared_leaves):
     call = list(args)
     for n, d in zip(argnums, jax.tree.unflatten(diff_def, param_leaves), strict=True):
       call[n] = d
@@ -697,14 +719,24 @@ def weighted_loss(
       batched, jax.tree.unflatten(batch_def, example_leaves), strict=True
     ):
       call[n] = b
+    rest = list(other_leaves)
+    for i, x in zip(dynamic, shared_leaves, strict=True):
+      rest[i] = x
+    for n, a in zip(others, jax.tree.unflatten(other_def, rest), strict=True):
+      call[n] = a
     return loss_fn(*call)
 
   example = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in batch_leaves]
-  traced = _trace(per_example, leaves, example)
+  traced = _trace(per_example, leaves, example, shared, closed_over)
   _refuse_nested_convolutions(traced, diff)
   _warn_fallbacks(traced, diff)
   factor, kept, index, usable, (losses, rest) = _factors(
-    traced, jax.lax.stop_gradient(leaves), batch_leaves, present, clip_norm
+    traced,
+    jax.lax.stop_gradient(leaves),
+    batch_leaves,
+    shared,
+    present=present,
+    clip_norm=clip_norm,
   )
   # The second pass runs fun again (the first pass's activations are dead by
   # then: the peak is one pass's), on rows where each row not kept is
@@ -713,7 +745,9 @@ def weighted_loss(
   # none, zeros do (a device of a data axis whose rows all failed still adds
   # its zero to the leaves it shares with the others).
   batch = [_usable_rows(_take_rows(x, index), usable) for x in batch_leaves]
-  again = jax.vmap(lambda p, b: per_example(p, b)[0], in_axes=(None, 0))(leaves, batch)
+  again = jax.vmap(lambda p, b: per_example(p, b, shared)[0], in_axes=(None, 0))(
+    leaves, batch
+  )
   total = jnp.sum(again * factor.astype(again.dtype))
   return Weighted(total, losses, rest, kept)
 
@@ -722,6 +756,8 @@ def _factors(
   traced: _Traced,
   leaves: list[Any],
   batch_leaves: list[Any],
+  shared: list[Any],
+  *,
   present: jax.Array,
   clip_norm: float,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any]:
@@ -736,7 +772,7 @@ def _factors(
   }
   forward = _forward(traced)
   losses, tap_vjp, (rest, saved) = jax.vjp(
-    lambda t: forward(leaves, t, batch_leaves), taps, has_aux=True
+    lambda t: forward(leaves, t, batch_leaves, shared), taps, has_aux=True
   )
   (tap_grads,) = tap_vjp(jnp.ones_like(losses))
   norm = jnp.sqrt(squared_norms(traced.uses, traced.plan, tap_grads, saved, rows))
@@ -766,6 +802,7 @@ def clipped_sum(
   present: jax.Array,
   clip_norm: float,
   accum_dtype: Any,
+  closed_over: Sequence[Any] = (),
 ) -> tuple[tuple[jax.Array, Any], tuple[PyTree, ...]]:
   """The sum of the kept rows' clipped gradients, by ghost clipping: the
   gradient of :func:`weighted_loss`'s total.
@@ -787,6 +824,7 @@ def clipped_sum(
       in_axes=in_axes,
       present=present,
       clip_norm=clip_norm,
+      closed_over=closed_over,
     )
     return weighted.total, weighted
 
@@ -828,16 +866,21 @@ def _rows_like_batch(x: jax.Array, batch_leaves: list[Any]) -> jax.Array:
 
 
 def _forward(traced: _Traced) -> Callable[..., Any]:
-  """``(param_leaves, taps, batch_leaves) -> (losses, (rest, saved))`` over
-  every row: the tapped walk of the traced jaxpr, under ``vmap``."""
+  """``(param_leaves, taps, batch_leaves, shared) -> (losses, (rest,
+  saved))`` over every row: the tapped walk of the traced jaxpr, under
+  ``vmap``."""
 
-  def one(param_leaves, example_leaves, example_taps):
+  def one(param_leaves, example_leaves, example_taps, shared):
     walk = _Walk(traced.plan, example_taps)
-    outs = _run_top(walk, traced.jaxpr, [*param_leaves, *example_leaves], traced.tags)
+    outs = _run_top(
+      walk, traced.jaxpr, [*param_leaves, *example_leaves, *shared], traced.tags
+    )
     loss, rest = jax.tree.unflatten(traced.out_def, outs)
     return loss, (rest, walk.saved)
 
-  def forward(param_leaves, taps, batch_leaves):
-    return jax.vmap(one, in_axes=(None, 0, 0))(param_leaves, batch_leaves, taps)
+  def forward(param_leaves, taps, batch_leaves, shared):
+    return jax.vmap(one, in_axes=(None, 0, 0, None))(
+      param_leaves, batch_leaves, taps, shared
+    )
 
   return forward

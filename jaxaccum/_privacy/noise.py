@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -16,13 +17,44 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum import _tree
+from jaxaccum import _compat, _tree
 from jaxaccum._checks import check_number, describe
 from jaxaccum._options import check_clip_norm
+from jaxaccum._privacy import tickets as _tickets
 
 PyTree = Any
 
 NORMALIZATIONS = ("poisson", "fixed")
+
+
+class ClipWithoutNoiseWarning(UserWarning):
+  """Each example's gradient is clipped (``clip_per_example``) where no
+  :func:`jaxaccum.dp_noise` can add noise to it: clipping alone gives no
+  privacy.
+
+  Warned once where that is visible: by ``value_and_grad`` and ``grad``
+  (also ``jaxaccum.nnx``'s) built with ``clip_per_example`` but without
+  ``clip_record=True`` (their gradient cannot reach ``dp_noise``), by
+  ``make_train_step`` (and ``jaxaccum.nnx.make_train_step``) whose optimizer
+  holds no ``dp_noise``, and by :func:`jaxaccum.accumulate` given a
+  :class:`ClipRecord` with no ``dp_noise`` in its inner optimizer. Pass
+  ``clip_without_noise=True`` with ``clip_per_example`` where clipping alone
+  is meant (noise added by your own code, or clipping for robustness), or
+  filter the warning by this class.
+  """
+
+
+def warn_without_noise(where: str, stacklevel: int = 3) -> None:
+  """A :class:`ClipWithoutNoiseWarning` saying where clipping meets no noise."""
+  warnings.warn(
+    f"{where} Clipping alone gives no privacy. Put jaxaccum.dp_noise(...) first "
+    "in the optimizer (optax.chain(jaxaccum.dp_noise(...), ...)); pass "
+    "clip_without_noise=True with clip_per_example where clipping without "
+    "noise is meant (noise added by your own code, or clipping for "
+    "robustness).",
+    ClipWithoutNoiseWarning,
+    stacklevel=stacklevel,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +69,24 @@ class NoiseConfig:
     normalize: ``"poisson"`` (divide by ``expected_batch_size``) or
       ``"fixed"`` (divide by the actual number of examples).
     expected_batch_size: ``q * N`` for Poisson sampling, else None.
+    expected_weight: the public denominator of weighted steps, else None.
   """
 
   noise_multiplier: float
   clip_norm: float
   normalize: str
   expected_batch_size: float | None
+  expected_weight: float | None = None
+
+  @property
+  def public_denominator(self) -> float | None:
+    """What the noisy clipped sum is divided by where that is a public
+    number: ``expected_weight``, or ``expected_batch_size`` under
+    ``"poisson"``; None where it is the count of real examples
+    (``"fixed"``, public at a fixed batch size)."""
+    if self.expected_weight is not None:
+      return self.expected_weight
+    return self.expected_batch_size if self.normalize == "poisson" else None
 
 
 jax.tree_util.register_static(NoiseConfig)
@@ -60,9 +104,29 @@ class ClipRecord:
   refuses a gradient that is not the record's very ``grads`` (any
   transformation before it made new arrays), a record clipped at another
   norm, and, in :func:`accumulate`, a record of anything but a clipped sum.
+  ``dp_noise`` adds its noise to ``clipped_sum``, the sum itself: what it
+  divides the noisy sum by is never the sum's private weight.
 
-  A pytree: ``grads``, ``divided_by`` and ``examples`` are its children,
-  ``clip_norm`` and ``normalize`` static.
+  Two more checks, for records that a loop of your own passes around:
+
+  - **Made by a clipped step.** jaxaccum's steps mark the records they make
+    in the record's static data; ``dp_noise`` and ``accumulate`` refuse a
+    record without the mark, as one built with this constructor is (its
+    arrays could be anything). A ``jax.tree.map`` over a real record keeps
+    the mark, and so is not caught: map ``record.grads``, not the record.
+  - **Used once.** A record that ``clip_record=True`` returns carries a
+    serial number (an array leaf, so that it survives ``jax.jit``), issued
+    on the host when the record is made (under a trace, by a host callback
+    that runs on every call). The update that takes it (``accumulate``'s,
+    or ``dp_noise``'s given the record itself) redeems it the same way, and
+    a serial redeemed before is refused: a ``ValueError`` in an eager
+    update, JAX's runtime error with the same message in a compiled one,
+    raised before the update has a result. A record fed twice to one
+    ``accumulate`` window would add its examples' clipped gradients twice.
+
+  A pytree: ``grads``, ``divided_by``, ``examples``, ``clipped_sum`` and
+  ``serial`` are its children, ``clip_norm``, ``normalize`` and the mark
+  static.
 
   Attributes:
     grads: the clipped sum divided by ``divided_by``, as the step returns it.
@@ -72,6 +136,11 @@ class ClipRecord:
     clip_norm: the norm each example's gradient was clipped to.
     normalize: the step's ``normalize``: ``"sum"``, ``"mean"`` or
       ``"weighted"``.
+    clipped_sum: the clipped sum itself, in the accumulator's dtype (None in
+      a record built by hand).
+    serial: the record's serial number, shape=(), uint32, for a record that
+      ``clip_record=True`` returned; None for one made and taken inside one
+      step.
   """
 
   def __init__(
@@ -81,12 +150,18 @@ class ClipRecord:
     examples: Any,
     clip_norm: float,
     normalize: str,
+    *,
+    clipped_sum: PyTree = None,
+    serial: Any = None,
   ):
     self.grads = grads
     self.divided_by = divided_by
     self.examples = examples
     self.clip_norm = clip_norm
     self.normalize = normalize
+    self.clipped_sum = clipped_sum
+    self.serial = serial
+    self._mark: _Mark | None = None
 
   def __repr__(self) -> str:
     return (
@@ -95,21 +170,99 @@ class ClipRecord:
     )
 
 
-jax.tree_util.register_pytree_node(
-  ClipRecord,
-  lambda r: ((r.grads, r.divided_by, r.examples), (r.clip_norm, r.normalize)),
-  lambda static, children: ClipRecord(*children, *static),
-)
+class _Mark:
+  """The mark in the static data of a :class:`ClipRecord` that a jaxaccum
+  step made."""
+
+  def __repr__(self) -> str:
+    return "<made by a clipped step>"
+
+
+_MADE_BY_A_CLIPPED_STEP = _Mark()
+
+
+def _flatten(r: ClipRecord) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  children = (r.grads, r.divided_by, r.examples, r.clipped_sum, r.serial)
+  return children, (r.clip_norm, r.normalize, r._mark)
+
+
+def _unflatten(static: tuple[Any, ...], children: tuple[Any, ...]) -> ClipRecord:
+  grads, by, examples, clipped_sum, serial = children
+  clip_norm, normalize, mark = static
+  record = ClipRecord(
+    grads, by, examples, clip_norm, normalize, clipped_sum=clipped_sum, serial=serial
+  )
+  record._mark = mark
+  return record
+
+
+jax.tree_util.register_pytree_node(ClipRecord, _flatten, _unflatten)
+
+
+def made_record(
+  grads: PyTree,
+  by: Any,
+  examples: Any,
+  clip_norm: float,
+  normalize: str,
+  *,
+  clipped_sum: PyTree,
+  serial: Any = None,
+) -> ClipRecord:
+  """A :class:`ClipRecord` with the mark of a clipped step: only jaxaccum's
+  steps (and ``accumulate``'s window) make one."""
+  record = ClipRecord(
+    grads, by, examples, clip_norm, normalize, clipped_sum=clipped_sum, serial=serial
+  )
+  record._mark = _MADE_BY_A_CLIPPED_STEP
+  return record
 
 
 def record_of(
-  grads: PyTree, total_weight: jax.Array, clip_norm: float, normalize: str
+  grads: PyTree,
+  total_weight: jax.Array,
+  clip_norm: float,
+  normalize: str,
+  clipped_sum: PyTree,
+  *,
+  ticket: bool = False,
 ) -> ClipRecord:
-  """The :class:`ClipRecord` of a clipped step's normalized gradient."""
+  """The :class:`ClipRecord` of a clipped step's normalized gradient and its
+  clipped sum; with ``ticket``, a serial number to be redeemed once
+  (:mod:`jaxaccum._privacy.tickets`): the record leaves jaxaccum's hands."""
   examples = jnp.asarray(total_weight, jnp.float32)
-  return ClipRecord(
-    grads, divided_by(examples, normalize), examples, clip_norm, normalize
+  serial = None
+  if ticket:
+    traced = any(map(_compat.is_tracer, jax.tree.leaves((clipped_sum, examples))))
+    serial = _tickets.issue(traced)
+  return made_record(
+    grads,
+    divided_by(examples, normalize),
+    examples,
+    clip_norm,
+    normalize,
+    clipped_sum=clipped_sum,
+    serial=serial,
   )
+
+
+def take(record: ClipRecord, *context: Any) -> None:
+  """Redeems ``record``'s serial number: a record is taken by one update
+  (:class:`ClipRecord`). ``context`` is the update's other inputs (its
+  state): a tracer there means that the update is traced."""
+  traced = any(map(_compat.is_tracer, jax.tree.leaves((record, context))))
+  _tickets.take(record.serial, traced)
+
+
+def check_made(record: ClipRecord, where: str) -> None:
+  """Refuses a :class:`ClipRecord` that no clipped step made."""
+  if record._mark is not _MADE_BY_A_CLIPPED_STEP:
+    raise ValueError(
+      f"{where} got a jaxaccum.ClipRecord that no clipped step made (built "
+      "with its constructor): nothing says that its gradient was clipped, or "
+      "what it was divided by. Use the record that value_and_grad(..., "
+      "clip_per_example=C, clip_record=True) returns, as it is."
+    )
 
 
 _FIRST = (
@@ -138,6 +291,7 @@ def check_received(grads: PyTree, record: Any, config: NoiseConfig) -> ClipRecor
       "clip_record= must be the jaxaccum.ClipRecord a clipped step returns, "
       f"got a {type(record).__name__}."
     )
+  check_made(record, "jaxaccum.dp_noise")
   got, want = jax.tree.leaves(grads), jax.tree.leaves(record.grads)
   if len(got) != len(want) or any(a is not b for a, b in zip(got, want, strict=True)):
     raise ValueError(
@@ -157,14 +311,16 @@ def check_received(grads: PyTree, record: Any, config: NoiseConfig) -> ClipRecor
 
 
 def accumulated_record(
-  grads: Any, record: Any, config: NoiseConfig | None
+  grads: Any, record: Any, config: NoiseConfig | None, weight_given: bool = False
 ) -> tuple[PyTree, ClipRecord | None]:
   """:func:`jaxaccum.accumulate`'s reading of one call: the gradient and
   its :class:`ClipRecord`, given in place of the gradient or (from
   ``make_train_step``) as ``clip_record=`` beside it. With ``dp_noise`` in
   the inner optimizer, a record of a sum clipped at the noise's norm is
-  required, at trace time."""
+  required, and ``weight=`` (``weight_given``) exactly with ``dp_noise``'s
+  ``expected_weight``, at trace time."""
   if isinstance(grads, ClipRecord):
+    check_made(grads, "accumulate()")
     grads, record = grads.grads, grads
   elif record is not None:
     record = check_received(grads, record, config) if config else record
@@ -194,6 +350,27 @@ def accumulated_record(
       "(a mean shrinks the signal by the micro-batch size against the same "
       "noise, and the window's sum would not be the clipped sum). Compute it "
       "with grad(fun, k, clip_per_example=C, normalize='sum', clip_record=True)."
+    )
+  if weight_given and config.expected_weight is None:
+    raise ValueError(
+      "accumulate(..., weight=) with jaxaccum.dp_noise would divide the "
+      "window's noisy clipped sum by its total weight, which is private (a "
+      "count of tokens, say, of examples that are themselves private): the "
+      "update's norm, about sigma C |z| / weight, gives it away. dp_noise "
+      "never divides by it. Give dp_noise the public denominator: "
+      "dp_noise(..., expected_weight=W), W the expected weight of a window "
+      "(e.g. the expected examples times the mean weight per example, from "
+      "public metadata); or drop weight= (each record's count of real "
+      "examples is then the window's weight, public at a fixed batch size)."
+    )
+  if config.expected_weight is not None and not weight_given:
+    raise ValueError(
+      f"dp_noise(..., expected_weight={config.expected_weight}) is the public "
+      "denominator of weighted windows: pass each call's weight= (the "
+      "micro-batch's total weight, e.g. its token count; it says that the "
+      "records are sums over those units, and the noisy sum is divided by "
+      "expected_weight, never by it), or drop expected_weight for a window "
+      "of examples."
     )
   return grads, record
 
@@ -234,23 +411,38 @@ def dp_noise(
   *,
   normalize: str,
   expected_batch_size: float | None = None,
+  expected_weight: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-SGD's Gaussian noise, added once per update to the clipped sum.
 
   ``update(grads, state, params=None, *, clip_record, **extra)`` takes the
   clipped gradient as :func:`jaxaccum.value_and_grad` with
-  ``clip_per_example`` returns it, the clipped sum ``S`` divided by
-  ``clip_record.divided_by`` (the number of real examples for
-  ``normalize="mean"``, their total weight for ``"weighted"``, 1 for
-  ``"sum"``), and returns
+  ``clip_per_example`` returns it (the clipped sum divided by the number of
+  real examples for ``normalize="mean"``, by their total weight for
+  ``"weighted"``, by 1 for ``"sum"``) with its ``clip_record``, whose
+  ``clipped_sum`` is the clipped sum ``S`` itself, and returns ``(S + N(0,
+  (sigma C)^2)) / D``. The denominator ``D`` is never private:
 
-  - ``normalize="poisson"``: ``(S + N(0, (sigma C)^2)) / expected_batch_size``,
-    the unbiased estimate for Poisson sampling, where the number of examples
-    drawn is itself private;
-  - ``normalize="fixed"``: ``(S + N(0, (sigma C)^2)) / divided_by``, for
-    batches of a fixed, public size. With nothing to divide by
-    (``divided_by == 0``) it returns zeros, and ``make_train_step`` skips
-    the step.
+  - ``normalize="poisson"``: ``D = expected_batch_size``, the unbiased
+    estimate for Poisson sampling, where the number of examples drawn is
+    itself private;
+  - ``normalize="fixed"``: ``D`` = the number of real examples, for
+    batches of a fixed, public size. With no example (a batch of padding
+    only) it returns zeros, and ``make_train_step`` skips the step;
+  - with ``expected_weight=W`` (either normalize): ``D = W``, for weighted
+    steps (``normalize="weighted"``, or ``accumulate(..., weight=)``), which
+    need it. Their total weight (a token count) is private, and dividing the
+    noise by it gives it away: the update's norm is about ``sigma C |z| /
+    weight``. ``W`` is a public number, such as the expected examples per
+    batch times the mean weight per example, from public metadata. The
+    weight itself then enters no update, and needs no bound: each example's
+    clipped gradient moves ``S`` by at most ``C`` whatever its weight.
+
+  Anything else is a ``ValueError`` at trace time naming the fix: a weighted
+  step without ``expected_weight``, ``expected_weight`` on a step that is not
+  weighted, ``"fixed"`` with a step of ``normalize="sum"``. The table of
+  every combination and the epsilon that covers it is in
+  ``docs/privacy.md``.
 
   ``dp_noise`` must be the first transformation that sees the gradient:
   ``clip_record`` is the :class:`ClipRecord` that ``make_train_step``,
@@ -275,7 +467,9 @@ def dp_noise(
       fresh seed for every training run.
     normalize: ``"poisson"`` or ``"fixed"``, see above.
     expected_batch_size: ``q * N`` (sampling rate times data set size);
-      needed for, and only for, ``"poisson"``.
+      for ``"poisson"``, which needs it or ``expected_weight``, not both.
+    expected_weight: the public denominator of weighted steps, see above;
+      a positive number.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -296,7 +490,12 @@ def dp_noise(
   ValueError: jaxaccum.dp_noise received a gradient that is not the clipped sum ...
   """
   config = noise_config(
-    noise_multiplier, clip_norm, key, normalize, expected_batch_size
+    noise_multiplier,
+    clip_norm,
+    key,
+    normalize,
+    expected_batch_size,
+    expected_weight=expected_weight,
   )
   the_key: jax.Array = key  # type: ignore[assignment]  # checked: not None
 
@@ -308,26 +507,21 @@ def dp_noise(
     del params, extra_args
     record = check_received(grads, clip_record, config)
     check_noise_matches(config, record.clip_norm, record.normalize)
-    divided_by = jnp.asarray(record.divided_by, jnp.float32)
+    take(record, state)  # every check passed: a refused call takes nothing
     noise = _gaussian(jax.random.fold_in(state.key, state.draws), grads)
     stddev = jnp.float32(config.noise_multiplier * config.clip_norm)
-    if config.normalize == "poisson":
-      assert config.expected_batch_size is not None
-      expected = jnp.float32(config.expected_batch_size)
+    noisy_sum = jax.tree.map(
+      lambda s, z: s.astype(jnp.float32) + stddev * z, record.clipped_sum, noise
+    )
+    public = config.public_denominator
+    if public is not None:
+      noisy = jax.tree.map(lambda n: n / jnp.float32(public), noisy_sum)
+    else:  # "fixed": the count of real examples, public at a fixed batch size
+      count = jnp.asarray(record.examples, jnp.float32)
+      some = count != 0
+      safe = jnp.where(some, count, jnp.float32(1))
       noisy = jax.tree.map(
-        lambda g, z: (g.astype(jnp.float32) * divided_by + stddev * z) / expected,
-        grads,
-        noise,
-      )
-    else:
-      some = divided_by != 0
-      safe = jnp.where(some, divided_by, jnp.float32(1))
-      noisy = jax.tree.map(
-        lambda g, z: jnp.where(
-          some, g.astype(jnp.float32) + stddev * z / safe, jnp.zeros_like(z)
-        ),
-        grads,
-        noise,
+        lambda n: jnp.where(some, n / safe, jnp.zeros_like(n)), noisy_sum
       )
     noisy = jax.tree.map(lambda n, g: n.astype(g.dtype), noisy, grads)
     return noisy, state._replace(draws=state.draws + 1)
@@ -341,6 +535,8 @@ def noise_config(
   key: Any,
   normalize: Any,
   expected_batch_size: Any,
+  *,
+  expected_weight: Any = None,
 ) -> NoiseConfig:
   """:func:`dp_noise`'s arguments, checked."""
   if key is None:
@@ -369,25 +565,41 @@ def noise_config(
       "expected_batch_size) or 'fixed' (batches of a fixed size: divide by "
       "the actual number of examples)."
     )
+  if expected_weight is not None:
+    expected_weight = _positive("expected_weight", expected_weight)
   if normalize == "poisson":
-    if expected_batch_size is None:
+    if expected_batch_size is None and expected_weight is None:
       raise ValueError(
         'normalize="poisson" divides by the expected batch size: pass '
         "expected_batch_size= (sampling rate times data set size), e.g. "
-        "PoissonSampler(...).expected_batch_size."
+        "PoissonSampler(...).expected_batch_size; for weighted steps, "
+        "expected_weight= (the expected total weight of a batch) instead."
       )
-    check_number("expected_batch_size", expected_batch_size)
-    if not (math.isfinite(expected_batch_size) and expected_batch_size > 0):
+    if expected_batch_size is not None and expected_weight is not None:
       raise ValueError(
-        f"expected_batch_size must be a positive number, got {expected_batch_size=}."
+        f"dp_noise takes one public denominator, got {expected_batch_size=} "
+        f"and {expected_weight=}: expected_batch_size for steps that count "
+        'examples (normalize="mean" or "sum"), expected_weight for weighted '
+        'steps (normalize="weighted", accumulate(..., weight=)).'
       )
-    expected_batch_size = float(expected_batch_size)
+    if expected_batch_size is not None:
+      expected_batch_size = _positive("expected_batch_size", expected_batch_size)
   elif expected_batch_size is not None:
     raise ValueError(
       f'normalize="fixed" divides by the actual number of examples and takes '
       f"no {expected_batch_size=}: drop it, or use normalize='poisson'."
     )
-  return NoiseConfig(float(noise_multiplier), clip, normalize, expected_batch_size)
+  return NoiseConfig(
+    float(noise_multiplier), clip, normalize, expected_batch_size, expected_weight
+  )
+
+
+def _positive(name: str, value: Any) -> float:
+  """A positive finite number, as a float."""
+  check_number(name, value)
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"{name} must be a positive number, got {name}={value!r}.")
+  return float(value)
 
 
 def find_noise(opt_state: PyTree) -> NoiseConfig | None:
@@ -422,20 +634,32 @@ def check_noise_matches(
       f"clip_norm={config.clip_norm}: the noise must be calibrated to the "
       "norm the examples are clipped to. Pass the same number to both."
     )
+  if normalize == "weighted" and config.expected_weight is None:
+    raise ValueError(
+      'normalize="weighted" divides the clipped sum by the batch\'s total '
+      "weight, which is private (a token count, of examples that are "
+      "themselves private): noise divided by it gives it away, since the "
+      "update's norm is about sigma C |z| / weight. dp_noise never divides by "
+      "it. Give dp_noise a public denominator: dp_noise(..., "
+      f'normalize="{config.normalize}", expected_weight=W), W the expected '
+      "total weight of a batch (e.g. the expected examples times the mean "
+      "weight per example, from public metadata); the noisy clipped sum is "
+      "then divided by W, under Poisson or fixed-size sampling alike."
+    )
+  if normalize != "weighted" and config.expected_weight is not None:
+    raise ValueError(
+      f"dp_noise(..., expected_weight={config.expected_weight}) is the public "
+      'denominator of weighted steps (normalize="weighted", or '
+      f'accumulate(..., weight=)), and this step is normalize="{normalize}": '
+      "drop expected_weight (and pass expected_batch_size= for Poisson "
+      'sampling), or use normalize="weighted".'
+    )
   if config.normalize == "fixed" and normalize == "sum":
     raise ValueError(
       'dp_noise\'s normalize="fixed" divides by the actual number of examples, '
       'and the step\'s normalize="sum" divides by nothing: the update would be '
-      'the noisy sum. Use normalize="mean" (or "weighted") with a fixed batch '
-      'size, or dp_noise(..., normalize="poisson") for Poisson sampling.'
-    )
-  if config.normalize == "poisson" and normalize == "weighted":
-    raise ValueError(
-      'normalize="weighted" divides by the actual total weight, and dp_noise\'s '
-      'normalize="poisson" by the expected batch size: choose one. For '
-      'Poisson sampling use normalize="mean" (or "sum") and mark padding with '
-      "example_mask=; for a fixed batch size use dp_noise(..., "
-      'normalize="fixed").'
+      'the noisy sum. Use normalize="mean" with a fixed batch size, or '
+      'dp_noise(..., normalize="poisson") for Poisson sampling.'
     )
 
 
