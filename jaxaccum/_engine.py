@@ -132,6 +132,10 @@ class Result(NamedTuple):
       ``jax.grad`` gives.
     noise: the step's :class:`GradientNoise` (None unless ``noise_stats``).
     total_weight: the sum of the weights; shape=(), float32 (or wider).
+    clipped_sum: with ``clip_per_example``, the clipped sum itself, one tree
+      per entry of ``argnums``, in the accumulator's dtype (float32 or
+      wider), before any division or cast: what DP-SGD's noise is added to
+      (:class:`jaxaccum.ClipRecord`); None otherwise.
   """
 
   value: jax.Array
@@ -139,6 +143,7 @@ class Result(NamedTuple):
   grads: tuple[PyTree, ...]
   noise: _noise_scale.GradientNoise | None
   total_weight: jax.Array
+  clipped_sum: tuple[PyTree, ...] | None = None
 
   def arranged(self, options: Options) -> Any:
     """What ``jaxaccum.value_and_grad`` returns: ``(value, grads)``, with
@@ -471,7 +476,11 @@ class Engine:
       if not norm.divide:  # a sum over the batch's rows: its mean is sum / B_big
         big_sq_norm = big_sq_norm / sums.noise.examples**2
       noise = sums.noise.finalize(big_sq_norm)
-    return Result(value, aux, grads, noise, sums.weight)
+    # The noise is added to the clipped sum in the accumulator's dtype: a sum
+    # rounded to the parameters' dtype (bfloat16) and multiplied back by the
+    # examples' count would carry an error that grows with the batch.
+    clipped = None if o.clip_per_example is None else sums.grads
+    return Result(value, aux, grads, noise, sums.weight, clipped)
 
   def local(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Result:
     """The whole step on one device: plan, loop, normalize."""

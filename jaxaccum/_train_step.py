@@ -231,8 +231,13 @@ def noise_record(
   checking the noise against the step's options."""
   _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
   assert options.clip_per_example is not None
+  clipped = None if result.clipped_sum is None else result.clipped_sum[0]
   return _privacy.record_of(
-    result.grads[0], result.total_weight, options.clip_per_example, options.normalize
+    result.grads[0],
+    result.total_weight,
+    options.clip_per_example,
+    options.normalize,
+    clipped,
   )
 
 

@@ -296,10 +296,15 @@ def recorded(result: _engine.Result, options: _options.Options) -> _engine.Resul
   if not options.clip_record:
     return result
   assert options.clip_per_example is not None
+  clipped = None if result.clipped_sum is None else result.clipped_sum[0]
   record = _privacy.record_of(
-    result.grads[0], result.total_weight, options.clip_per_example, options.normalize
+    result.grads[0],
+    result.total_weight,
+    options.clip_per_example,
+    options.normalize,
+    clipped,
   )
-  return result._replace(grads=(record,))
+  return result._replace(grads=(record,), clipped_sum=None)
 
 
 def grad(
@@ -357,7 +362,9 @@ class Step:
     self._engines: dict[int, _engine.Engine] = {}
     self._validated: set[Any] = set()
     self._compiled = _calls.Compiled(
-      self.traced, static_positions=self.static_positions, checked=options.value_checks
+      self.compiled_result,
+      static_positions=self.static_positions,
+      checked=options.value_checks,
     )
 
   def engine(self, num_args: int) -> _engine.Engine:
@@ -406,6 +413,13 @@ class Step:
     if self.parallel is not None:
       return self.parallel(engine, layout, args, kwargs)
     return _unreduced.local(engine, args, kwargs)
+
+  def compiled_result(self, layout: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """:meth:`traced`, as a compiled call returns it: the clipped sum in the
+    accumulator's dtype only where a :class:`jaxaccum.ClipRecord` carries it
+    out (``clip_record=True``), not as one more output buffer."""
+    result = self.traced(layout, *args, **kwargs)
+    return result if self.options.clip_record else result._replace(clipped_sum=None)
 
   def micro_batches(self, args: tuple[Any, ...]) -> int:
     """``k``: the micro-batches of these arguments (per device with

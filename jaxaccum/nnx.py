@@ -222,7 +222,12 @@ def _accumulated_results(
     result = step_for(user, layout)(tuple(diff_states), threaded, *plain, **kwargs)
     aux, new_threaded = result.aux
     _write_back(args, layout, new_threaded)
-    return result._replace(aux=aux, grads=tuple(result.grads[0])), user
+    clipped = result.clipped_sum
+    return result._replace(
+      aux=aux,
+      grads=tuple(result.grads[0]),
+      clipped_sum=None if clipped is None else tuple(clipped[0]),
+    ), user
 
   return run
 

@@ -395,9 +395,14 @@ def accumulate(
     weight = _check_update_args(grads, state, weight)
     scale = state.loss_scale
     summand = grads if scale is None else scale.unscale(grads)
+    added = summand
+    if scale is None and record is not None and record.normalize == "sum":
+      # A clipped sum is added as the step formed it, in the accumulator's
+      # dtype: its copy in the parameters' dtype (bfloat16) is rounded.
+      added = _privacy.clipped_sum_of(record)
     window = _add_micro_batch(
       state,
-      summand,
+      added,
       weight,
       drop_nonfinite=skip_nonfinite or scale is not None,
       noise_stats=noise_stats,
@@ -470,9 +475,14 @@ def _inner_update(
     # (a float16 mean would underflow where the scale had saved it).
     mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand)
     extra = extra_args
-    if noise_config is not None:  # the window's clipped sum: mean * Σ w
+    if noise_config is not None:  # the window's clipped sum, as it was summed
       window_record = _privacy.ClipRecord(
-        mean, acc_weight, acc_weight, noise_config.clip_norm, "mean"
+        mean,
+        acc_weight,
+        acc_weight,
+        noise_config.clip_norm,
+        "mean",
+        clipped_sum=acc_grads,
       )
       extra = {**extra_args, "clip_record": window_record}
     updates, new_inner_state = inner.update(mean, inner_state, params, **extra)

@@ -804,7 +804,11 @@ class _GlobalStep:
       tuple(call_args), kwargs, split, step=step, accumulator=self._accumulator()
     )
     result = self.engine.finish(sums, diff_args)
-    return result._replace(grads=self._map(self._like_parameter, result.grads))
+    clipped = result.clipped_sum
+    return result._replace(
+      grads=self._map(self._like_parameter, result.grads),
+      clipped_sum=None if clipped is None else self._map(self._like_parameter, clipped),
+    )
 
   def _before_loop(self, x: jax.Array, p: Placement) -> jax.Array:
     if p.before_loop != "cast_gather" or p.spec is None:

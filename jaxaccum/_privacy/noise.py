@@ -61,17 +61,25 @@ class ClipRecord:
   transformation before it made new arrays), a record clipped at another
   norm, and, in :func:`accumulate`, a record of anything but a clipped sum.
 
-  A pytree: ``grads``, ``divided_by`` and ``examples`` are its children,
-  ``clip_norm`` and ``normalize`` static.
+  A pytree: ``grads``, ``divided_by``, ``examples`` and ``clipped_sum`` are
+  its children, ``clip_norm`` and ``normalize`` static.
 
   Attributes:
-    grads: the clipped sum divided by ``divided_by``, as the step returns it.
+    grads: the clipped sum divided by ``divided_by``, as the step returns it
+      (in the parameters' dtype).
     divided_by: what the clipped sum was divided by; shape=(), float32.
     examples: the real examples' count (their total weight with
       ``normalize="weighted"``); shape=(), float32.
     clip_norm: the norm each example's gradient was clipped to.
     normalize: the step's ``normalize``: ``"sum"``, ``"mean"`` or
       ``"weighted"``.
+    clipped_sum: the clipped sum itself, like ``grads`` but in the
+      accumulator's dtype (float32 or wider), neither divided nor cast: what
+      :func:`dp_noise` adds its noise to, and what :func:`accumulate` adds up.
+      With bfloat16 parameters ``grads`` is rounded to bfloat16, and that
+      rounding, multiplied back by the examples' count, would grow with the
+      batch. None in a record made by hand: ``dp_noise`` then takes
+      ``grads * divided_by``.
   """
 
   def __init__(
@@ -81,12 +89,15 @@ class ClipRecord:
     examples: Any,
     clip_norm: float,
     normalize: str,
+    *,
+    clipped_sum: PyTree = None,
   ):
     self.grads = grads
     self.divided_by = divided_by
     self.examples = examples
     self.clip_norm = clip_norm
     self.normalize = normalize
+    self.clipped_sum = clipped_sum
 
   def __repr__(self) -> str:
     return (
@@ -97,18 +108,47 @@ class ClipRecord:
 
 jax.tree_util.register_pytree_node(
   ClipRecord,
-  lambda r: ((r.grads, r.divided_by, r.examples), (r.clip_norm, r.normalize)),
-  lambda static, children: ClipRecord(*children, *static),
+  lambda r: (
+    (r.grads, r.divided_by, r.examples, r.clipped_sum),
+    (r.clip_norm, r.normalize),
+  ),
+  lambda static, children: ClipRecord(*children[:3], *static, clipped_sum=children[3]),
 )
 
 
 def record_of(
-  grads: PyTree, total_weight: jax.Array, clip_norm: float, normalize: str
+  grads: PyTree,
+  total_weight: jax.Array,
+  clip_norm: float,
+  normalize: str,
+  clipped_sum: PyTree = None,
 ) -> ClipRecord:
-  """The :class:`ClipRecord` of a clipped step's normalized gradient."""
+  """The :class:`ClipRecord` of a clipped step's normalized gradient and its
+  clipped sum in the accumulator's dtype."""
   examples = jnp.asarray(total_weight, jnp.float32)
   return ClipRecord(
-    grads, divided_by(examples, normalize), examples, clip_norm, normalize
+    grads,
+    divided_by(examples, normalize),
+    examples,
+    clip_norm,
+    normalize,
+    clipped_sum=clipped_sum,
+  )
+
+
+def clipped_sum_of(record: ClipRecord) -> PyTree:
+  """What the noise is added to: the record's clipped sum in the
+  accumulator's dtype, or, for a record made by hand without one,
+  ``grads * divided_by`` in float32 (or the gradient's wider dtype)."""
+  if record.clipped_sum is not None:
+    return record.clipped_sum
+  divided = jnp.asarray(record.divided_by, jnp.float32)
+  return jax.tree.map(
+    lambda g: (
+      g.astype(jnp.promote_types(g.dtype, jnp.float32))
+      * divided.astype(jnp.promote_types(g.dtype, jnp.float32))
+    ),
+    record.grads,
   )
 
 
@@ -311,25 +351,23 @@ def dp_noise(
     divided_by = jnp.asarray(record.divided_by, jnp.float32)
     noise = _gaussian(jax.random.fold_in(state.key, state.draws), grads)
     stddev = jnp.float32(config.noise_multiplier * config.clip_norm)
+    # The noise is added to the clipped sum in the accumulator's dtype, and
+    # the noisy sum is divided, then cast to the gradient's dtype: nothing
+    # rounds the sum before the noise covers it.
+    total = clipped_sum_of(record)
     if config.normalize == "poisson":
       assert config.expected_batch_size is not None
-      expected = jnp.float32(config.expected_batch_size)
-      noisy = jax.tree.map(
-        lambda g, z: (g.astype(jnp.float32) * divided_by + stddev * z) / expected,
-        grads,
-        noise,
-      )
+      denominator = jnp.float32(config.expected_batch_size)
+      some = jnp.asarray(True)
     else:
       some = divided_by != 0
-      safe = jnp.where(some, divided_by, jnp.float32(1))
-      noisy = jax.tree.map(
-        lambda g, z: jnp.where(
-          some, g.astype(jnp.float32) + stddev * z / safe, jnp.zeros_like(z)
-        ),
-        grads,
-        noise,
-      )
-    noisy = jax.tree.map(lambda n, g: n.astype(g.dtype), noisy, grads)
+      denominator = jnp.where(some, divided_by, jnp.float32(1))
+
+    def noisy_mean(s, z, g):
+      noisy = (s + (stddev * z).astype(s.dtype)) / denominator.astype(s.dtype)
+      return jnp.where(some, noisy, jnp.zeros_like(noisy)).astype(g.dtype)
+
+    noisy = jax.tree.map(noisy_mean, total, noise, grads)
     return noisy, state._replace(draws=state.draws + 1)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
