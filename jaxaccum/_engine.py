@@ -234,9 +234,10 @@ class Engine:
     split: _split.MicroBatching,
     total: int,
   ) -> Callable[..., Any]:
-    """``loss(diff_args, micro, index, state) -> (objective, ((loss, (weight,
-    aux, new_state)), some))`` for ``clip_method="ghost"``: the objective's
-    gradient is the micro-batch's clipped sum
+    """``loss((diff_args, masters), micro, index, state) -> (objective,
+    ((loss, (weight, aux, new_state)), some))`` for ``clip_method="ghost"``:
+    the objective's gradient with respect to ``masters`` (the differentiated
+    arguments in the accumulator's dtype) is the micro-batch's clipped sum
     (:func:`jaxaccum._privacy.ghost_objective`). The data-parallel path
     differentiates the devices' objectives together, so that a leaf they
     share (FSDP) gets its clipped sums reduce-scattered in the backward
@@ -254,9 +255,10 @@ class Engine:
     )
     assemble = self._call_args(args, total)
 
-    def loss(diff_args, micro, index, state):
+    def loss(diff_and_masters, micro, index, state):
+      diff_args, masters = diff_and_masters
       value, ((loss, (weight, aux, new_state)), some) = objective(
-        *assemble(diff_args, micro, index, state)
+        *assemble(diff_args, micro, index, state), masters=masters
       )
       return value, (
         (loss, (weight, aux, self._kept_state(new_state, state, aux))),
