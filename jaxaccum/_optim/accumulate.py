@@ -340,8 +340,10 @@ def accumulate(
   than the noise's ``clip_norm``, or of another ``normalize`` than
   ``"sum"`` (a mean would shrink the signal against the noise). The noise
   is added once per window, inside the branch that runs ``inner``, to the
-  window's clipped sum; ``inner`` gets a record of it, so ``dp_noise``
-  anywhere but first in ``inner`` is refused too. With
+  window's clipped sum, the records' float32 ``clipped_sum`` added up in
+  ``accum_dtype`` (never their gradients rounded to the parameters' dtype);
+  ``inner`` gets a record of it, so ``dp_noise`` anywhere but first in
+  ``inner`` is refused too. With
   ``normalize="poisson"`` a window without examples still applies its
   noise.
 

@@ -292,6 +292,13 @@ def dp_noise(
     (``divided_by == 0``) it returns zeros, and ``make_train_step`` skips
     the step.
 
+  ``S`` is ``clip_record.clipped_sum``, the clipped sum in the accumulator's
+  dtype (float32 or wider): the noise is added to it before any cast, and
+  the result is cast to ``grads``' dtype last. With bfloat16 parameters
+  ``grads`` is rounded to bfloat16, and that rounding multiplied back by the
+  examples' count would grow with the batch. (A record made by hand without
+  ``clipped_sum`` gives ``S = grads * divided_by``.)
+
   ``dp_noise`` must be the first transformation that sees the gradient:
   ``clip_record`` is the :class:`ClipRecord` that ``make_train_step``,
   ``jaxaccum.nnx.make_train_step`` and ``accumulate`` pass with it, and
