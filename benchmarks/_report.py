@@ -244,6 +244,7 @@ SCRIPTS = {
   "dp_lm": "_example_blocks",
   "readme_commands": "readme_commands",
   "dp": "dp",
+  "dp_audit": "dp",
   "pipeline": "pipeline",
   "maxtext_llama": "maxtext_llama",
 }
@@ -271,6 +272,7 @@ COMMANDS = {
   "dp_lm": "python examples/dp_lm.py --write-results",
   "readme_commands": "python benchmarks/readme_commands.py",
   "dp": "python benchmarks/dp.py",
+  "dp_audit": "python benchmarks/dp.py --part audit",
   "pipeline": "python benchmarks/pipeline.py",
   "maxtext_llama": "python benchmarks/maxtext_llama.py",
 }
