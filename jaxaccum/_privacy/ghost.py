@@ -689,9 +689,11 @@ class Weighted(NamedTuple):
   """Ghost clipping's second pass, as a loss (:func:`weighted_loss`).
 
   Attributes:
-    total: ``sum_i factor_i * loss_i``, shape=(), the loss's dtype: its
-      gradient with respect to the differentiated leaves is the sum of the
-      kept rows' clipped gradients.
+    total: shape=(), whose gradient with respect to the differentiated
+      leaves' masters is the sum of the kept rows' clipped gradients:
+      ``sum_i factor_i * loss_i`` (the loss's dtype) in float32 models; in
+      narrower ones the book-kept sums' inner product with the masters
+      (float32), a number no one reads.
     losses: each row's loss, from the first pass, shape=(rows,).
     rest: each row's rest (weight, aux, state), stacked over the rows.
     kept: which rows count, shape=(rows,), bool: present, with a finite norm.
