@@ -51,9 +51,8 @@ weights are large beside its activations (``results["time_mlp"]``), the two
 sides of where ghost's second pass costs more than the per-example gradients
 it avoids.
 
-Part 4, the privacy audit (``--part audit``, 8 CPU devices in a process of
-its own): one example's effect on what the noise covers, over C, for a
-covering set of configurations (:data:`AUDIT_CONFIGS`, :func:`audit_rows`).
+Part 4, the privacy audit (``--part audit``, :func:`audit_rows`): one example's
+effect on what the noise covers, over C, for each of :data:`AUDIT_CONFIGS`.
 
 The results go to ``benchmarks/results/dp.json`` (``--quick``: a temporary
 folder) and the table into ``benchmarks/README.md`` (this file's
@@ -574,11 +573,10 @@ AUDIT_N, AUDIT_F, AUDIT_H = 1024, 8, 16
 LIBS = ("linen", "nnx", "equinox")
 AUDIT_FIELDS = ("library", "path", "clip_method", "k", "dtype", "loss")
 #: The audit's covering set: (library, path, clip method, k, parameters'
-#: dtype, loss). Every combination of path, method, dtype and loss is a
-#: row (so bfloat16 x ghost, weighted x mesh= and bfloat16 x plain jit are);
-#: the libraries cycle over them (no jaxaccum.nnx on the accumulate() path,
-#: which takes a ClipRecord of plain arrays), and k = 1, 4 so that each
-#: dtype and each loss meets both on every path.
+#: dtype, loss). Every combination of path, method, dtype and loss is a row
+#: (bfloat16 x ghost, weighted x mesh= and bfloat16 x plain jit among them);
+#: the libraries cycle (no jaxaccum.nnx on the accumulate() path, fed plain
+#: arrays), and k = 1, 4 meet each dtype and each loss on every path.
 AUDIT_CONFIGS = [
   (lib, path, method, (1, 4)[(i % 4 in (1, 2)) ^ (i // 4 % 2)], dtype, loss)
   for i, (path, method, dtype, loss) in enumerate(
