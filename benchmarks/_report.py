@@ -253,6 +253,7 @@ SCRIPTS = {
   "dp_lm": "_example_blocks",
   "readme_commands": "readme_commands",
   "dp": "dp",
+  "dp_audit": "dp",
   "pipeline": "pipeline",
   "maxtext_llama": "maxtext_llama",
 }
@@ -274,6 +275,7 @@ COMMANDS = {
   "input_pipeline": "python examples/input_pipeline.py",
   "autopilot": "python examples/autopilot.py --write-results",
   "dp_lm": "python examples/dp_lm.py --write-results",
+  "dp_audit": "python benchmarks/dp.py --part audit",
 }
 #: ``"source name"`` -> the function writing that block from ``source.json``,
 #: and the page of each block: filled from the scripts' ``BLOCKS`` on first

@@ -4,6 +4,7 @@ Usage::
 
   python benchmarks/dp.py            # every part; writes benchmarks/results/dp.json
   python benchmarks/dp.py --quick    # small sizes, writes <tmp>/dp_quick.json
+  python benchmarks/dp.py --part audit  # writes benchmarks/results/dp_audit.json
 
 Part 1, memory (compiled for an H100 that is not there, never run; the
 ``targets`` extra). The step is ``jaxaccum.make_train_step(loss, tx, k,
@@ -50,6 +51,9 @@ weights are large beside its activations (``results["time_mlp"]``), the two
 sides of where ghost's second pass costs more than the per-example gradients
 it avoids.
 
+Part 4, the privacy audit (``--part audit``, :func:`audit_rows`): one example's
+effect on what the noise covers, over C, for each of :data:`AUDIT_CONFIGS`.
+
 The results go to ``benchmarks/results/dp.json`` (``--quick``: a temporary
 folder) and the table into ``benchmarks/README.md`` (this file's
 ``report``, between the ``dp`` markers).
@@ -66,6 +70,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -561,6 +566,237 @@ def exact_part(ks: tuple[int, ...]) -> dict[str, Any]:
     "tolerance": 1e-5,
     "rows": json.loads(out.stdout.splitlines()[-1]),
   }
+
+
+# ---------------------------------------------------------------- part 4: audit
+
+AUDIT_N, AUDIT_F, AUDIT_H = 1024, 8, 16
+LIBS = ("linen", "nnx", "equinox")
+AUDIT_FIELDS = ("library", "path", "clip_method", "k", "dtype", "loss")
+#: The audit's covering set: (library, path, clip method, k, parameters'
+#: dtype, loss). Every combination of path, method, dtype and loss is a row
+#: (bfloat16 x ghost, weighted x mesh= and bfloat16 x plain jit among them);
+#: the libraries cycle (no jaxaccum.nnx on the accumulate() path, fed plain
+#: arrays), and k = 1, 4 meet each dtype and each loss on every path.
+AUDIT_CONFIGS = [
+  (lib, path, method, (1, 4)[(i % 4 in (1, 2)) ^ (i // 4 % 2)], dtype, loss)
+  for i, (path, method, dtype, loss) in enumerate(
+    (p, m, d, w)
+    for p in ("step", "accumulate", "mesh", "plain_jit")
+    for m in ("vmap", "ghost")
+    for d in ("float32", "bfloat16")
+    for w in ("mean", "weighted")
+  )
+  for lib in [("linen", "equinox")[i % 2] if path == "accumulate" else LIBS[i % 3]]
+]
+
+
+def _audit_model(lib: str, dtype: Any) -> tuple[Callable[..., Any], Any]:
+  """A tanh MLP (8 -> 16 -> 1) of ``lib`` with parameters in ``dtype``, and
+  the loss of ONE example ``(x, y, w)``, ``w (f(x) - y)^2``, in float32."""
+  if lib == "linen":
+    from flax import linen as nn  # noqa: PLC0415
+
+    dense = lambda n: nn.Dense(n, dtype=dtype, param_dtype=dtype)  # noqa: E731
+    net = nn.Sequential([dense(AUDIT_H), nn.tanh, dense(1)])
+    model = net.init(jax.random.key(0), jnp.ones(AUDIT_F, dtype))
+    apply = net.apply
+  elif lib == "nnx":
+    from flax import nnx  # noqa: PLC0415
+
+    rngs = nnx.Rngs(0)
+    dense = lambda i, o: nnx.Linear(i, o, dtype=dtype, param_dtype=dtype, rngs=rngs)  # noqa: E731
+    model = nnx.Sequential(dense(AUDIT_F, AUDIT_H), nnx.tanh, dense(AUDIT_H, 1))
+    apply = lambda m, x: m(x)  # noqa: E731
+  else:
+    import equinox as eqx  # noqa: PLC0415
+
+    mlp = eqx.nn.MLP(AUDIT_F, 1, AUDIT_H, 1, activation=jnp.tanh, key=jax.random.key(0))
+    model = jax.tree.map(
+      lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, mlp
+    )
+    apply = lambda m, x: m(x)  # noqa: E731
+
+  def loss(m, example):
+    x, y, w = example
+    return w * (apply(m, x.astype(dtype))[0].astype(jnp.float32) - y) ** 2
+
+  return loss, model
+
+
+def _observer() -> optax.GradientTransformationExtraArgs:
+  """After dp_noise in the chain: keeps the float32 clipped sum of the
+  ClipRecord dp_noise read (optax.chain hands every transformation the same
+  clip_record=) and dp_noise's update, in float32."""
+  wide = lambda t: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), t)  # noqa: E731
+
+  def init(params):
+    zeros = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.float32), params)
+    return zeros, zeros
+
+  def update(updates, state, params=None, *, clip_record=None, **extra):
+    del params, extra
+    seen = (wide(clip_record.clipped_sum), wide(updates))
+    return updates, jax.tree.map(lambda _, s: s, state, seen)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _audit_seen(config: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+  """One step of ``config`` on the audit's batch, with the outlier row and
+  with it masked out: the (clipped sum, update) the observer saw in each."""
+  lib, path, method, k, dtype, loss_kind = config
+  loss, model = _audit_model(lib, jnp.dtype(dtype))
+  n, weighted = AUDIT_N, loss_kind == "weighted"
+  x = jax.random.normal(jax.random.key(1), (n, AUDIT_F))
+  y = jnp.sin(3 * x[:, 0]) + x[:, 1]
+  w = 1.0 + (jnp.arange(n) % 3) if weighted else jnp.ones(n)
+  j = n // 3  # the outlier: 30 times an example
+  batch = (x.at[j].multiply(30.0), y.at[j].multiply(30.0), w)
+  masks = [jnp.ones(n), jnp.ones(n).at[j].set(0.0)]
+  noise = jaxaccum.dp_noise(
+    0.0,
+    CLIP,
+    jax.random.key(0),
+    normalize="fixed" if weighted else "poisson",
+    expected_batch_size=None if weighted else float(n),
+  )
+  tx = optax.chain(noise, _observer())
+  clip = {"clip_per_example": CLIP, "clip_method": method}
+  if path == "accumulate":  # k calls of one micro-batch each, one window
+    acc = jaxaccum.accumulate(tx, every_k=k)
+    grad = jaxaccum.grad(loss, 1, normalize="sum", clip_record=True, **clip)
+    update, m, seen = jax.jit(acc.update), n // k, []
+    for mask in masks:
+      state = acc.init(model)
+      for i in range(k):
+        part, kept = jax.tree.map(lambda a, i=i: a[i * m : (i + 1) * m], (batch, mask))
+        weight = jnp.sum(part[2] * kept) if weighted else None
+        record = grad(model, part, example_mask=kept)
+        _, state = update(record, state, _static_free(model), weight=weight)
+      seen.append(state.inner_state[1])
+    return seen
+  fun = (lambda m, e: (loss(m, e), e[2])) if weighted else loss
+  options = dict(clip, normalize="weighted" if weighted else "mean", donate=False)
+  mesh = None
+  if path in ("mesh", "plain_jit"):
+    axes = AxisType.Explicit if path == "plain_jit" else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axes,))
+    put = lambda t, spec: jax.tree.map(  # noqa: E731
+      lambda a: jax.device_put(a, NamedSharding(mesh, spec)) if _is_array(a) else a, t
+    )
+    batch, masks = put(batch, P("data")), put(masks, P("data"))
+    model = put(model, P()) if lib != "nnx" else model
+    if lib == "nnx":
+      from flax import nnx  # noqa: PLC0415
+
+      nnx.update(model, put(nnx.state(model), P()))
+    if path == "mesh":
+      options.update(mesh=mesh, data_axis="data")
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    if lib == "nnx":  # the same model and optimizer, reset between the steps
+      from flax import nnx  # noqa: PLC0415
+
+      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      before = jax.tree.map(jnp.copy, nnx.state((model, optimizer)))
+      step, seen = jaxaccum.nnx.make_train_step(fun, optimizer, k, **options), []
+      for mask in masks:
+        nnx.update((model, optimizer), jax.tree.map(jnp.copy, before))
+        step(model, batch, example_mask=mask)
+        seen.append(jax.tree.map(jnp.copy, optimizer.opt_state[1]))
+      return seen
+    step = jaxaccum.make_train_step(fun, tx, k, **options)
+    opt_state = tx.init(_static_free(model))
+    return [step(model, opt_state, batch, example_mask=m)[1][1] for m in masks]
+
+
+def _is_array(a: Any) -> bool:
+  return isinstance(a, jax.Array)
+
+
+def _static_free(model: Any) -> Any:
+  """The model's floating-point arrays (None elsewhere), as optax sees an
+  Equinox module (eqx.filter(model, eqx.is_inexact_array))."""
+  floating = lambda a: _is_array(a) and jnp.issubdtype(a.dtype, jnp.floating)  # noqa: E731
+  return jax.tree.map(lambda a: a if floating(a) else None, model)
+
+
+def audit_rows() -> list[dict[str, Any]]:
+  """Each configuration's one-example effect on what the noise covers, over
+  C: the float32 clipped sum dp_noise read and (mean loss, float32
+  parameters: the update is not rounded after the noise) dp_noise's
+  noise-free update times its public denominator, the expected batch size.
+  Runs in a process with 8 CPU devices (:func:`audit_part`)."""
+  rows = []
+  for config in AUDIT_CONFIGS:
+    seen = [
+      jax.tree.map(lambda a: np.asarray(a, np.float64), s) for s in _audit_seen(config)
+    ]
+    diff = jax.tree.map(np.subtract, *seen)
+    norm = lambda t: float(np.sqrt(sum(np.sum(a**2) for a in jax.tree.leaves(t))))  # noqa: E731
+    row = dict(zip(AUDIT_FIELDS, config, strict=True), sum=norm(diff[0]) / CLIP)
+    exact_update = row["loss"] == "mean" and row["dtype"] == "float32"
+    row["update"] = norm(diff[1]) * AUDIT_N / CLIP if exact_update else None
+    rows.append(row)
+    print(row, flush=True)
+  return rows
+
+
+def audit_part() -> dict[str, Any]:
+  """:func:`audit_rows`, in a process of its own with 8 CPU devices."""
+  env = dict(os.environ)
+  testing.cpu_devices(8, environ=env)
+  env["JAX_PLATFORMS"] = "cpu"
+  run = [sys.executable, __file__, "--audit-rows"]
+  out = subprocess.run(run, env=env, check=True, capture_output=True, text=True)
+  return {
+    "machine": f"{os.cpu_count()}-core {_report.cpu_model()}",
+    "date": datetime.date.today().isoformat(),
+    "versions": {
+      p: importlib.metadata.version(p) for p in ("jax", "flax", "equinox", "optax")
+    },
+    "examples": AUDIT_N,
+    "bound": 1.0001,
+    "rows": json.loads(out.stdout.splitlines()[-1]),
+  }
+
+
+def audit_table(audit: dict[str, Any]) -> str:
+  """The audit's table and verdict (``dp_audit table``)."""
+  bound = audit["bound"]
+  ratio = lambda r: "–" if r is None else f"{r:.6f}" + ("" if r <= bound else " ✗")  # noqa: E731
+  rows = [
+    (*(r[f] for f in AUDIT_FIELDS), ratio(r["sum"]), ratio(r["update"]))
+    for r in audit["rows"]
+  ]
+  rows = [(r[0], AUDIT_PATHS[r[1]], f'`"{r[2]}"`', *r[3:]) for r in rows]
+  measured = [
+    r[v] for r in audit["rows"] for v in ("sum", "update") if r[v] is not None
+  ]
+  header = ["library", "path", "clip", "k", "parameters", "loss"]
+  header += ["noised sum: ΔS / C", "update: ΔU · E / C"]
+  return "\n".join(
+    [
+      f"{len(rows)} configurations, {audit['examples']:,} examples each, one of them "
+      f"replaced by a 30× outlier and then masked out; C = {CLIP:g}, sigma = 0. "
+      f"On {audit['machine']}, jax {audit['versions']['jax']}, flax "
+      f"{audit['versions']['flax']}, equinox {audit['versions']['equinox']}, "
+      f"{audit['date']}. Goal: every ratio at most {bound} (✗ marks one above).",
+      "",
+      _report.table(header, rows),
+      "",
+      f"Largest ratio: **{max(measured):.6f}** ({len(measured)} measured); "
+      f"smallest: {min(measured):.6f}. Goal {_report.met(max(measured) <= bound)}.",
+    ]
+  )
+
+
+AUDIT_PATHS = {
+  "step": "`make_train_step`",
+  "accumulate": "`accumulate()`",
+  "mesh": "`mesh=` (8 devices)",
+  "plain_jit": "plain `jit`, Explicit mesh (8)",
+}
 
 
 # ---------------------------------------------------------------- part 2: time
@@ -1094,6 +1330,7 @@ BLOCKS = {
   "dp ghost": ghost_table,
   "dp exact": exact_table,
   "dp time": time_table,
+  "dp_audit table": audit_table,
 }
 
 
@@ -1104,7 +1341,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = _paths.parser(__doc__, quick="small sizes, few rounds")
   parser.add_argument(
     "--part",
-    choices=("both", "time", "memory", "ghost", "exact"),
+    choices=("both", "time", "memory", "ghost", "exact", "audit"),
     default="both",
     help="measure one part and keep the other from the existing JSON",
   )
@@ -1115,6 +1352,7 @@ def main(argv: list[str] | None = None) -> int:
     "--repeats", type=int, default=None, help="steps per sample (default 5; quick 2)"
   )
   parser.add_argument("--exact-rows", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--audit-rows", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument(
     "--reuse",
     action="store_true",
@@ -1128,8 +1366,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = exact_rows(tuple(int(k) for k in args.exact_rows.split(",")))
     print(json.dumps(rows))
     return 0
+  if args.audit_rows:  # audit_part's process, with 8 CPU devices
+    print(json.dumps(audit_rows()))
+    return 0
   quick = args.quick
   out = _paths.output_folder(args.out, quick)
+  if args.part == "audit":  # its own JSON; the other parts' stays as it is
+    print("Part 4: one example's effect on what the noise covers")
+    (out / "dp_audit.json").write_text(json.dumps(audit_part(), indent=1) + "\n")
+    for page, file in _report.PAGES.items():
+      file.write_text(_report.render(file.read_text(), out, page))
+    return 0
   name = "dp_quick.json" if quick else "dp.json"
   path = out / name
   results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}

@@ -132,9 +132,10 @@ class Result(NamedTuple):
       ``jax.grad`` gives.
     noise: the step's :class:`GradientNoise` (None unless ``noise_stats``).
     total_weight: the sum of the weights; shape=(), float32 (or wider).
-    sums: the gradient sums before normalization, one tree per entry of
-      ``argnums``, in the accumulator's dtype: with ``clip_per_example`` the
-      clipped sums that :func:`jaxaccum.dp_noise` adds its noise to.
+    sums: with ``clip_per_example``, the clipped sums themselves, one tree
+      per entry of ``argnums``, in the accumulator's dtype (float32 or
+      wider), before any division or cast: what :func:`jaxaccum.dp_noise`
+      adds its noise to (:class:`jaxaccum.ClipRecord`); None otherwise.
   """
 
   value: jax.Array
@@ -233,9 +234,10 @@ class Engine:
     split: _split.MicroBatching,
     total: int,
   ) -> Callable[..., Any]:
-    """``loss(diff_args, micro, index, state) -> (objective, ((loss, (weight,
-    aux, new_state)), some))`` for ``clip_method="ghost"``: the objective's
-    gradient is the micro-batch's clipped sum
+    """``loss((diff_args, masters), micro, index, state) -> (objective,
+    ((loss, (weight, aux, new_state)), some))`` for ``clip_method="ghost"``:
+    the objective's gradient with respect to ``masters`` (the differentiated
+    arguments in the accumulator's dtype) is the micro-batch's clipped sum
     (:func:`jaxaccum._privacy.ghost_objective`). The data-parallel path
     differentiates the devices' objectives together, so that a leaf they
     share (FSDP) gets its clipped sums reduce-scattered in the backward
@@ -254,9 +256,10 @@ class Engine:
     )
     assemble = self._call_args(args, total)
 
-    def loss(diff_args, micro, index, state):
+    def loss(diff_and_masters, micro, index, state):
+      diff_args, masters = diff_and_masters
       value, ((loss, (weight, aux, new_state)), some) = objective(
-        *assemble(diff_args, micro, index, state)
+        *assemble(diff_args, micro, index, state), masters=masters
       )
       return value, (
         (loss, (weight, aux, self._kept_state(new_state, state, aux))),
@@ -479,7 +482,11 @@ class Engine:
       if not norm.divide:  # a sum over the batch's rows: its mean is sum / B_big
         big_sq_norm = big_sq_norm / sums.noise.examples**2
       noise = sums.noise.finalize(big_sq_norm)
-    return Result(value, aux, grads, noise, sums.weight, sums.grads)
+    # The noise is added to the clipped sum in the accumulator's dtype: a sum
+    # rounded to the parameters' dtype (bfloat16) and multiplied back by the
+    # examples' count would carry an error that grows with the batch.
+    clipped = None if o.clip_per_example is None else sums.grads
+    return Result(value, aux, grads, noise, sums.weight, clipped)
 
   def local(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Result:
     """The whole step on one device: plan, loop, normalize."""

@@ -342,7 +342,7 @@ def recorded(result: _engine.Result, options: _options.Options) -> _engine.Resul
     result.sums[0],
     ticket=True,  # the record leaves jaxaccum: each update takes it once
   )
-  return result._replace(grads=(record,))
+  return result._replace(grads=(record,), sums=None)
 
 
 def grad(
@@ -401,7 +401,9 @@ class Step:
     self._engines: dict[int, _engine.Engine] = {}
     self._validated: set[Any] = set()
     self._compiled = _calls.Compiled(
-      self.traced, static_positions=self.static_positions, checked=options.value_checks
+      self.compiled_result,
+      static_positions=self.static_positions,
+      checked=options.value_checks,
     )
 
   def engine(self, num_args: int) -> _engine.Engine:
@@ -450,6 +452,13 @@ class Step:
     if self.parallel is not None:
       return self.parallel(engine, layout, args, kwargs)
     return _unreduced.local(engine, args, kwargs)
+
+  def compiled_result(self, layout: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """:meth:`traced`, as a compiled call returns it: the clipped sum in the
+    accumulator's dtype only where a :class:`jaxaccum.ClipRecord` carries it
+    out (``clip_record=True``), not as one more output buffer."""
+    result = self.traced(layout, *args, **kwargs)
+    return result if self.options.clip_record else result._replace(sums=None)
 
   def micro_batches(self, args: tuple[Any, ...]) -> int:
     """``k``: the micro-batches of these arguments (per device with

@@ -232,9 +232,11 @@ def _accumulated_results(
     result = step_for(user, layout)(tuple(diff_states), threaded, *plain, **kwargs)
     aux, new_threaded = result.aux
     _write_back(args, layout, new_threaded)
-    assert result.sums is not None
+    sums = result.sums
     return result._replace(
-      aux=aux, grads=tuple(result.grads[0]), sums=tuple(result.sums[0])
+      aux=aux,
+      grads=tuple(result.grads[0]),
+      sums=None if sums is None else tuple(sums[0]),
     ), user
 
   return run

@@ -348,7 +348,9 @@ def accumulate(
   noise). A record is taken once: fed again (to this window or any other
   update) it raises (:class:`jaxaccum.ClipRecord` says how). The noise is
   added once per window, inside the branch that runs ``inner``, to the
-  window's clipped sum; ``inner`` gets a record of it, so ``dp_noise``
+  window's clipped sum, the records' float32 ``clipped_sum`` added up in
+  ``accum_dtype`` (never their gradients rounded to the parameters' dtype);
+  ``inner`` gets a record of it, so ``dp_noise``
   anywhere but first in ``inner`` is refused too. The window's noisy sum is
   divided by a public number, never by a private weight: ``dp_noise``'s
   ``expected_batch_size`` (``"poisson"``), the count of real examples
@@ -422,9 +424,14 @@ def accumulate(
     public = noise_config is not None and noise_config.public_denominator is not None
     scale = state.loss_scale
     summand = grads if scale is None else scale.unscale(grads)
+    added = summand
+    if scale is None and record is not None and record.normalize == "sum":
+      # A clipped sum is added as the step formed it, in the accumulator's
+      # dtype: its copy in the parameters' dtype (bfloat16) is rounded.
+      added = _privacy.clipped_sum_of(record)
     window = _add_micro_batch(
       state,
-      summand,
+      added,
       weight,
       drop_nonfinite=skip_nonfinite or scale is not None,
       noise_stats=noise_stats,

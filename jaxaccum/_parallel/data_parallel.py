@@ -511,16 +511,22 @@ class _Step:
     loss = self._explained(
       self.engine.ghost_loss(args, kwargs, self.split, self.devices * k), args
     )
-    per_device = self._nested_vmap(loss, o.state_argnum is not None)
+    per_device = self._nested_vmap(loss, o.state_argnum is not None, pairs=True)
 
     def step(diff_args, micro, index, state):
       diff_args, micro, state = self._device_inputs(diff_args, micro, index, state)
+      # The clipped sums are formed in the accumulator's dtype: the gradient
+      # is taken with respect to the leaves in it (bfloat16 leaves' float32
+      # masters), read only by the sums, the model reading the leaves.
+      masters = _ghost.masters(diff_args, o.accum_dtype)
 
-      def total(diff_args):
-        objectives, rest = per_device(diff_args, micro, offsets + index, state)
+      def total(masters):
+        objectives, rest = per_device(
+          (diff_args, masters), micro, offsets + index, state
+        )
         return jnp.sum(objectives), rest
 
-      (_, (out, some)), grads = jax.value_and_grad(total, has_aux=True)(diff_args)
+      (_, (out, some)), grads = jax.value_and_grad(total, has_aux=True)(masters)
       losses, (weights, aux, new_state) = jax.tree.map(self._flatten_devices, out)
       grads = _ghost.kept_only(grads, jnp.any(some), o.accum_dtype)
       return _engine.MicroOut(losses, weights, aux, new_state, None), grads
@@ -569,7 +575,7 @@ class _Step:
     return _explained(explained, self.axes)
 
   def _nested_vmap(
-    self, loss: Callable[..., Any], has_state: bool
+    self, loss: Callable[..., Any], has_state: bool, pairs: bool = False
   ) -> Callable[..., Any]:
     """``loss`` on every device: one ``vmap`` per data axis. Each leaf of
     the differentiated arguments enters with a leading dimension per data
@@ -578,7 +584,9 @@ class _Step:
     ``vmap``'s axes. The gather only reshapes, typed sharded like the
     parameter, so the partitioner gathers each weight where it is used, as
     under plain ``jit``; its transpose is the reduce-scatter of the leaf's
-    gradient over the devices that share it."""
+    gradient over the devices that share it. With ``pairs``, ``diff_args``
+    is a pair of such trees (ghost clipping's leaves and their masters),
+    each taken so."""
     names = {a: f"jaxaccum:{a}" for a in self.axes}
 
     def whole(x, p):
@@ -589,14 +597,20 @@ class _Step:
           x = jax.lax.all_gather(x, names[a], axis=dim, tiled=True)
       return x
 
+    def each(f, diff_args):
+      return (
+        tuple(self._map(f, d) for d in diff_args) if pairs else self._map(f, diff_args)
+      )
+
     def on_device(diff_args, *rest):
-      return loss(self._map(whole, diff_args), *rest)
+      return loss(each(whole, diff_args), *rest)
 
     fun = on_device
     for axis in reversed(self.axes):
       diff_axes = [0 if p.mapped(axis) else None for p in self.placements]
+      diff_axes = diff_axes * 2 if pairs else diff_axes
       fun = _vmap_level(fun, axis, names[axis], diff_axes, has_state)
-    return lambda diff_args, *rest: fun(self._map(self._blocks, diff_args), *rest)
+    return lambda diff_args, *rest: fun(each(self._blocks, diff_args), *rest)
 
   def _blocks(self, x: jax.Array, p: Placement) -> jax.Array:
     """A leaf as the ``vmap`` levels take it, one leading dimension per data
@@ -804,10 +818,10 @@ class _GlobalStep:
       tuple(call_args), kwargs, split, step=step, accumulator=self._accumulator()
     )
     result = self.engine.finish(sums, diff_args)
-    assert result.sums is not None
+    clipped = result.sums
     return result._replace(
       grads=self._map(self._like_parameter, result.grads),
-      sums=self._map(self._like_parameter, result.sums),
+      sums=None if clipped is None else self._map(self._like_parameter, clipped),
     )
 
   def _before_loop(self, x: jax.Array, p: Placement) -> jax.Array:

@@ -34,6 +34,7 @@ from jaxaccum._privacy.noise import DPNoiseState as DPNoiseState
 from jaxaccum._privacy.noise import NoiseConfig as NoiseConfig
 from jaxaccum._privacy.noise import accumulated_record as accumulated_record
 from jaxaccum._privacy.noise import check_noise_matches as check_noise_matches
+from jaxaccum._privacy.noise import clipped_sum_of as clipped_sum_of
 from jaxaccum._privacy.noise import dp_noise as dp_noise
 from jaxaccum._privacy.noise import find_noise as find_noise
 from jaxaccum._privacy.noise import made_record as made_record

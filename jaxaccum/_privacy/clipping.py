@@ -179,16 +179,18 @@ def ghost_objective(
   shared by the devices: their clipped sums are reduce-scattered inside the
   backward pass, as the non-private step's gradients are).
 
-  Takes the arguments of :func:`clipped_value_and_grad`'s function and
-  returns ``(total, (((loss, (weight, aux, state)), some)))``: ``total``'s
-  gradient with respect to ``argnums`` is the sum of the kept rows' clipped
-  gradients (:func:`jaxaccum._privacy.ghost.weighted_loss`), the rest as there,
-  and ``some`` whether any row was kept (where none is, the caller zeroes
-  the gradient: :func:`jaxaccum._privacy.ghost.kept_only`).
+  Takes the arguments of :func:`clipped_value_and_grad`'s function, and by
+  keyword ``masters``, the differentiated arguments in the accumulator's
+  dtype (:func:`jaxaccum._privacy.ghost.masters`), and returns ``(total,
+  (((loss, (weight, aux, state)), some)))``: ``total``'s gradient with
+  respect to ``masters`` is the sum of the kept rows' clipped gradients, in
+  the accumulator's dtype (:func:`jaxaccum._privacy.ghost.weighted_loss`),
+  the rest as there, and ``some`` whether any row was kept (where none is,
+  the caller zeroes the gradient: :func:`jaxaccum._privacy.ghost.kept_only`).
   """
   rows_of = _RowArgs(loss_fn, batch_argnums, rng_argnum, state_argnum, mask_argnum)
 
-  def objective(*call_args):
+  def objective(*call_args, masters):
     args, in_axes, present, state = rows_of(call_args)
     weighted = _ghost.weighted_loss(
       rows_of.per_example_loss,
@@ -198,6 +200,7 @@ def ghost_objective(
       present=present,
       clip_norm=clip_norm,
       closed_over=closed_over,
+      masters=masters,
     )
     weight, aux, _ = weighted.rest
     out = rows_of.finish(present, weighted.losses, weight, aux, state)

@@ -44,11 +44,25 @@ instead of materializing the gradient, in three steps:
    second pass each row that is not kept is replaced by a kept one, so that
    its weight 0 multiplies finite numbers and it adds exactly zero.
 
-The second pass is a loss, :func:`weighted_loss`, whose gradient is the
-clipped sum: under ``mesh=`` the devices' weighted losses are summed and
-differentiated together, so that an FSDP leaf's clipped sums are
+   Where ``fun`` computes in a narrower dtype than the accumulator's
+   (bfloat16 parameters, or a cast to bfloat16 in ``fun``), there is no
+   second pass: its bfloat16 backward pass would round the factors and
+   contract the rows in bfloat16, and it would not reproduce the first
+   pass's bfloat16 values bit for bit (XLA keeps excess precision in a
+   fusion as it sees fit: the clipped share of an outlier came out 0.27%
+   below C). The clipped sum is formed instead from the first pass's own
+   activations and cotangents (Bu et al. 2022's book-keeping), in float32,
+   each row's share its factor times the very gradient its norm was taken
+   from (:func:`_kept_sums`). The price: every tapped cotangent is held
+   until the norms are known.
+
+The clipped sum is the gradient of a loss, :func:`weighted_loss`, with
+respect to the differentiated leaves in the accumulator's dtype (float32
+masters of bfloat16 leaves): under ``mesh=`` the devices' losses are summed
+and differentiated together, so that an FSDP leaf's clipped sums are
 reduce-scattered inside the backward pass, as the non-private step's
-gradients are, and no device holds a whole gradient of it.
+gradients are, and no device holds a whole gradient of it (in float32, the
+second pass's; in bfloat16, each device's book-kept sum of its rows).
 """
 
 from __future__ import annotations
@@ -110,11 +124,13 @@ class GhostFallbackWarning(UserWarning):
 
 
 class View(NamedTuple):
-  """One view of a parameter: the operation and its input's shape."""
+  """One view of a parameter: the operation and its input's shape (and the
+  primitive, to take the same view of the parameter's float32 master)."""
 
   primitive: str
   params: dict[str, Any]
   in_shape: tuple[int, ...]
+  bind: Any = None
 
 
 class Tag(NamedTuple):
@@ -218,7 +234,9 @@ class _Walk:
     if all(t is None for t in intags):
       return self.bind(eqn, invals), [None] * len(eqn.outvars)
     if name in VIEWS and intags[0] is not None and all(t is None for t in intags[1:]):
-      view = View(name, dict(eqn.params), tuple(eqn.invars[0].aval.shape))
+      view = View(
+        name, dict(eqn.params), tuple(eqn.invars[0].aval.shape), eqn.primitive
+      )
       tag = Tag(intags[0].leaf, (*intags[0].chain, view))
       return self.bind(eqn, invals), [tag]
     if name in _CALLS:
@@ -351,9 +369,9 @@ def _kernel_tap(eqn: Any, lhs: jax.Array, tap: jax.Array) -> jax.Array:
       feature_group_count=channels,
       precision=jax.lax.Precision.HIGHEST,
     )
-    read = jnp.transpose(read, to_rows).astype(jnp.float32)
+    read = widened(jnp.transpose(read, to_rows))
     read = read.reshape(-1, groups, channels // groups)
-    g = jnp.transpose(g, to_rows).astype(jnp.float32)
+    g = widened(jnp.transpose(g, to_rows))
     g = g.reshape(-1, groups, g.shape[-1] // groups)
     return jnp.einsum("sgi,sgo->goi", read, g, precision=jax.lax.Precision.HIGHEST)
 
@@ -381,9 +399,10 @@ def _kernel_tap(eqn: Any, lhs: jax.Array, tap: jax.Array) -> jax.Array:
   return tapped(lhs, tap)
 
 
-def _saved(use: Use, invals: list[Any]) -> jax.Array:
+def _saved(use: Use, invals: list[Any]) -> Any:
   """What the norm of a tapped ``dot`` or ``gather`` needs besides the
-  output's cotangent: the activation, or the row each output slice took."""
+  output's cotangent: the activation, or the row each output slice took
+  and the indices (for the embedding's clipped sum, :func:`_kept_sums`)."""
   if use.kind == "dot":
     return invals[1 - use.position]
   operand = use.eqn.invars[0].aval
@@ -394,7 +413,7 @@ def _saved(use: Use, invals: list[Any]) -> jax.Array:
   # is given explicitly: None lowers only where a batching rule replaces it,
   # so a gather whose indices are not the example's (positions) failed.
   params = {**params, "fill_value": math.nan}
-  return use.eqn.primitive.bind(rows, invals[1], **params)
+  return use.eqn.primitive.bind(rows, invals[1], **params), invals[1]
 
 
 # ---------------------------------------------------------------- the plan
@@ -459,8 +478,8 @@ def _dot_sq(use: Use, a: jax.Array, g: jax.Array) -> jax.Array:
   C, F = size(ac, a_shape), size(f_out, g_shape)
   perm_a = [0] + [1 + d for d in (*ab, *a_free, *ac)]
   perm_g = [0] + [1 + d for d in (*batch, *s_out, *f_out)]
-  a = jnp.transpose(a, perm_a).reshape(m, B, S, C).astype(jnp.float32)
-  g = jnp.transpose(g, perm_g).reshape(m, B, S, F).astype(jnp.float32)
+  a = widened(jnp.transpose(a, perm_a).reshape(m, B, S, C))
+  g = widened(jnp.transpose(g, perm_g).reshape(m, B, S, F))
   hi = jax.lax.Precision.HIGHEST
   if 2 * S * S <= C * F:  # the Gram form
     gram_a = jnp.einsum("mbsc,mbtc->mbst", a, a, precision=hi)
@@ -477,7 +496,7 @@ def _gather_sq(use: Use, rows: jax.Array, g: jax.Array) -> jax.Array:
   m = g.shape[0]
   index_dims = [d for d in range(g.ndim - 1) if d not in offset]
   perm = [0] + [1 + d for d in (*index_dims, *offset)]
-  g = jnp.transpose(g, perm).astype(jnp.float32)
+  g = widened(jnp.transpose(g, perm))
   rows = jnp.transpose(rows, perm)
   S = math.prod(g.shape[1 : 1 + len(index_dims)])
   g = g.reshape(m, S, -1)
@@ -487,10 +506,33 @@ def _gather_sq(use: Use, rows: jax.Array, g: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(same, gram, jnp.zeros_like(gram)), axis=(1, 2))
 
 
+def widened(x: jax.Array) -> jax.Array:
+  """``x`` in float32 (or its own wider dtype), with exactly the value its
+  own dtype holds: a bfloat16 value up-cast is rounded to bfloat16 again
+  (``reduce_precision``), since XLA may drop a cast pair f32 -> bf16 -> f32
+  and hand one reader the unrounded float32 value and another the rounded
+  one (``xla_allow_excess_precision``). The norms and the clipped sum read
+  the same values through it, so that each example's share of the sum has
+  the norm its clip factor was taken from."""
+  dtype = jnp.result_type(x)
+  wide = jnp.promote_types(dtype, jnp.float32)
+  x = x.astype(wide)
+  if dtype == wide or not jnp.issubdtype(dtype, jnp.floating):
+    return x
+  info = jnp.finfo(dtype)
+  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def _per_example(use: Use, g: jax.Array) -> jax.Array:
+  """Each example's gradient of ``use``'s leaf from the cotangent ``g`` of
+  its tapped operand, in float32: shape=(rows, *leaf)."""
+  return jax.vmap(lambda x: _to_leaf(use.tag.chain, x))(g)
+
+
 def _to_leaf(chain: tuple[View, ...], g: jax.Array) -> jax.Array:
   """One example's gradient with respect to a view of a leaf, as the
   gradient with respect to the leaf: each view undone, last first."""
-  g = g.astype(jnp.float32)
+  g = widened(g)
   for view in reversed(chain):
     if view.primitive == "transpose":
       perm = view.params["permutation"]
@@ -518,9 +560,9 @@ def squared_norms(
     if plan[n] == "dot":
       total = total + _dot_sq(u, saved[n], tap_grads[n])
     elif plan[n] == "gather":
-      total = total + _gather_sq(u, saved[n], tap_grads[n])
+      total = total + _gather_sq(u, saved[n][0], tap_grads[n])
     else:
-      g = jax.vmap(lambda x, chain=u.tag.chain: _to_leaf(chain, x))(tap_grads[n])
+      g = _per_example(u, tap_grads[n])
       by_leaf[u.leaf] = g if u.leaf not in by_leaf else by_leaf[u.leaf] + g
   for g in by_leaf.values():
     total = total + jnp.sum(jnp.square(g).reshape(rows, -1), axis=1)
@@ -659,9 +701,11 @@ class Weighted(NamedTuple):
   """Ghost clipping's second pass, as a loss (:func:`weighted_loss`).
 
   Attributes:
-    total: ``sum_i factor_i * loss_i``, shape=(), the loss's dtype: its
-      gradient with respect to the differentiated leaves is the sum of the
-      kept rows' clipped gradients.
+    total: shape=(), whose gradient with respect to the differentiated
+      leaves' masters is the sum of the kept rows' clipped gradients:
+      ``sum_i factor_i * loss_i`` (the loss's dtype) in float32 models; in
+      narrower ones the book-kept sums' inner product with the masters
+      (float32), a number no one reads.
     losses: each row's loss, from the first pass, shape=(rows,).
     rest: each row's rest (weight, aux, state), stacked over the rows.
     kept: which rows count, shape=(rows,), bool: present, with a finite norm.
@@ -681,6 +725,7 @@ def weighted_loss(
   in_axes: list[int | None],
   present: jax.Array,
   clip_norm: float,
+  masters: Any = None,
   closed_over: Sequence[Any] = (),
 ) -> Weighted:
   """Ghost clipping as a loss whose gradient is the clipped sum.
@@ -696,6 +741,21 @@ def weighted_loss(
   every leaf before the clip, and no device holds a per-example or whole
   gradient of a leaf beyond what the non-private step holds (but for the
   leaves that fall back, :class:`GhostFallbackWarning`).
+
+  ``masters`` (:func:`masters`): the differentiated arguments in the
+  accumulator's dtype, to differentiate the total with respect to; the
+  leaves in ``args[argnums]`` are then only read. Where ``fun`` computes
+  with every leaf in its master's dtype (float32 parameters), the second
+  pass is ``fun`` again on the masters, each row's loss weighted by its
+  factor. Where it does not (bfloat16 parameters, or a cast to bfloat16 in
+  ``fun``), a second pass would seed its backward pass with rounded factors
+  and contract the rows in bfloat16, and would not reproduce the first
+  pass's bfloat16 values exactly (XLA may keep excess precision in one pass
+  and not the other): the clipped sum is then formed in float32 from the
+  first pass's own activations and cotangents (:func:`_kept_sums`, Bu et
+  al. 2022's book-keeping), each row's share its factor times the very
+  gradient whose norm gave the factor, and the total is its inner product
+  with the masters.
 
   The arrays of the other arguments (public, shared, the model's other
   variables) are inputs of the traced program too, so that an array ``fun``
@@ -730,7 +790,7 @@ def weighted_loss(
   traced = _trace(per_example, leaves, example, shared, closed_over)
   _refuse_nested_convolutions(traced, diff)
   _warn_fallbacks(traced, diff)
-  factor, kept, index, usable, (losses, rest) = _factors(
+  first = _factors(
     traced,
     jax.lax.stop_gradient(leaves),
     batch_leaves,
@@ -738,18 +798,146 @@ def weighted_loss(
     present=present,
     clip_norm=clip_norm,
   )
+  factor, kept, (losses, rest) = first.factor, first.kept, first.out
+  wide = leaves if masters is None else jax.tree.leaves(masters)
+  if _rounds(traced, leaves, wide):
+    sums = _kept_sums(traced, first, wide)
+    total = sum(
+      (jnp.sum(jax.lax.stop_gradient(s) * w) for s, w in zip(sums, wide, strict=True)),
+      start=jnp.zeros((), jnp.float32),
+    )
+    return Weighted(total, losses, rest, kept)
   # The second pass runs fun again (the first pass's activations are dead by
   # then: the peak is one pass's), on rows where each row not kept is
   # replaced by a kept one: its weight 0 then multiplies finite numbers.
   # Where no row is kept, a row with a finite norm stands in; where there is
   # none, zeros do (a device of a data axis whose rows all failed still adds
   # its zero to the leaves it shares with the others).
-  batch = [_usable_rows(_take_rows(x, index), usable) for x in batch_leaves]
+  batch = [
+    _usable_rows(_take_rows(x, first.stand_in), first.usable) for x in batch_leaves
+  ]
   again = jax.vmap(lambda p, b: per_example(p, b, shared)[0], in_axes=(None, 0))(
-    leaves, batch
+    wide, batch
   )
   total = jnp.sum(again * factor.astype(again.dtype))
   return Weighted(total, losses, rest, kept)
+
+
+def masters(diff: PyTree, accum_dtype: Any) -> PyTree:
+  """The differentiated arguments in the accumulator's dtype (float32 for
+  bfloat16 leaves; a float32 leaf is itself), for :func:`weighted_loss`."""
+  return jax.tree.map(
+    lambda x: x.astype(_normalize.accumulator_dtype(accum_dtype, x)), diff
+  )
+
+
+def _rounds(traced: _Traced, leaves: list[Any], wide: list[Any]) -> bool:
+  """Whether ``fun`` computes with a leaf in another dtype than its master
+  (bfloat16 parameters, or a cast in ``fun``)."""
+  if any(
+    jnp.result_type(a) != jnp.result_type(b) for a, b in zip(leaves, wide, strict=True)
+  ):
+    return True
+  return any(u.aval.dtype != jnp.result_type(wide[u.leaf]) for u in traced.uses)
+
+
+def _kept_sums(traced: _Traced, first: _FirstPass, wide: list[Any]) -> list[jax.Array]:
+  """Each leaf's clipped sum over the kept rows, in its master's dtype, from
+  what the first pass took the norms from (book-keeping): for a use tapped
+  on its operand, the rows' gradients there; for a ``dot`` or a ``gather``,
+  the transpose of the use itself, in float32 at full precision, applied to
+  the rows' saved operands and output cotangents times their factors (the
+  rows contracted in float32). A row not kept is selected away (its values
+  may be NaN), never multiplied."""
+  rows = first.kept.shape[0]
+  sums: list[Any] = [None] * len(wide)
+  for n, u in enumerate(traced.uses):
+    dtype = jnp.result_type(wide[u.leaf])
+    g = first.tap_grads[n]
+    if traced.plan[n] == "input":
+      per = _kept_rows(first.kept, _per_example(u, g).astype(dtype))
+      share = jnp.einsum(
+        "m,m...->...",
+        first.factor.astype(dtype),
+        per,
+        precision=_HIGHEST,
+        out_sharding=_compat.explicit_spec(wide[u.leaf]),
+      )
+    else:
+      ct = _kept_rows(first.kept, widened(g).astype(dtype))
+      ct = ct * first.factor.astype(dtype).reshape((rows,) + (1,) * (ct.ndim - 1))
+      saved = first.saved[n]
+      if u.kind == "dot":  # the activation, whose rows not kept may be NaN
+        saved = _kept_rows(first.kept, widened(saved).astype(dtype))
+      share = _transposed(u, saved, ct, wide[u.leaf])
+    sums[u.leaf] = share if sums[u.leaf] is None else sums[u.leaf] + share
+  return [
+    jnp.zeros(jnp.shape(w), jnp.result_type(w))
+    if s is None
+    else s.astype(jnp.result_type(w))
+    for s, w in zip(sums, wide, strict=True)
+  ]
+
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _kept_rows(kept: jax.Array, x: jax.Array) -> jax.Array:
+  """``x`` with the rows not kept zeroed by a select."""
+  which = kept.reshape((kept.shape[0],) + (1,) * (x.ndim - 1))
+  return jnp.where(which, x, jnp.zeros_like(x))
+
+
+def _transposed(use: Use, saved: Any, ct: jax.Array, master: jax.Array) -> jax.Array:
+  """The sum over the rows of a ``dot`` or ``gather`` use's transpose with
+  respect to the leaf, at the rows' saved operands and output cotangents
+  ``ct``: the use evaluated on the leaf's ``master`` (seen through the same
+  views, but in the master's dtype, float32) at full precision, so that the
+  rows are contracted in float32; shaped and typed like ``master``."""
+  dtype = jnp.result_type(master)
+  params = dict(use.eqn.primitive.get_bind_params(use.eqn.params))
+  if use.kind == "dot":
+    other = saved  # the activation, widened
+    params.update(preferred_element_type=jnp.dtype(dtype), precision=(_HIGHEST,) * 2)
+  else:
+    other = saved[1]  # the indices
+
+  def one(view, operand):
+    operands = [operand, operand]
+    operands[use.position] = view
+    return use.eqn.primitive.bind(*operands, **params)
+
+  def over_rows(x):
+    for view in use.tag.chain:  # the views, but not their casts
+      if view.primitive != "convert_element_type":
+        x = view.bind.bind(x, **view.bind.get_bind_params(view.params))
+    return jax.vmap(one, in_axes=(None, 0))(x, other)
+
+  (out,) = jax.linear_transpose(over_rows, jax.lax.stop_gradient(master))(ct)
+  return out
+
+
+class _FirstPass(NamedTuple):
+  """The first pass (:func:`_factors`).
+
+  Attributes:
+    factor: each row's clip factor ``min(1, C / norm)``, 0 where not kept;
+      shape=(rows,), float32.
+    kept: the rows that count: present, with a finite norm; shape=(rows,).
+    stand_in: the row that stands in for each row in the second pass.
+    usable: whether that row is usable (finite); shape=(), bool.
+    out: ``(losses, rest)``, each row's loss and rest.
+    tap_grads: each use's tap cotangent, per row.
+    saved: what each ``dot`` and ``gather`` use kept (:func:`_saved`).
+  """
+
+  factor: jax.Array
+  kept: jax.Array
+  stand_in: jax.Array
+  usable: jax.Array
+  out: Any
+  tap_grads: dict[int, jax.Array]
+  saved: dict[int, Any]
 
 
 def _factors(
@@ -760,11 +948,10 @@ def _factors(
   *,
   present: jax.Array,
   clip_norm: float,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any]:
-  """The first pass: each row's clip factor ``min(1, C / norm)`` (0 where
-  not kept), which rows are kept, the row that stands in for each row in
-  the second pass, whether that row is usable (finite), and the first
-  pass's ``(losses, rest)``."""
+) -> _FirstPass:
+  """The first pass: each row's clip factor, which rows are kept, the row
+  that stands in for each row in the second pass, and what the norms were
+  taken from (:class:`_FirstPass`)."""
   rows = present.shape[0]
   taps = {
     n: _rows_like_batch(jnp.zeros((rows, *s.shape), s.dtype), batch_leaves)
@@ -782,7 +969,9 @@ def _factors(
   factor = jnp.where(kept, clip / jnp.maximum(norm, clip), jnp.float32(0))
   stand_in = jnp.where(jnp.any(kept), kept, finite)
   index = jnp.where(kept, jnp.arange(rows), jnp.argmax(stand_in))
-  return factor, kept, index, jnp.any(stand_in), (losses, rest)
+  return _FirstPass(
+    factor, kept, index, jnp.any(stand_in), (losses, rest), tap_grads, saved
+  )
 
 
 def _usable_rows(x: jax.Array, usable: jax.Array) -> jax.Array:
@@ -813,23 +1002,21 @@ def clipped_sum(
   the others add exactly zero.
   """
 
-  def objective(diff):
-    call = list(args)
-    for n, d in zip(argnums, diff, strict=True):
-      call[n] = d
+  def objective(wide):
     weighted = weighted_loss(
       loss_fn,
-      call,
+      args,
       argnums=argnums,
       in_axes=in_axes,
       present=present,
       clip_norm=clip_norm,
+      masters=wide,
       closed_over=closed_over,
     )
     return weighted.total, weighted
 
-  diff = tuple(args[n] for n in argnums)
-  (_, weighted), grads = jax.value_and_grad(objective, has_aux=True)(diff)
+  wide = masters(tuple(args[n] for n in argnums), accum_dtype)
+  (_, weighted), grads = jax.value_and_grad(objective, has_aux=True)(wide)
   return (weighted.losses, weighted.rest), kept_only(
     grads, jnp.any(weighted.kept), accum_dtype
   )

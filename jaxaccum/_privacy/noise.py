@@ -129,7 +129,8 @@ class ClipRecord:
   static.
 
   Attributes:
-    grads: the clipped sum divided by ``divided_by``, as the step returns it.
+    grads: the clipped sum divided by ``divided_by``, as the step returns it
+      (in the parameters' dtype).
     divided_by: what the clipped sum was divided by; shape=(), float32.
     examples: the real examples' count (their total weight with
       ``normalize="weighted"``); shape=(), float32.
@@ -244,6 +245,12 @@ def record_of(
     clipped_sum=clipped_sum,
     serial=serial,
   )
+
+
+def clipped_sum_of(record: ClipRecord) -> PyTree:
+  """What the noise is added to: the record's clipped sum in the
+  accumulator's dtype (every record a jaxaccum step makes has one)."""
+  return record.clipped_sum
 
 
 def take(record: ClipRecord, *context: Any) -> None:
@@ -443,6 +450,13 @@ def dp_noise(
   weighted, ``"fixed"`` with a step of ``normalize="sum"``. The table of
   every combination and the epsilon that covers it is in
   ``docs/privacy.md``.
+
+  ``S`` is ``clip_record.clipped_sum``, the clipped sum in the accumulator's
+  dtype (float32 or wider): the noise is added to it before any cast, and
+  the result is cast to ``grads``' dtype last. With bfloat16 parameters
+  ``grads`` is rounded to bfloat16, and that rounding multiplied back by the
+  examples' count would grow with the batch. (A record made by hand without
+  ``clipped_sum`` gives ``S = grads * divided_by``.)
 
   ``dp_noise`` must be the first transformation that sees the gradient:
   ``clip_record`` is the :class:`ClipRecord` that ``make_train_step``,
