@@ -41,6 +41,7 @@ from test_ghost import (
 )
 
 import jaxaccum
+from jaxaccum import _privacy
 
 F, H, C = 8, 16, 1.0
 #: One example's effect on the noised sum, over C: 1 to float32 rounding of
@@ -172,7 +173,8 @@ def test_dp_noise_adds_its_noise_to_the_records_clipped_sum_then_casts():
   with the noise drawn as documented (fold_in(key, 0), split per leaf)."""
   grads = {"a": jnp.array([0.25, 0.125], jnp.bfloat16)}
   exact = {"a": jnp.array([0.5 + 2**-10, 0.25 - 2**-11], jnp.float32)}
-  record = jaxaccum.ClipRecord(grads, 2.0, 2.0, C, "mean", clipped_sum=exact)
+  # a record as a clipped step marks it (one built by hand is refused)
+  record = _privacy.made_record(grads, 2.0, 2.0, C, "mean", clipped_sum=exact)
   key, sigma = jax.random.key(3), 0.5
   tx = jaxaccum.dp_noise(sigma, C, key, normalize="poisson", expected_batch_size=4.0)
   out, _ = tx.update(grads, tx.init(grads), clip_record=record)
