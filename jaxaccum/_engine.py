@@ -31,7 +31,16 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _aux, _checks, _noise_scale, _normalize, _privacy, _split, _tree
+from jaxaccum import (
+  _aux,
+  _checks,
+  _exact,
+  _noise_scale,
+  _normalize,
+  _privacy,
+  _split,
+  _tree,
+)
 from jaxaccum._options import Options
 
 PyTree = Any
@@ -160,6 +169,10 @@ class Engine:
 
   fun: Callable[..., Any]
   options: Options
+  #: The step's :class:`jaxaccum._exact.Plan` where its loss is read as a
+  #: function of sums over rows (``normalize="mean"``): ``fun``'s loss is
+  #: then differentiated as the full batch's share of it.
+  exact: Any = None
 
   def check_args(self, args: tuple[Any, ...]) -> None:
     """Trace-time checks of the call's positional arguments."""
@@ -223,7 +236,8 @@ class Engine:
       value, (weight, aux, new_state) = loss_fn(
         *assemble(diff_args, micro, index, state)
       )
-      return value, (weight, aux, self._kept_state(new_state, state, aux))
+      users = aux if self.exact is None else aux[0]  # the sums ride with it
+      return value, (weight, aux, self._kept_state(new_state, state, users))
 
     return loss
 
@@ -382,7 +396,7 @@ class Engine:
       loss, weight = o.normalization.loss_and_weight(value)
       return loss, (weight, aux, new_state)
 
-    return loss_fn
+    return loss_fn if self.exact is None else self.exact.objective(loss_fn)
 
   def sums(
     self,
@@ -462,12 +476,21 @@ class Engine:
 
   # -- chapter 3: normalization -------------------------------------------------
 
-  def finish(self, sums: Sums, diff_args: tuple[PyTree, ...]) -> Result:
-    """Normalizes ``sums`` into the :class:`Result`."""
+  def finish(
+    self, sums: Sums, diff_args: tuple[PyTree, ...], args: tuple[Any, ...] = ()
+  ) -> Result:
+    """Normalizes ``sums`` into the :class:`Result` (with an exact plan, the
+    loss at the totals of its sums and their gradients, ``args`` the call's
+    arguments for the rest of the loss)."""
     o = self.options
     norm = o.normalization
-    value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
-    normalized = norm.finalize(sums.grads, sums.weight)
+    if self.exact is not None:
+      aux, parts = sums.aux
+      value, normalized = self.exact.finished(parts, sums.grads, args, diff_args)
+      sums = sums._replace(aux=aux)
+    else:
+      value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
+      normalized = norm.finalize(sums.grads, sums.weight)
     grads = jax.tree.map(
       lambda g, p: g.astype(_normalize.result_dtype(p)), normalized, diff_args
     )
@@ -494,7 +517,16 @@ class Engine:
     split = self.plan(args)
     check_noise_estimable(self.options, split.num_micro_batches)
     diff_args = tuple(args[i] for i in self.options.argnums)
-    return self.finish(self.sums(args, kwargs, split), diff_args)
+    engine = self.made_exact(args, kwargs, split)
+    return engine.finish(engine.sums(args, kwargs, split), diff_args, args)
+
+  def made_exact(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: _split.MicroBatching
+  ) -> Engine:
+    """This engine with its :class:`jaxaccum._exact.Plan` where the step's
+    loss is read as a function of sums over its rows, else itself."""
+    found = _exact.for_step(self, args, kwargs, split)
+    return self if found is None else dataclasses.replace(self, exact=found)
 
 
 def noise_terms(
