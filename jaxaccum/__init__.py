@@ -70,6 +70,7 @@ from jaxaccum._optim.scaling import scale_lr_linear as scale_lr_linear
 from jaxaccum._optim.scaling import warmup as warmup
 from jaxaccum._parallel import DataParallel as DataParallel
 from jaxaccum._pipeline.pipeline import pipeline as pipeline
+from jaxaccum._privacy import ClipPerExample as ClipPerExample
 from jaxaccum._privacy import ClipRecord as ClipRecord
 from jaxaccum._privacy import ClipWithoutNoiseWarning as ClipWithoutNoiseWarning
 from jaxaccum._privacy import DPNoiseState as DPNoiseState
@@ -87,6 +88,7 @@ __version__ = "0.4.0"  # the one place: pyproject.toml reads it
 __all__ = [
   "AccumulateState",
   "AdamHyperparams",
+  "ClipPerExample",
   "ClipRecord",
   "ClipWithoutNoiseWarning",
   "CompileTarget",

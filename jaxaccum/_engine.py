@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import chex
 import jax
@@ -37,13 +37,54 @@ from jaxaccum import (
   _exact,
   _noise_scale,
   _normalize,
-  _privacy,
   _split,
   _tree,
 )
 from jaxaccum._options import Options
 
 PyTree = Any
+
+
+class GradientRule(Protocol):
+  """How a micro-batch's gradient is formed, where it is not
+  ``jax.value_and_grad`` of ``fun`` on the micro-batch: a feature gives the
+  engine one through the options (``Options.rule``; DP-SGD's
+  ``jaxaccum.ClipPerExample`` is one), and the engine, the data-parallel
+  steps and the split read no option of it.
+
+  Attributes:
+    whole_gradients: whether the rule needs each example's whole gradient
+      on the device that holds the example (a leaf sharded over the data
+      axes is then gathered once per step).
+  """
+
+  whole_gradients: bool
+
+  def check_value(self, value: Any, options: Options) -> None:
+    """Checks ``fun``'s value (a scalar per example)."""
+
+  def value_and_grad(
+    self, loss_fn: Callable[..., Any], options: Options, kwargs: dict[str, Any]
+  ) -> Callable[..., Any]:
+    """``loss_fn`` (``call_args -> (loss, (weight, aux, state))``) as
+    ``call_args -> ((loss, (weight, aux, state)), grads)``, the rule's sum."""
+    ...
+
+  def objective(
+    self, loss_fn: Callable[..., Any], options: Options, kwargs: dict[str, Any]
+  ) -> Callable[..., Any]:
+    """The rule as a loss whose gradient (with respect to :meth:`masters`)
+    is its sum, for a caller that differentiates several together (the
+    devices sharing an FSDP leaf)."""
+    ...
+
+  def masters(self, diff_args: PyTree, accum_dtype: Any) -> PyTree:
+    """What :meth:`objective` is differentiated with respect to."""
+    ...
+
+  def kept_only(self, grads: PyTree, some: jax.Array, accum_dtype: Any) -> PyTree:
+    """The sums in the accumulator's dtype, zero where nothing counted."""
+    ...
 
 
 class MicroOut(NamedTuple):
@@ -257,17 +298,8 @@ class Engine:
     share (FSDP) gets its clipped sums reduce-scattered in the backward
     pass, as without privacy."""
     o = self.options
-    assert o.clip_per_example is not None
-    objective = _privacy.ghost_objective(
-      self._loss(args, kwargs, split.batch_size),
-      argnums=o.argnums,
-      batch_argnums=o.batch_argnums,
-      clip_norm=o.clip_per_example,
-      rng_argnum=o.rng_argnum,
-      state_argnum=o.state_argnum,
-      mask_argnum=o.example_mask,
-      closed_over=jax.tree.leaves(kwargs),
-    )
+    assert o.rule is not None
+    objective = o.rule.objective(self._loss(args, kwargs, split.batch_size), o, kwargs)
     assemble = self._call_args(args, total)
 
     def loss(diff_and_masters, micro, index, state):
@@ -292,27 +324,17 @@ class Engine:
   ) -> Callable[..., tuple[MicroOut, tuple[PyTree, ...]]]:
     """``step(diff_args, micro, index, state) -> (MicroOut, grads)``: forward
     and backward on one micro-batch of ``rows`` rows (:meth:`micro_loss`);
-    with ``clip_per_example``, each example's gradient clipped, then summed
-    (:func:`jaxaccum._privacy.clipped_value_and_grad`)."""
+    with a gradient rule (:class:`GradientRule`: DP-SGD's per-example
+    clipping), the micro-batch's value and gradient as the rule forms
+    them."""
     o = self.options
-    if o.clip_per_example is None:
+    if o.rule is None:
       value_and_grad = jax.value_and_grad(
         self.micro_loss(args, kwargs, split, total), has_aux=True
       )
-    else:  # DP-SGD: each example's gradient clipped, then summed
-      clipped = _privacy.clipped_value_and_grad(
-        self._loss(args, kwargs, split.batch_size),
-        argnums=o.argnums,
-        batch_argnums=o.batch_argnums,
-        clip_norm=o.clip_per_example,
-        accum_dtype=o.accum_dtype,
-        rng_argnum=o.rng_argnum,
-        state_argnum=o.state_argnum,
-        mask_argnum=o.example_mask,
-        clip_method=o.clip_method,
-        # fun reaches the keyword arguments by closure: under
-        # clip_per_example only jaxaccum's own hold arrays (check_public_args).
-        closed_over=jax.tree.leaves(kwargs),
+    else:
+      clipped = o.rule.value_and_grad(
+        self._loss(args, kwargs, split.batch_size), o, kwargs
       )
       assemble = self._call_args(args, total)
 
@@ -391,8 +413,8 @@ class Engine:
       if o.state_argnum is not None:
         aux, new_state = _unpack_state(aux)
       _checks.check_aux(aux)
-      if o.clip_per_example is not None:
-        _privacy.check_per_example_value(value, o.normalize)
+      if o.rule is not None:
+        o.rule.check_value(value, o)
       loss, weight = o.normalization.loss_and_weight(value)
       return loss, (weight, aux, new_state)
 
@@ -508,7 +530,7 @@ class Engine:
     # The noise is added to the clipped sum in the accumulator's dtype: a sum
     # rounded to the parameters' dtype (bfloat16) and multiplied back by the
     # examples' count would carry an error that grows with the batch.
-    clipped = None if o.clip_per_example is None else sums.grads
+    clipped = None if o.rule is None else sums.grads
     return Result(value, aux, grads, noise, sums.weight, clipped)
 
   def local(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Result:

@@ -628,7 +628,7 @@ def for_step(
   way to an exact step)."""
   o = engine.options
   k = split.num_micro_batches
-  if o.normalize != "mean" or k < 2 or o.clip_per_example is not None:
+  if o.normalize != "mean" or k < 2 or o.rule is not None:
     return None
   if o.noise_stats:
     return None

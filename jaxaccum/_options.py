@@ -18,14 +18,12 @@ them as the user numbered them.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxaccum import _aux, _normalize
 
@@ -71,8 +69,10 @@ class Options:
   - ``shared_argnums``, ``public_argnums``: tuples;
   - ``normalization``: the mode as a value (:mod:`jaxaccum._normalize`);
   - ``parallel``: the ``jaxaccum.DataParallel`` group (its shorthands,
-    ``mesh=`` and the rest, routed into it), read through the properties
-    below;
+    ``mesh=`` and the rest, routed into it), and ``privacy``, the
+    ``jaxaccum.ClipPerExample`` group (``clip_per_example=`` and the rest),
+    read through the properties below; ``public_argnums`` is the privacy
+    group's, kept here with the other positions;
   - ``names``: how errors name argument positions;
   - ``example_mask``: with ``clip_per_example``, the engine position of the
     row mask that the call's ``example_mask=`` keyword became (one of
@@ -94,11 +94,8 @@ class Options:
   parallel: Any = None
   noise_stats: bool = False
   value_checks: bool = False
-  clip_per_example: float | None = None
   public_argnums: tuple[int, ...] = ()
-  clip_record: bool = False
-  clip_method: str = "vmap"
-  clip_without_noise: bool = False
+  privacy: Any = None
   tree_grads: bool = True
   names: ArgNames = ArgNames()
   example_mask: int | None = None
@@ -139,6 +136,15 @@ class Options:
   @property
   def view(self) -> str:
     return "device" if self.parallel is None else self.parallel.view
+
+  # -- the privacy group, as the core reads it ---------------------------------
+
+  @property
+  def rule(self) -> Any:
+    """The gradient rule the engine is given (``jaxaccum._engine.GradientRule``:
+    the privacy group where it clips), or None for ``jax.value_and_grad``."""
+    active = self.privacy is not None and self.privacy.active
+    return self.privacy if active else None
 
   @property
   def data_devices(self) -> int:
@@ -225,7 +231,7 @@ def register(group: Any) -> Any:
 #: The core keyword arguments of jaxaccum.value_and_grad.
 CORE_KEYWORDS = frozenset(
   {f.name for f in dataclasses.fields(Options)}
-  - {"tree_grads", "names", "example_mask", "parallel"}
+  - {"tree_grads", "names", "example_mask", "parallel", "privacy", "public_argnums"}
 )
 
 
@@ -321,7 +327,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   _aux.check_spec(aux)
   if not has_aux and not (isinstance(aux, str) and aux == "auto"):
     raise ValueError(f"aux={aux!r} combines fun's aux; it needs has_aux=True.")
-  shared, public = (_optional(kwargs, n) for n in ("shared_argnums", "public_argnums"))
+  shared = _optional(kwargs, "shared_argnums")
   if state_argnum is not None and not has_aux:
     raise ValueError(
       "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
@@ -330,18 +336,9 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   _normalize.get(normalize)
   accum_dtype = get("accum_dtype")
   _normalize.check_accum_dtype(accum_dtype)
-  clip = check_clip_norm("clip_per_example", get("clip_per_example"))
-  if clip is not None:
-    _check_clip_compatible(state_argnum, bool(get("noise_stats")))
-  clip_record = bool(get("clip_record"))
-  _check_clip_record(clip_record, clip, argnums)
-  clip_method = _check_clip_method(get("clip_method"), clip)
-  clip_without_noise = bool(get("clip_without_noise"))
-  if clip_without_noise and clip is None:
-    raise ValueError(
-      "clip_without_noise=True says that clip_per_example is used without "
-      "jaxaccum.dp_noise on purpose; it needs clip_per_example=C."
-    )
+  core = {
+    k: v for g in groups.values() if hasattr(g, "_core") for k, v in g._core().items()
+  }
   options = Options(
     num_micro_batches=None if num_micro_batches is None else int(num_micro_batches),
     micro_batch_size=None if micro_batch_size is None else int(micro_batch_size),
@@ -358,11 +355,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     **groups,
     noise_stats=bool(get("noise_stats")),
     value_checks=bool(get("value_checks")),
-    clip_per_example=clip,
-    public_argnums=public,
-    clip_record=clip_record,
-    clip_method=clip_method,
-    clip_without_noise=clip_without_noise,
+    **core,
     tree_grads=isinstance(argnums, numbers.Integral),
   )
   for group in groups.values():
@@ -394,87 +387,6 @@ def check_split_sizes(num_micro_batches: Any, micro_batch_size: Any) -> None:
       )
     if size <= 0:
       raise ValueError(f"{name} must be positive, got {name}={size}.")
-
-
-def check_clip_norm(name: str, value: Any) -> float | None:
-  """A clipping norm: None, or a positive finite real number (as a float)
-  that float32, in which the step clips, holds as a normal number: a
-  denormal one or one that rounds to 0 or overflows to inf is refused.
-
-  >>> check_clip_norm("clip_per_example", 0.0)
-  Traceback (most recent call last):
-  ValueError: clip_per_example must be a positive number, the L2 norm C that each example's gradient is clipped to, got clip_per_example=0.0. Pass e.g. clip_per_example=1.0.
-  """
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(
-      f"{name} must be a Python or numpy number (the clipping norm C), got "
-      f"{value!r} of type {type(value).__name__}."
-    )
-  if not (math.isfinite(value) and float(value) > 0):
-    raise ValueError(
-      f"{name} must be a positive number, the L2 norm C that each example's "
-      f"gradient is clipped to, got {name}={value!r}. Pass e.g. {name}=1.0."
-    )
-  as_float32 = np.float32(value)
-  tiny, largest = np.finfo(np.float32).tiny, np.finfo(np.float32).max
-  if not tiny <= as_float32 <= largest:
-    raise ValueError(
-      f"{name}={value!r} is not a normal float32 number (it becomes "
-      f"{float(as_float32)!r} in float32, in which each example's gradient is "
-      f"clipped): the clip would be 0, denormal or infinite. Choose a norm "
-      f"between {float(tiny):.3g} and {float(largest):.3g}, in practice near "
-      "the examples' gradient norms (e.g. their median), such as 1.0."
-    )
-  return float(value)
-
-
-def _check_clip_method(clip_method: Any, clip: float | None) -> str:
-  """``clip_method``, checked: one of the methods, and ``"ghost"`` only with
-  ``clip_per_example``."""
-  from jaxaccum._privacy import ghost  # noqa: PLC0415 (moves into the privacy group)
-
-  method = ghost.check_method(clip_method)
-  if method != "vmap" and clip is None:
-    raise ValueError(
-      f"{clip_method=} says how each example's gradient is clipped; it needs "
-      "clip_per_example=C (the norm to clip to)."
-    )
-  return method
-
-
-def _check_clip_compatible(state_argnum: int | None, noise_stats: bool) -> None:
-  """Per-example clipping takes neither threaded state nor noise stats."""
-  if state_argnum is not None:
-    raise ValueError(
-      f"clip_per_example does not take state_argnum={state_argnum}: each "
-      "example's gradient is computed apart from the others, so there is no "
-      "order in which to thread state (BatchNorm statistics mix examples, which "
-      "differential privacy forbids). Use a model without BatchNorm (GroupNorm "
-      "or LayerNorm work per example) and pass dropout keys with rng_argnum."
-    )
-  if noise_stats:
-    raise ValueError(
-      "clip_per_example does not take noise_stats=True: the gradient noise "
-      "scale is measured on unclipped micro-batch gradients. Leave one out."
-    )
-
-
-def _check_clip_record(clip_record: bool, clip: float | None, argnums: Any) -> None:
-  """``clip_record=True`` records a clipped sum, of one differentiated tree."""
-  if not clip_record:
-    return
-  if clip is None:
-    raise ValueError(
-      "clip_record=True returns the gradient as a jaxaccum.ClipRecord of a "
-      "clipped sum, and needs clip_per_example=C."
-    )
-  if not isinstance(argnums, numbers.Integral):
-    raise ValueError(
-      f"clip_record=True records one differentiated tree; got {argnums=}. "
-      "Differentiate one argument (a tuple of trees inside it works)."
-    )
 
 
 def _check_positions(options: Options) -> None:
@@ -526,7 +438,16 @@ def _as_tuple(argnums: Any, name: str) -> tuple[int, ...]:
 
 def _optional(kwargs: dict[str, Any], name: str) -> tuple[int, ...]:
   """An optional list of positions: ``()`` unless given."""
-  nums = kwargs.get(name, ())
+  return positions(kwargs.get(name, ()), name)
+
+
+def positions(nums: Any, name: str) -> tuple[int, ...]:
+  """Argument positions, as a tuple: ``()`` for none (an option group's
+  positions too, which the core resolves and shifts with its own).
+
+  >>> positions(2, "public_argnums"), positions((), "public_argnums")
+  ((2,), ())
+  """
   return _as_tuple(nums, name) if nums != () else ()
 
 

@@ -239,14 +239,14 @@ class NoiseCheck:
     o = self.options
     if (
       noise is None
-      and o.clip_per_example is not None
-      and not o.clip_without_noise
+      and o.privacy.clip_norm is not None
+      and not o.privacy.without_noise
       and not self.warned
     ):
       self.warned = True
       _privacy.warn_without_noise(
         f"The train step clips each example's gradient (clip_per_example="
-        f"{o.clip_per_example}), but its optimizer holds no jaxaccum.dp_noise: "
+        f"{o.privacy.clip_norm}), but its optimizer holds no jaxaccum.dp_noise: "
         "its updates are not private.",
         stacklevel=4,
       )
@@ -259,12 +259,12 @@ def noise_record(
   """The :class:`~jaxaccum._privacy.ClipRecord` that a step holding
   :func:`jaxaccum.dp_noise` hands its optimizer with the gradient, after
   checking the noise against the step's options."""
-  _privacy.check_noise_matches(noise, options.clip_per_example, options.normalize)
-  assert options.clip_per_example is not None and result.sums is not None
+  _privacy.check_noise_matches(noise, options.privacy.clip_norm, options.normalize)
+  assert options.privacy.clip_norm is not None and result.sums is not None
   return _privacy.record_of(
     result.grads[0],
     result.total_weight,
-    options.clip_per_example,
+    options.privacy.clip_norm,
     options.normalize,
     result.sums[0],
   )
@@ -289,7 +289,7 @@ def worth_a_step(
   public number (under Poisson sampling an empty draw is part of the
   mechanism, and its step is noise). The private total weight of a weighted
   step decides nothing."""
-  if options.clip_per_example is not None:
+  if options.privacy.clip_norm is not None:
     if noise is not None and record is not None:
       ok = _tree.all_finite(record.clipped_sum)
       if noise.public_denominator is None:

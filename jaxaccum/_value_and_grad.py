@@ -54,6 +54,7 @@ def value_and_grad(
   clip_method: str = "vmap",
   clip_without_noise: bool = False,
   parallel: Any = None,
+  privacy: Any = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
@@ -314,13 +315,13 @@ def warn_if_without_noise(options: _options.Options, stacklevel: int = 4) -> Non
   meant. ``make_train_step`` builds its step without this: it sees its
   optimizer, and warns itself."""
   if (
-    options.clip_per_example is None
-    or options.clip_record
-    or options.clip_without_noise
+    options.privacy.clip_norm is None
+    or options.privacy.record
+    or options.privacy.without_noise
   ):
     return
   _privacy.warn_without_noise(
-    f"clip_per_example={options.clip_per_example} without clip_record=True: "
+    f"clip_per_example={options.privacy.clip_norm} without clip_record=True: "
     "the clipped gradient this function returns cannot reach jaxaccum.dp_noise, "
     "which takes it only with its jaxaccum.ClipRecord (clip_record=True, or "
     "make_train_step, which passes the record itself).",
@@ -331,13 +332,13 @@ def warn_if_without_noise(options: _options.Options, stacklevel: int = 4) -> Non
 def recorded(result: _engine.Result, options: _options.Options) -> _engine.Result:
   """The result with its gradient in a :class:`jaxaccum.ClipRecord` when
   ``clip_record=True``."""
-  if not options.clip_record:
+  if not options.privacy.record:
     return result
-  assert options.clip_per_example is not None and result.sums is not None
+  assert options.privacy.clip_norm is not None and result.sums is not None
   record = _privacy.record_of(
     result.grads[0],
     result.total_weight,
-    options.clip_per_example,
+    options.privacy.clip_norm,
     options.normalize,
     result.sums[0],
     ticket=True,  # the record leaves jaxaccum: each update takes it once
@@ -441,7 +442,7 @@ class Step:
     return engine
 
   def traced(self, layout: Any, /, *args: Any, **kwargs: Any) -> _engine.Result:
-    if self.options.clip_per_example is not None and _privacy.MASK_KEYWORD in kwargs:
+    if self.options.privacy.clip_norm is not None and _privacy.MASK_KEYWORD in kwargs:
       kwargs = dict(kwargs)
       mask = _privacy.check_mask(kwargs.pop(_privacy.MASK_KEYWORD))
       engine = self.masked_engine(len(args))
@@ -458,7 +459,7 @@ class Step:
     accumulator's dtype only where a :class:`jaxaccum.ClipRecord` carries it
     out (``clip_record=True``), not as one more output buffer."""
     result = self.traced(layout, *args, **kwargs)
-    return result if self.options.clip_record else result._replace(sums=None)
+    return result if self.options.privacy.record else result._replace(sums=None)
 
   def micro_batches(self, args: tuple[Any, ...]) -> int:
     """``k``: the micro-batches of these arguments (per device with

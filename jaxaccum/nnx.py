@@ -344,7 +344,7 @@ def _check_public_objects(args: tuple[Any, ...], user: _options.Options) -> None
   (a teacher model) is read by every example's loss, like any other
   argument: it must be declared public (the engine sees only its variables,
   as threaded state, and checks the plain arguments)."""
-  if user.clip_per_example is None:
+  if user.privacy.clip_norm is None:
     return
   for n, arg in enumerate(args):
     if n in user.argnums or n in user.public_argnums or not _holds_nnx(arg):

@@ -67,22 +67,15 @@ def offending(rule):
 
 def test_the_modules_are_found():
   assert "jaxaccum._engine" in MODULES and "jaxaccum._privacy.ghost" in MODULES
-  assert ("jaxaccum._privacy.noise", "jaxaccum._options") in [
+  assert ("jaxaccum._privacy.options", "jaxaccum._options") in [
     (m, i) for m, found in MODULES.items() for i in found
   ], "the reader misses a module-level from-import"
 
 
-# The engine and the options still read DP-SGD: the gradient rule that moves
-# clipping out of them is the next change (docs/architecture.md).
-_PENDING = pytest.mark.xfail(strict=True, reason="the DP gradient rule")
-
-
-@_PENDING
 def test_the_core_imports_no_feature_entry_or_inspection():
   assert offending(lambda mine, theirs: mine != "core" or theirs == "core") == []
 
 
-@_PENDING
 def test_parallel_and_privacy_never_import_each_other():
   pair = {"_parallel", "_privacy"}
   assert (
@@ -98,7 +91,6 @@ def test_the_pipeline_stands_alone():
   )
 
 
-@_PENDING
 def test_features_import_only_the_core_and_optim_reads_privacy():
   def rule(mine, theirs):
     if mine not in FEATURES or theirs in {"core", mine}:

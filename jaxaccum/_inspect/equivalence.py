@@ -166,11 +166,11 @@ def verify_equivalence(
   o = o.resolve(len(args))
   # Leaves that jax.grad refuses (an Equinox module's) are static on both sides.
   args, fun_kwargs = _static.partition_args(args, o.argnums, fun_kwargs)
-  if o.clip_per_example is not None:  # a check, not training: no noise meant
+  if o.privacy.clip_norm is not None:  # a check, not training: no noise meant
     options = {"clip_without_noise": True, **options}
   accumulated = value_and_grad(fun, num_micro_batches, **options)
   full = _full_batch(_static.combining(fun), o)
-  if o.clip_per_example is not None:
+  if o.privacy.clip_norm is not None:
     # DP-SGD's full batch: every example's clipped gradient in one vmap.
     whole = {n: v for n, v in options.items() if n != "micro_batch_size"}
     full = value_and_grad(fun, 1, **whole)

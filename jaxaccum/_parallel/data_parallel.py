@@ -88,7 +88,6 @@ from jaxaccum._engine import Engine
 from jaxaccum._options import Options
 from jaxaccum._parallel import specs as _sharding
 from jaxaccum._parallel import unreduced as _unreduced
-from jaxaccum._privacy import ghost as _ghost
 
 PyTree = Any
 Layout = tuple["_sharding.SplitSpec | None", ...]
@@ -205,9 +204,7 @@ class DataParallel:
     (see the module docstring)."""
     mode = self.options.fsdp_gather
     o = self.options
-    if (
-      o.clip_per_example is not None and o.clip_method == "vmap" and o.view == "device"
-    ):
+    if o.rule is not None and o.rule.whole_gradients and o.view == "device":
       # Each example's gradient is clipped by its norm over every leaf, so
       # each device computes whole gradients: FSDP leaves gathered once.
       # Ghost clipping needs no per-example gradient: its weighted backward
@@ -422,9 +419,9 @@ class _Step:
       P(*self.axes),
     )
     rows = self.split.micro_batch_size // self.split.shards
-    if o.clip_per_example is not None and o.clip_method == "ghost":
+    if o.rule is not None and not o.rule.whole_gradients:
       return self._ghost_micro_step(args, kwargs, offsets)
-    if o.clip_per_example is not None:
+    if o.rule is not None:
       return self._clipped_micro_step(args, kwargs, offsets, rows)
     loss = self._explained(
       self.engine.micro_loss(args, kwargs, self.split, self.devices * k), args
@@ -518,7 +515,7 @@ class _Step:
       # The clipped sums are formed in the accumulator's dtype: the gradient
       # is taken with respect to the leaves in it (bfloat16 leaves' float32
       # masters), read only by the sums, the model reading the leaves.
-      masters = _ghost.masters(diff_args, o.accum_dtype)
+      masters = o.rule.masters(diff_args, o.accum_dtype)
 
       def total(masters):
         objectives, rest = per_device(
@@ -528,7 +525,7 @@ class _Step:
 
       (_, (out, some)), grads = jax.value_and_grad(total, has_aux=True)(masters)
       losses, (weights, aux, new_state) = jax.tree.map(self._flatten_devices, out)
-      grads = _ghost.kept_only(grads, jnp.any(some), o.accum_dtype)
+      grads = o.rule.kept_only(grads, jnp.any(some), o.accum_dtype)
       return _engine.MicroOut(losses, weights, aux, new_state, None), grads
 
     return self.engine.rematerialized(step)

@@ -88,11 +88,7 @@ def applies(options: Any, num_micro_batches: int) -> bool:
   a loop (``k >= 2``) whose micro steps need no whole micro-batch gradient
   (``noise_stats`` measures each one's norm, ``clip_per_example`` each
   example's)."""
-  return (
-    num_micro_batches > 1
-    and not options.noise_stats
-    and options.clip_per_example is None
-  )
+  return num_micro_batches > 1 and not options.noise_stats and options.rule is None
 
 
 class Leaf(NamedTuple):

@@ -9,6 +9,8 @@ Four pieces, each usable alone, one module each:
 - :mod:`~jaxaccum._privacy.noise`: :func:`dp_noise`, the Gaussian noise added
   once per logical batch, and the :class:`ClipRecord` it checks;
 - :mod:`~jaxaccum._privacy.sampling`: :class:`PoissonSampler`;
+- :mod:`~jaxaccum._privacy.options`: :class:`ClipPerExample`, the group of
+  DP-SGD options;
 - :mod:`~jaxaccum._privacy.accounting`: :func:`dp_epsilon`.
 
 The names below are what the rest of jaxaccum uses; nothing else reaches
@@ -42,4 +44,5 @@ from jaxaccum._privacy.noise import noise_config as noise_config
 from jaxaccum._privacy.noise import record_of as record_of
 from jaxaccum._privacy.noise import take as take
 from jaxaccum._privacy.noise import warn_without_noise as warn_without_noise
+from jaxaccum._privacy.options import ClipPerExample as ClipPerExample
 from jaxaccum._privacy.sampling import PoissonSampler as PoissonSampler

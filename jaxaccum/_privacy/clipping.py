@@ -321,7 +321,7 @@ def check_public_args(
   them into every example's clipped gradient. Python values (static) are
   not seen: a number computed from the batch is just as private."""
   o = options
-  if o.clip_per_example is None:
+  if o.privacy.clip_norm is None:
     return
   known = {o.rng_argnum, o.state_argnum, o.example_mask}
   known.update(o.argnums, o.batch_argnums, o.public_argnums)

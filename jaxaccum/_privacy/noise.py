@@ -19,8 +19,8 @@ import optax
 
 from jaxaccum import _compat, _tree
 from jaxaccum._checks import check_number, describe
-from jaxaccum._options import check_clip_norm
 from jaxaccum._privacy import tickets as _tickets
+from jaxaccum._privacy.options import check_clip_norm
 
 PyTree = Any
 
