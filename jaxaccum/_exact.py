@@ -92,6 +92,25 @@ class Read:
       env[v] for v in self.sums
     ]
 
+  def before_loop_reads(self, inputs: Sequence[bool]) -> bool:
+    """Whether the totals the coefficients need before the loop read one of
+    the jaxpr's inputs marked in ``inputs`` (the threaded state, which the
+    pass before the loop would not thread)."""
+    if self.coefficients == "constant":
+      return False
+    wanted = [
+      v
+      for v, p in zip(self.sums, self.params, strict=True)
+      if self.coefficients == "forward" or not p
+    ]
+    marked = {v for v, m in zip(self.jaxpr.jaxpr.invars, inputs, strict=True) if m}
+    return any(
+      v in marked
+      for eqn in _needed(self.jaxpr.jaxpr, wanted)
+      for v in eqn.invars
+      if not isinstance(v, jex_core.Literal)
+    )
+
   def counted(self, args: Sequence[Any]) -> list[Any]:
     """The sums the parameters do not reach (zeros for the others), computed
     from only the equations they need: a masked mean's count from its
@@ -662,6 +681,11 @@ def for_step(
         stacklevel=4,
       )
     return None
-  if o.state_argnum is not None and found.read.coefficients != "constant":
-    return None  # the totals before the loop would need the threaded state
+  if o.state_argnum is not None:
+    # the pass before the loop does not thread the state: it may not read it
+    flat = Flat.of(call_args_at(0))
+    if found.read.before_loop_reads(
+      [m is not None for m in flat.marks((o.state_argnum,), True)]
+    ):
+      return None
   return found

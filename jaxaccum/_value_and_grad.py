@@ -59,230 +59,93 @@ def value_and_grad(
   """Like ``jax.value_and_grad``, accumulated over micro-batches in one scan.
 
   The arguments in ``batch_argnums`` are split along their leading axis into
-  ``k`` micro-batches. On one device micro-batch ``i`` holds rows
+  ``k`` micro-batches: on one device micro-batch ``i`` holds rows
   ``i*m .. (i+1)*m - 1``; for a batch sharded over devices, the ``i``-th
-  slice of every device's rows, so that no row moves (see
-  :func:`jaxaccum.merge_micro_batches`). A ``lax.scan`` runs ``fun`` forward
+  slice of every device's rows, so that no row moves
+  (:func:`jaxaccum.merge_micro_batches`). A ``lax.scan`` runs ``fun`` forward
   and backward on each and adds the gradients into a float32 accumulator, so
-  only one micro-batch's activations are alive at a time. The sums are
-  normalized once.
+  only one micro-batch's activations are alive at a time.
 
-  Under plain ``jit`` on an Explicit mesh (``jax.make_mesh``'s default), a
-  batch whose rows are sharded over some mesh axes is data parallel without
-  ``mesh=``: those are the data axes. A parameter replicated over them
-  (replicated, or tensor parallel over other axes) enters the loop typed
-  ``reduced`` over them and is accumulated ``unreduced`` in float32, as is
-  the loss's sum over rows: all are reduced once, together, after the loop,
-  each into its own sharding. ``fun`` is traced on the parameters' own types
-  and evaluated with each use of a parameter rewritten into one JAX types (a
-  bias or a norm's scale broadcast into the activations' rows, an embedding
-  table gathered by them; ``jaxaccum/_parallel/reduced.py``). A use JAX has no rule
-  for (a convolution kernel) takes the parameter as it is, its gradient
-  there reduced each micro-batch, as plain ``jit`` does; a loss used other
-  than linearly (its log, a penalty added to it) is reduced where it is
-  used. With ``noise_stats`` or ``clip_per_example`` every leaf is reduced
-  each micro-batch. ``fun`` runs on your mesh with its own axis types, and
-  its constraints work as under ``jax.value_and_grad``. A batch replicated
-  over every axis, or on Auto axes, leaves every reduction to the
-  partitioner.
+  **The full batch's value and gradient, by default.** A loss built from
+  sums over its rows (a mean, a token-weighted or masked mean, a sum, a
+  ratio of sums, a mean plus a penalty on the weights) is read from its
+  jaxpr and made exact: each micro-batch's backward pass gets the full
+  batch's cotangents, and the rest of the loss is applied once, to the
+  totals (``docs/guide.md``, "Exact by default"). Another loss (a batch
+  statistic used per row) is the mean of the micro-batches' losses.
+
+  **Several devices.** Under plain ``jit`` on an Explicit mesh, the axes the
+  batch's rows are sharded over are the data axes: parameters replicated
+  over them enter the loop ``reduced`` and accumulate ``unreduced``, and
+  the gradients and the loss are reduced once, after the loop, each into
+  its own sharding (a use JAX has no rule for reduces only that leaf each
+  micro-batch). ``parallel=jaxaccum.DataParallel(mesh, data_axis, ...)``
+  (or its shorthands ``mesh=``, ``data_axis=``, ``param_specs=``,
+  ``fsdp_gather=``, ``gather_dtype=``, ``view=``) runs each device's rows
+  as their own micro-batches; see :class:`jaxaccum.DataParallel`.
+
+  **Differential privacy.** ``privacy=jaxaccum.ClipPerExample(C, ...)`` (or
+  its shorthands ``clip_per_example=``, ``clip_method=``,
+  ``public_argnums=``, ``clip_record=``, ``clip_without_noise=``) calls
+  ``fun`` on one example and sums the examples' gradients clipped to norm
+  ``C``; see :class:`jaxaccum.ClipPerExample` and ``docs/privacy.md``.
 
   Args:
-    fun: the loss, ``fun(*args, **kwargs)``. Its value is a scalar, or the pair
-      ``(loss_sum, weight)`` with ``normalize="weighted"``; with ``has_aux``
-      it returns ``(value, aux)``.
+    fun: the loss, ``fun(*args, **kwargs)``. Its value is a scalar, or the
+      pair ``(loss_sum, weight)`` with ``normalize="weighted"``; with
+      ``has_aux`` it returns ``(value, aux)``.
     num_micro_batches: ``k``, the number of micro-batches. Give this or
-      ``micro_batch_size``.
-    micro_batch_size: ``m``, the rows per micro-batch.
-    argnums: the argument(s) to differentiate, as in ``jax.value_and_grad``
-      (negative numbers count from the end). One that holds a leaf
-      ``jax.grad`` refuses (a function, a bool, an int or an integer array,
-      as an Equinox module does) is partitioned as
-      ``eqx.filter_value_and_grad`` does: its floating-point arrays are
-      differentiated, every other leaf (Python floats too) is static and its
-      gradient is None. Pytrees of arrays and floats are differentiated as
-      ``jax.grad`` does.
-    batch_argnums: the argument(s) to split: pytrees whose leaves share one
-      leading batch axis. Other arguments reach every micro-batch unchanged;
-      one that looks like it should not (a PRNG key, or an array with the
-      batch's leading size) gets a ``SharedArgumentWarning`` at trace time,
-      unless it is in ``shared_argnums``.
-    has_aux: ``fun`` returns ``(value, aux)``. The aux comes back as the full
-      batch's would (``aux=``).
-    aux: how each aux leaf combines over the micro-batches: ``"auto"`` (the
-      default), ``"concatenate"``, ``"mean"``, ``"sum"`` or ``"stack"``, or a
-      tree prefix of the aux with these as leaves (``{"logits":
-      "concatenate", "acc": "mean"}``). ``"auto"`` concatenates a leaf whose
-      leading axis has the micro-batch's row count back into the batch's
-      ``B`` rows, in batch order (logits, per-example losses), and takes the
-      mean of every other leaf (scalars such as an accuracy), weighted like
-      the loss: by the micro-batch weights under ``normalize="weighted"``,
-      equally otherwise. A leaf whose leading axis has the row count by
-      coincidence is concatenated too; name its type then. The mean of an
-      integer leaf is float32, and a zero total weight gives zeros.
-      ``"stack"`` keeps a leading axis of length ``k`` (jaxaccum 0.1.0's
-      aux). With ``state_argnum``, only the aux part is combined.
-    normalize: ``"mean"`` (``fun`` returns a micro-batch mean; the result is
-      the mean over micro-batches), ``"sum"`` (the results are summed) or
-      ``"weighted"`` (``fun`` returns ``(loss_sum, weight)``; the result is
-      ``sum(loss_sum) / sum(weight)`` over the whole batch: zero when the
-      total weight is zero, not finite when it is not finite).
-    accum_dtype: the dtype of the sums; a gradient wider than it (float64) is
-      summed in its own dtype. The grads come back in the parameters' dtype.
-    rng_argnum: a PRNG key argument; micro-batch ``i`` receives
-      ``jax.random.fold_in(key, i)``. With one micro-batch in total the key
-      reaches ``fun`` unchanged: at ``k = 1`` jaxaccum is your own step.
-    state_argnum: a mutable state argument (e.g. BatchNorm statistics). ``fun``
-      must use ``has_aux=True`` and return ``(value, (aux, new_state))``;
-      micro-batch ``i + 1`` sees the state micro-batch ``i`` produced, and the
-      aux comes back as ``(aux, final_state)``. Each state leaf keeps its
-      dtype (a Python number takes it); another dtype is an error. A running
-      average in the state (BatchNorm's statistics) so moves ``k`` times per
-      step: momentum ``μ`` decays it by ``μ^k`` per step, where the full
-      batch decays it by ``μ`` (0.9 at ``k = 4`` acts as 0.66). Build the
-      layer with ``jaxaccum.micro_batch_momentum(μ, k)`` (``μ^(1/k)``) to
-      keep the full batch's per-step momentum.
-    shared_argnums: arguments meant to reach every micro-batch whole, such as
-      a key that every micro-batch should share, or a table that happens to
-      have the batch's leading size: jaxaccum does not warn about them.
-    noise_stats: also measure the gradient noise scale (McCandlish et al.
-      2018) from the micro-batch gradients, at the cost of one squared norm
-      per micro-batch. The function then returns ``(output, noise)``, with
-      ``output`` as without it and ``noise`` a :class:`GradientNoise`
-      (``|G_small|²``, ``|G_big|²``, ``B_small``, ``B_big``); feed it to
-      :func:`noise_scale_update`. Needs two micro-batches in total.
-    value_checks: emit value-level normalization checks (every weight finite
-      and non-negative; a zero total weight gives zero grads), which raise
-      when the step runs under ``chex.chexify``. Off by default: even unused,
-      they would take a jitted step off JAX's fast dispatch path.
-    remat: wrap each micro-batch's computation (forward and backward) in
-      ``jax.checkpoint``; ``True``, or a ``jax.checkpoint_policies`` policy.
-      This matters when you differentiate *through* the accumulated gradient
-      (meta-gradients, gradient penalties): the outer backward pass then
-      recomputes each micro-batch instead of storing ``k`` micro-batches of
-      residuals. A first-order step already holds only one micro-batch's
-      activations, and remat leaves its peak unchanged; to go below that,
-      checkpoint layers inside the model (``nnx.remat``, ``nn.remat``).
-    mesh: a ``jax.sharding.Mesh`` for data parallelism. Each device splits
-      its own shard of the batch into ``k`` micro-batches (or micro-batches of
-      ``micro_batch_size`` rows) and accumulates its own gradient; replicated
-      parameters are reduced ONCE, after the loop. ``fun`` sees one
-      device's micro-batch, and the mesh as under plain ``jit``: annotations
-      on the other mesh axes work as there (see ``view`` for the other
-      choice). The micro-batch index folded into the key is global (``d * k
-      + i`` on device ``d``). Each device threads its own copy of the state;
-      after the loop floating-point state is averaged over devices, integers
-      take their maximum, and a typed PRNG key (``jax.random.key``; a raw
-      ``uint32`` key counts as integers) that ``fun`` advanced comes from
-      device 0.
-    data_axis: the mesh axis that the batch is sharded along, or a tuple of
-      them (HSDP: ``("replica", "fsdp")``).
-    param_specs: ``PartitionSpec``s of the differentiated arguments (a tree
-      prefix per entry of ``argnums``). Only needed inside ``jit`` with an
-      Auto mesh, where shardings are not visible at trace time; outside
-      ``jit`` and with Explicit meshes they are read from the arrays.
-      Gradients come back sharded like the parameters.
-    fsdp_gather: how parameters sharded along ``data_axis`` (FSDP) are
-      handled; replicated parameters are always reduced once, after the
-      loop.
-
-      - ``"per_micro_batch"`` (default, for memory): each micro-batch's
-        forward gathers the weights where it uses them, as the full-batch
-        step does, and the gradient is taken of the devices' summed loss, so
-        that the partitioner reduce-scatters each layer's gradient inside
-        the backward pass, as plain ``jit`` does, into a float32 accumulator
-        sharded like the parameter (``P / D`` per device). HSDP's replica
-        axes are reduced once, after the loop.
-      - ``"cast_once"`` (for fewer bytes at about the same memory): each
-        FSDP leaf is cast to ``gather_dtype`` and gathered once per step,
-        before the loop; its gradients are reduce-scattered per micro-batch
-        as above. Exact when ``fun``'s first use of each FSDP leaf is that
-        cast (a bfloat16 model with float32 master weights): otherwise
-        ``fun`` computes with rounded weights.
-      - ``"once"`` (no collective inside the loop): the weights are gathered
-        before the loop, the full gradient accumulated per device, and
-        reduce-scattered once after it; it holds a full-size float32
-        accumulator per device.
-
-      :func:`jaxaccum.plan_micro_batches` picks the mode that moves the
-      fewest bytes within a memory budget.
-    gather_dtype: the dtype FSDP leaves are gathered in with
-      ``fsdp_gather="cast_once"`` (which needs it), e.g. ``jnp.bfloat16``.
-    view: what ``fun`` sees under ``mesh=``. ``"device"`` (default): one
-      device's micro-batch, a key per device, a state per device; naming a
-      data axis in a sharding annotation is an error (the data axes are
-      jaxaccum's). ``"global"``: the global micro-batch, as under plain
-      ``jit`` (micro-batch ``i`` is the ``i``-th slice of every device's
-      rows, so no row moves), a key per micro-batch (``fold_in(key, i)``),
-      one threaded state; annotations may name the data axes (MaxText's
-      activation rules work as written). On Explicit data axes that the
-      batch is sharded over this is plain ``jit``'s step described above
-      (``mesh=`` only names the data axes); elsewhere the partitioner
-      places every collective: replicated parameters are all-reduced once
-      per micro-batch, and ``fsdp_gather="once"`` is not available.
-    clip_per_example: differentially private training (DP-SGD): ``fun`` is
-      called on ONE example (each batch leaf without its leading axis; a
-      ``vmap`` runs it over the micro-batch) and returns that example's
-      scalar loss (``(loss_sum, weight)`` with ``"weighted"``). Each
-      example's gradient, over all differentiated leaves together, is scaled
-      to L2 norm at most ``clip_per_example`` and the clipped gradients are
-      summed in float32. The count of examples replaces the count of
-      micro-batches: ``"mean"`` divides by the number of real examples,
-      ``"weighted"`` by their total weight, ``"sum"`` by nothing. The
-      function then also takes ``example_mask=``, a vector with one entry per
-      row: a row whose entry is 0 (padding) adds exactly zero to the sum, the
-      value and the count. A real row whose gradient is not finite adds zero
-      to the sum (one example cannot poison a step); it still counts, and its
-      loss shows in the value.
-      Row ``j`` of micro-batch ``i`` gets the key ``fold_in(key_i, j)``. Add
-      the noise with :func:`jaxaccum.dp_noise`. Every other argument that
-      holds arrays is a ``ValueError`` unless listed in ``public_argnums``,
-      and so is an array passed by keyword, and an array that ``fun`` closes
-      over from an enclosing trace (a loss defined inside your ``jax.jit``
-      that reads the traced batch: a BatchNorm over its statistics, in-batch
-      negatives); pass such an array as an argument. Constants that ``fun``
-      closes over (a concrete array, parameters closed over outside
-      ``jit``) are allowed, and taken as public, as the parameters are.
-    public_argnums: with ``clip_per_example``, the arguments besides the
-      differentiated ones, the batch and the key that every example's loss
-      may read, declared to depend on no example: a learning-rate schedule's
-      value, a frozen embedding table, a teacher model trained on public
-      data. jaxaccum cannot check this; the guarantee holds only if it is
-      true. An argument computed from the batch (its mean) voids it.
-    clip_record: with ``clip_per_example``, return the gradient as a
-      :class:`jaxaccum.ClipRecord` (the gradient, what it was divided by, the
-      examples, the clip norm and ``normalize``), which
-      :func:`jaxaccum.accumulate` takes in place of the gradient and needs
-      when its inner optimizer holds :func:`jaxaccum.dp_noise`.
-    clip_method: how ``clip_per_example`` computes the clipped sum:
-      ``"vmap"`` (the default) takes each example's gradient (one ``vmap``
-      of ``grad``); ``"ghost"`` gives the same sum without them, from each
-      parameter's uses in the traced program and a second, per-example
-      weighted backward pass (ghost clipping). A leaf used other than by a
-      matrix product, a row gather (embedding) or an elementwise operation
-      gets its own per-example gradient, named in a
-      ``jaxaccum.GhostFallbackWarning`` at trace time. Under ``mesh=``
-      ghost keeps ``fsdp_gather``'s mode for FSDP leaves (each device takes
-      its examples' norms, and the weighted backward pass is
-      reduce-scattered into an accumulator sharded like the leaf, as without
-      privacy); ``"vmap"`` gathers them once, each device holding whole
-      per-example gradients. See ``docs/privacy.md``.
-    clip_without_noise: with ``clip_per_example``, say that no
-      :func:`jaxaccum.dp_noise` will see the clipped gradient, on purpose
-      (you add noise yourself, or clip for robustness): without it, a
-      function built with ``clip_per_example`` and without ``clip_record``,
-      whose gradient cannot reach ``dp_noise``, warns once
-      (:class:`jaxaccum.ClipWithoutNoiseWarning`), as do
-      :func:`jaxaccum.make_train_step` with no ``dp_noise`` in its optimizer
-      and :func:`jaxaccum.accumulate` given a record with none in its inner
-      optimizer.
+      ``micro_batch_size`` (``m``, the rows per micro-batch).
+    argnums: the argument(s) to differentiate, as in ``jax.value_and_grad``.
+      One holding leaves ``jax.grad`` refuses (an Equinox module) is
+      partitioned as ``eqx.filter_value_and_grad`` does: its floating-point
+      arrays are differentiated, every other leaf gets a None gradient.
+    batch_argnums: the argument(s) to split, pytrees whose leaves share one
+      leading batch axis. Other arguments reach every micro-batch whole; a
+      PRNG key or a batch-sized array among them gets a
+      ``SharedArgumentWarning`` unless it is in ``shared_argnums``.
+    has_aux: ``fun`` returns ``(value, aux)``; the aux comes back as the
+      full batch's would (``aux=``).
+    aux: how each aux leaf combines: ``"auto"`` (a leaf with the
+      micro-batch's rows is concatenated in batch order, any other averaged
+      like the loss), ``"concatenate"``, ``"mean"``, ``"sum"``, ``"stack"``,
+      or a tree prefix of these.
+    normalize: ``"mean"`` (the default: the full batch's value and gradient
+      as above), ``"sum"`` (the micro-batches' values and gradients summed)
+      or ``"weighted"`` (``fun`` returns ``(loss_sum, weight)``; the result
+      is ``Σ loss_sum / Σ weight``, zero where the total weight is zero).
+    accum_dtype: the dtype of the sums (a wider gradient keeps its own);
+      the grads come back in the parameters' dtype.
+    rng_argnum: a PRNG key argument; micro-batch ``i`` gets
+      ``jax.random.fold_in(key, i)`` (the key itself with one micro-batch in
+      total: at ``k = 1`` jaxaccum is your own step).
+    state_argnum: mutable state (BatchNorm statistics): ``fun`` has
+      ``has_aux=True`` and returns ``(value, (aux, new_state))``; micro-batch
+      ``i + 1`` sees micro-batch ``i``'s state, and the aux comes back as
+      ``(aux, final_state)``. A running average's momentum ``μ`` then acts as
+      ``μ^k`` per step: :func:`jaxaccum.micro_batch_momentum` keeps it.
+    shared_argnums: arguments meant to reach every micro-batch whole.
+    remat: ``jax.checkpoint`` around each micro-batch (``True`` or a policy),
+      for differentiating through the accumulated gradient.
+    noise_stats: also return the gradient noise scale's measurements,
+      ``(output, noise)``, for :func:`jaxaccum.noise_scale_update`.
+    value_checks: emit value-level checks of the weights, raised under
+      ``chex.chexify``.
+    parallel: a :class:`jaxaccum.DataParallel` (its shorthands above).
+    privacy: a :class:`jaxaccum.ClipPerExample` (its shorthands above).
+    mesh, data_axis, param_specs, fsdp_gather, gather_dtype, view: shorthands
+      for ``parallel``'s fields.
+    clip_per_example, clip_method, public_argnums, clip_record,
+      clip_without_noise: shorthands for ``privacy``'s fields.
 
   Returns:
     A function of the same arguments as ``fun`` that returns
     ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``.
 
   Raises:
-    ValueError: at definition time for bad static arguments, and at trace time
-      for a batch that does not split, naming the sizes.
+    ValueError: at definition time for bad options, and at trace time for a
+      batch that does not split, naming the sizes. A shorthand given with
+      its group is a ``TypeError`` naming both.
 
   >>> import jax, jax.numpy as jnp, jaxaccum
   >>> def loss(w, batch):
