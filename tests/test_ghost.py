@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum._privacy import ghost as _ghost
+from jaxaccum._privacy.ghost import kernel as _ghost_kernel
 
 # These tests clip without noise on purpose (the clipped sum is what they check).
 pytestmark = pytest.mark.filterwarnings("ignore::jaxaccum.ClipWithoutNoiseWarning")
@@ -541,7 +541,7 @@ def test_ghost_needs_clip_per_example():
 def test_kernel_tap_gives_the_kernel_gradient_of_the_convolution(
   dims, lhs_shape, rhs_shape, options, window
 ):
-  """The kernel tap (no kernel per example, see _ghost._kernel_tap) is zero,
+  """The kernel tap (no kernel per example, see jaxaccum._privacy.ghost.kernel.kernel_tap) is zero,
   and its gradient is lax.conv_general_dilated's kernel gradient, entry for
   entry, for each of 3 examples under vmap (as the walk maps it), for other
   layouts, feature groups, strides, padding and dilations: a wrong order of
@@ -568,7 +568,7 @@ def test_kernel_tap_gives_the_kernel_gradient_of_the_convolution(
   (eqn,) = jax.make_jaxpr(conv)(lhs[0], rhs).jaxpr.eqns
 
   def taps(t):  # the walk's order: the vjp of the vmap over the examples
-    return jax.vmap(lambda x, t: _ghost._kernel_tap(eqn, x, t))(lhs, t)
+    return jax.vmap(lambda x, t: _ghost_kernel.kernel_tap(eqn, x, t))(lhs, t)
 
   def conv_grad(lhs, cotangent):
     out, conv_vjp = jax.vjp(lambda k: conv(lhs, k), rhs)
@@ -633,3 +633,28 @@ def test_kernel_tap_holds_one_window_offset_at_a_time():
     patch.setattr(jax, "device_count", lambda *a: 1)
     vmap = temp("vmap")
   assert ghost <= 2 * vmap, (ghost, vmap)
+
+
+def test_a_layer_inside_a_closed_call_is_read_without_a_fallback():
+  """The one walker's call table reads ``closed_call``'s body by its own
+  parameter (``call_jaxpr``): a dense layer inside one keeps its Gram-form
+  norm (no GhostFallbackWarning) and the clipped sum equals the
+  reference."""
+  from jax._src import core  # noqa: PLC0415 (closed_call has no public name)
+
+  def closed_call(fun, *args):
+    closed = jax.make_jaxpr(fun)(*args)
+    params = core.closed_call_p.get_bind_params({"call_jaxpr": closed})
+    return core.closed_call_p.bind(*args, **params)[0]
+
+  def loss(p, example):
+    x, y = example
+    h = closed_call(lambda w, b, x: jnp.tanh(x @ w + b), p["w1"], p["b1"], x)
+    return jnp.sum((h @ p["w2"] + p["b2"] - y) ** 2)
+
+  params, batch = mlp_params(), mlp_batch()
+  clip = median_clip(loss, params, batch)
+  got, fallbacks = ghost_sum(loss, params, batch, 2, clip)
+  want, _ = reference(loss, params, batch, clip)
+  assert relative_error(got, want) < 1e-6
+  assert not fallbacks, [str(w.message) for w in fallbacks]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jaxaccum import _compat, _normalize
+from jaxaccum import _compat, _jaxpr, _normalize
 from jaxaccum._privacy import closure as _closure
 from jaxaccum._privacy import ghost as _ghost
 
@@ -149,18 +149,15 @@ def checked_per_example(
 
 def _grouped_convolution(jaxpr: Any) -> bool:
   """``jaxpr`` holds, at any depth, a convolution with feature or batch
-  groups."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "conv_general_dilated" and (
-      eqn.params["feature_group_count"] > 1 or eqn.params["batch_group_count"] > 1
-    ):
-      return True
-    for value in eqn.params.values():
-      for item in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(item, "jaxpr", item)
-        if hasattr(inner, "eqns") and _grouped_convolution(inner):
-          return True
-  return False
+  groups (:func:`jaxaccum._jaxpr.find`)."""
+
+  def grouped(eqn: Any) -> bool:
+    p = eqn.params
+    return eqn.primitive.name == "conv_general_dilated" and (
+      p["feature_group_count"] > 1 or p["batch_group_count"] > 1
+    )
+
+  return _jaxpr.find(jaxpr, grouped) is not None
 
 
 def ghost_objective(
