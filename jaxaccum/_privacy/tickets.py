@@ -1,4 +1,4 @@
-"""Each :class:`~jaxaccum._privacy.noise.ClipRecord` that a step hands out
+"""Each :class:`~jaxaccum._privacy.record.ClipRecord` that a step hands out
 with ``clip_record=True`` is a ticket: taken once, by one update.
 
 A record fed twice to :func:`jaxaccum.accumulate` adds one micro-batch's
