@@ -23,6 +23,8 @@ The approaches:
    jitted calls (gradient on one micro-batch, MultiSteps update, apply).
 5. :class:`NaiveLoop`: ``k`` calls of a jitted ``jax.grad``, summed in Python
    (eager jax ops on device arrays), then one jitted update on ``sum / k``.
+6. :class:`HandScan`, timed only when asked for: a ``lax.scan`` over the
+   micro-batches written without jaxaccum, one jit.
 
 Every jitted step donates the parameters and the optimizer state, as a
 training loop would.
@@ -30,7 +32,7 @@ training loop would.
 What ``memory()`` measures (``peak = argument + output + temp - alias``, the
 formula of ``jaxaccum.MemoryStats``):
 
-- single-call approaches (1-3, and jaxaccum without the skip): the peak of
+- single-call approaches (1-3, 6, and jaxaccum without the skip): the peak of
   the compiled step, with the whole batch as an argument;
 - MultiSteps: the peak of its per-micro-batch call. Its arguments hold one
   micro-batch, the parameters and the MultiSteps state (inner state and the
@@ -253,6 +255,35 @@ class OptaxMicrobatch(OneCallStep):
     self.fn = jax.jit(step, donate_argnums=(0, 1))
 
 
+class HandScan(OneCallStep):
+  """A ``lax.scan`` over the micro-batches written without jaxaccum: the
+  batch reshaped to ``(k, B / k, ...)``, a float32 accumulator, the mean of
+  the ``k`` gradients and one update, in one jit (the step
+  ``accelerator_memory.hand_scan_step`` compiles, with this optimizer).
+  Timed only when ``--approaches`` names it."""
+
+  name, label = "hand_scan", "hand-written scan"
+
+  def __init__(self, model: Model, tx: optax.GradientTransformation, k: int):
+    super().__init__(model, tx, k)
+    loss = model.loss
+
+    def step(params, opt_state, batch):
+      micro = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+
+      def body(acc, mb):
+        value, grads = jax.value_and_grad(loss)(params, mb)
+        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), value
+
+      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+      acc, values = jax.lax.scan(body, zeros, micro)
+      grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, jnp.mean(values)
+
+    self.fn = jax.jit(step, donate_argnums=(0, 1))
+
+
 class OptaxMultiSteps(Approach):
   """``optax.MultiSteps(tx, k)``: ``k`` jitted micro-steps make one step."""
 
@@ -347,3 +378,6 @@ APPROACHES: tuple[type[Approach], ...] = (
   NaiveLoop,
 )
 PEERS = (OptaxMicrobatch.name, OptaxMultiSteps.name, NaiveLoop.name)
+#: Approaches a run times only where ``--approaches`` names them; each is a
+#: peer too.
+OPTIONAL: tuple[type[Approach], ...] = (HandScan,)

@@ -309,7 +309,12 @@ TITLES = {
 }
 
 
-def build(name: str, preset: str, dtype: str = "float32") -> Model:
+def build(
+  name: str,
+  preset: str,
+  dtype: str = "float32",
+  widths: tuple[int, ...] | None = None,
+) -> Model:
   """Builds model ``name`` at the sizes of ``preset``.
 
   Args:
@@ -317,9 +322,13 @@ def build(name: str, preset: str, dtype: str = "float32") -> Model:
     preset: a key of ``PRESETS``.
     dtype: the transformer's parameter and compute dtype (the MLPs stay
       float32).
+    widths: an MLP's layer widths in place of the preset's (its batch size
+      stays the preset's).
   """
   config = PRESETS[preset][name]
   if isinstance(config, TransformerConfig):
     config = dataclasses.replace(config, dtype=dtype)
     return make_transformer(name, TITLES[name], config)
+  if widths is not None:
+    config = dataclasses.replace(config, widths=widths)
   return make_mlp(name, TITLES[name], config)

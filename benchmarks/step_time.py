@@ -43,6 +43,18 @@ On a CPU shared with other work, ``--cpus 0-3`` keeps the run (and XLA's
 threads) on those cores, and more ``--rounds`` and a longer
 ``--min-time-ms`` narrow the spread.
 
+``--approaches`` times only the approaches it names besides the full batch,
+its A/A control and jaxaccum (``hand_scan``, a ``lax.scan`` written without
+jaxaccum, runs only when named), and ``--dispatch-widths`` gives the
+dispatch-bound MLP other layer widths; either makes a run of its own, which
+needs ``--out``. Issue 46's dispatch-bound configuration::
+
+  python benchmarks/step_time.py --models dispatch_mlp --ks 16 \
+    --dispatch-widths 256,256,256,10 \
+    --approaches jaxaccum_no_skip,optax_microbatch,hand_scan --out /tmp/st
+
+(``dispatch_step.py`` runs it at two checkouts and prints the ratios.)
+
 Compilation dominates the wall time (every approach compiles per ``k``), so
 size the sweep to the time you have.
 """
@@ -180,6 +192,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "-lr * grad, so the correctness check compares gradients directly",
   )
   parser.add_argument("--lr", type=float, default=1e-2)
+  parser.add_argument(
+    "--approaches",
+    help="comma-separated approaches to time besides the full batch, its "
+    f"A/A control and jaxaccum, of {','.join(APPROACH_NAMES)} (default: all "
+    f"but {','.join(a.name for a in _approaches.OPTIONAL)})",
+  )
+  parser.add_argument(
+    "--dispatch-widths",
+    help="the dispatch-bound MLP's layer widths, input first and classes "
+    "last, in place of the preset's, e.g. 256,256,256,10",
+  )
   parser.add_argument("--rounds", type=int, help="timing rounds (default 11, quick 7)")
   parser.add_argument(
     "--min-time-ms",
@@ -192,7 +215,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--device-note", default="", help="free text stored with the results"
   )
   parser.add_argument("--no-plots", action="store_true")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  names = [n.strip() for n in (args.approaches or "").split(",") if n.strip()]
+  unknown = sorted(set(names) - set(APPROACH_NAMES))
+  if unknown:
+    parser.error(f"unknown approaches {unknown}; choose from {APPROACH_NAMES}")
+  if (args.approaches or args.dispatch_widths) and args.out is None and not args.quick:
+    parser.error(
+      "--approaches and --dispatch-widths make a run of their own: pass --out, "
+      "so that benchmarks/results/step_time.json keeps the whole one"
+    )
+  return args
+
+
+#: Every approach a run can time, by name (the full batch always runs).
+APPROACH_NAMES = tuple(a.name for a in (*_approaches.APPROACHES, *_approaches.OPTIONAL))
+
+
+def timed_approaches(names: str | None) -> tuple[type[_approaches.Approach], ...]:
+  """The approaches a configuration times: the full batch and jaxaccum, the
+  others named (default: every one of ``_approaches.APPROACHES``) and the
+  A/A control last."""
+  if not names:
+    return TIMED
+  chosen = {n.strip() for n in names.split(",")}
+  chosen |= {_approaches.FullBatch.name, _approaches.JaxAccum.name}
+  every = (*_approaches.APPROACHES, *_approaches.OPTIONAL)
+  return (*(a for a in every if a.name in chosen), FullBatchAgain)
 
 
 def _ints(text: str) -> list[int]:
@@ -372,10 +421,12 @@ def run_config(
   rounds: int,
   min_time_ms: float,
   bar: tqdm,
+  timed: Sequence[type[_approaches.Approach]] = (),
 ) -> dict[str, Any]:
-  """Compiles, checks and times every approach for one ``(model, k)``."""
+  """Compiles, checks and times every approach of ``timed`` (default
+  ``TIMED``) for one ``(model, k)``."""
   setup_start = time.perf_counter()
-  approaches = [cls(model, tx, k) for cls in TIMED]
+  approaches = [cls(model, tx, k) for cls in (timed or TIMED)]
   bar.set_postfix_str(f"{model.name} k={k}: compiling")
   # Compile everything once, in parallel threads (XLA compiles outside the
   # GIL); the jit caches then serve the timed calls.
@@ -475,7 +526,11 @@ def evaluate_targets(model_name: str, config: dict[str, Any]) -> list[dict[str, 
   res = config["approaches"]
   ms = {name: r["median_ms"] for name, r in res.items()}
   acc_ms = ms[_approaches.JaxAccum.name]
-  best_peer = min(_approaches.PEERS, key=lambda name: ms[name])
+  peers = [
+    name
+    for name in (*_approaches.PEERS, *(a.name for a in _approaches.OPTIONAL))
+    if name in ms
+  ]
   targets = []
 
   def add(
@@ -487,15 +542,17 @@ def evaluate_targets(model_name: str, config: dict[str, Any]) -> list[dict[str, 
     if name in TIMED_TARGETS:
       targets[-1]["decided"] = aa_decides(config["aa_ratio"])
 
-  ratio = acc_ms / ms[best_peer]
-  add(
-    "time <= 1.05 x best peer",
-    ratio,
-    "<= 1.05",
-    ratio <= 1.05,
-    f"best peer: {res[best_peer]['label']}",
-  )
-  if model_name == "dispatch_mlp":
+  if peers:
+    best_peer = min(peers, key=lambda name: ms[name])
+    ratio = acc_ms / ms[best_peer]
+    add(
+      "time <= 1.05 x best peer",
+      ratio,
+      "<= 1.05",
+      ratio <= 1.05,
+      f"best peer: {res[best_peer]['label']}",
+    )
+  if model_name == "dispatch_mlp" and _approaches.OptaxMultiSteps.name in ms:
     speedup = ms[_approaches.OptaxMultiSteps.name] / acc_ms
     if config["k"] == 1:
       add("2x faster than MultiSteps", speedup, ">= 2", None, "k=1: one call each")
@@ -506,6 +563,8 @@ def evaluate_targets(model_name: str, config: dict[str, Any]) -> list[dict[str, 
     add("time <= 1.10 x full batch", ratio, "<= 1.10", ratio <= 1.10)
   over = config["jaxaccum_memory_bound"]["jaxaccum_peak_over_bound"]
   add("peak <= 1.05 x memory bound", over, "<= 1.05", over <= 1.05)
+  if _approaches.OptaxMicrobatch.name not in res:
+    return targets
   peak = res[_approaches.JaxAccum.name]["peak_bytes"]
   micro_peak = res[_approaches.OptaxMicrobatch.name]["peak_bytes"]
   add(
@@ -1082,7 +1141,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     f"{info['cpu_count']} CPUs, jax {info['jax']}, preset {preset}, "
     f"{rounds} rounds, optimizer {args.optimizer}"
   )
-  models = [_models.build(name, preset, args.dtype) for name in names]
+  widths = tuple(_ints(args.dispatch_widths)) if args.dispatch_widths else None
+  models = [
+    _models.build(name, preset, args.dtype, widths if name == "dispatch_mlp" else None)
+    for name in names
+  ]
+  timed = timed_approaches(args.approaches)
   sweeps = {m.name: resolve_ks(args, m.batch_size) for m in models}
   total = rounds * sum(len(ks) for ks in sweeps.values())
 
@@ -1095,6 +1159,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "optimizer": args.optimizer,
       "lr": args.lr,
       "dtype": args.dtype,
+      "approaches": [a.name for a in timed],
     },
     "models": {},
     "notes": NOTES,
@@ -1113,7 +1178,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       }
       for k in sweeps[model.name]:
         config = run_config(
-          model=model, tx=tx, k=k, rounds=rounds, min_time_ms=min_time_ms, bar=bar
+          model=model,
+          tx=tx,
+          k=k,
+          rounds=rounds,
+          min_time_ms=min_time_ms,
+          bar=bar,
+          timed=timed,
         )
         config["targets"] = evaluate_targets(model.name, config)
         entry["configs"].append(config)

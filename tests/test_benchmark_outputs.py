@@ -89,3 +89,23 @@ def test_largest_fitting_finds_the_last_batch_that_fits(
   assert not set(probed) & set(known)  # a known peak is not compiled again
   hypothesis.event(f"compiles: {min(len(probed), 12) // 4 * 4}+")
   hypothesis.event("nothing fits" if expected == 0 else "something fits")
+
+
+def test_step_time_times_what_it_is_asked_for_and_keeps_its_results():
+  step_time = load_once("step_time")
+  assert step_time.timed_approaches(None) == step_time.TIMED
+  named = step_time.timed_approaches("hand_scan,optax_microbatch")
+  assert [a.name for a in named] == [
+    "full_batch",
+    "jaxaccum",
+    "optax_microbatch",
+    "hand_scan",
+    "full_batch_again",
+  ]
+  # A run of its own must not overwrite benchmarks/results/step_time.json.
+  for flags in (["--approaches", "hand_scan"], ["--dispatch-widths", "8,4"]):
+    with pytest.raises(SystemExit):
+      step_time.parse_args(flags)
+    assert step_time.parse_args([*flags, "--out", "o"]).out == pathlib.Path("o")
+  with pytest.raises(SystemExit):
+    step_time.parse_args(["--approaches", "nonsense", "--out", "o"])
