@@ -194,9 +194,19 @@ class JitWithStaticKwargs:
       return fun(*args, **kwargs)
 
     self._compiled = Compiled(without_config, donate_argnums=donate_argnums)
+    # A call without keyword arguments has one program per number of
+    # positional arguments (its key in the cache has nothing else that can
+    # differ): found here, the call skips building that key.
+    self._positional: dict[int, Any] = {}
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return self._compiled(None, *args, **kwargs)
+    if kwargs:
+      return self._compiled(None, *args, **kwargs)
+    jitted = self._positional.get(len(args))
+    if jitted is None:
+      jitted, _, _ = self._compiled._prepare(None, args, kwargs)
+      self._positional[len(args)] = jitted
+    return jitted(*args)
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
     """``jax.jit(...).lower`` of the program these arguments call; its

@@ -51,7 +51,14 @@ def is_inexact_array(x: Any) -> bool:
   # jnp's dtype lattice: bfloat16 and float8 are no numpy floats. A
   # ShapeDtypeStruct stands for an array where a step is only lowered.
   arrays = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
-  return isinstance(x, arrays) and jnp.issubdtype(x.dtype, jnp.inexact)
+  return isinstance(x, arrays) and _inexact(x.dtype)
+
+
+@functools.cache
+def _inexact(dtype: Any) -> bool:
+  """``jnp.issubdtype(dtype, jnp.inexact)``, once per dtype: a partition
+  asks it of every leaf, and JAX's answer costs far more than a lookup."""
+  return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _jax_takes(x: Any) -> bool:

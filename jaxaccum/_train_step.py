@@ -11,6 +11,7 @@ donated buffers in place.)
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -350,11 +351,31 @@ def _partitioning(step: Any, plain: _value_and_grad.Step) -> Any:
   Equinox module): their floating-point arrays go through the jitted,
   donated step and the optimizer, the other leaves stay out of it, static,
   and come back as they were (:mod:`jaxaccum._static`). The call's
-  arguments are checked first, with ``value_and_grad``'s messages."""
+  arguments are checked first, with ``value_and_grad``'s messages.
+
+  Both depend only on the call's configuration: the arguments' structure and
+  their leaves' types and dtypes. They run when a configuration is first
+  seen; a later call of it costs one flatten and a lookup (checking and
+  partitioning on every call was most of the step's Python time per call on
+  a dispatch-bound model, benchmarks/README.md)."""
+  # Per configuration: whether the parameters hold static leaves.
+  static_leaves: dict[Any, bool] = {}
 
   def split(params, args, kwargs):
-    plain.validate((params, *args))
-    diff, rest = _static.partition(params)
+    key = _configuration((params, *args))
+    try:
+      partitioned = static_leaves.get(key)
+    except TypeError:  # an unhashable static field in the structure
+      key, partitioned = None, None
+    if partitioned is None:
+      plain.validate((params, *args))
+      diff, rest = _static.partition(params)
+      if key is not None:
+        static_leaves[key] = rest is not None
+    elif partitioned:
+      diff, rest = _static.partition(params)
+    else:
+      diff, rest = params, None
     if rest is not None:
       kwargs = {**kwargs, _static.KEYWORD: {0: rest}}
     return diff, rest, kwargs
@@ -376,6 +397,21 @@ def _partitioning(step: Any, plain: _value_and_grad.Step) -> Any:
       return step.trace(diff, opt_state, *args, **kwargs)
 
   return PartitioningStep()
+
+
+def _configuration(tree: PyTree) -> Any:
+  """What the checks and the partition of a call depend on: the structure
+  of ``tree``, the types of its leaves and their dtypes (None for a leaf
+  without one: a function, a flag or a size in an Equinox module)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  try:
+    dtypes = tuple(map(_DTYPE, leaves))
+  except AttributeError:
+    dtypes = tuple(getattr(x, "dtype", None) for x in leaves)
+  return treedef, tuple(map(type, leaves)), dtypes
+
+
+_DTYPE = operator.attrgetter("dtype")
 
 
 def donated(tree: PyTree) -> bool:

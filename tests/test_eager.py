@@ -87,6 +87,26 @@ def test_make_train_step_takes_python_keyword_flags():
   chex.assert_trees_all_close(value, 2 * want_value, rtol=1e-5)
 
 
+def test_make_train_step_calls_with_and_without_keywords_keep_their_programs():
+  """A call without keyword arguments finds its program by the number of
+  arguments alone: one program per configuration still, whichever call
+  comes first, and each call gets its own."""
+  traces = []
+  loss = counted(traces)
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(loss, tx, 4, donate=False)
+  w, batch = make_problem()
+  want_value, want_grads = jax.value_and_grad(counted([]))(w, batch)
+  for kwargs in ({}, {"train": False}, {}, {"scale": jnp.float32(2.0)}, {}):
+    new_w, _, value = step(w, tx.init(w), batch, **kwargs)
+    scale = 2.0 if "scale" in kwargs else 1.0
+    chex.assert_trees_all_close(value, scale * want_value, rtol=1e-5)
+    chex.assert_trees_all_close(
+      new_w, w - 0.1 * scale * want_grads, rtol=1e-5, atol=1e-6
+    )
+  assert [t for _, t in traces] == [True, False, True]
+
+
 def test_verify_equivalence_passes_fun_kwargs():
   w, batch = make_problem()
   dev = jaxaccum.verify_equivalence(

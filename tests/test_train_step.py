@@ -201,3 +201,68 @@ def test_train_step_keeps_the_optimizer_state_dtypes():
     new_w, optax.apply_updates(w, updates), rtol=1e-2, atol=1e-2
   )
   assert new_w.dtype == jnp.bfloat16
+
+
+def test_a_step_checks_and_partitions_once_per_configuration(monkeypatch):
+  """The checks before jit and the parameters' partition depend only on the
+  call's configuration (structure, leaf types and dtypes): a later call of
+  a configuration seen before runs neither (on every call they were most of
+  the step's Python time, benchmarks/README.md), a new one runs both."""
+  from jaxaccum import _static, _value_and_grad  # noqa: PLC0415
+
+  calls = []
+  validate, partition = _value_and_grad.Step.validate, _static.partition
+
+  def counted_validate(self, args):
+    calls.append("validate")
+    return validate(self, args)
+
+  def counted_partition(tree):
+    calls.append("partition")
+    return partition(tree)
+
+  monkeypatch.setattr(_value_and_grad.Step, "validate", counted_validate)
+  monkeypatch.setattr(_static, "partition", counted_partition)
+  w, batch = data()
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(mse, tx, K)
+  opt_state = tx.init(w)
+  w, opt_state, _ = step(w, opt_state, batch)
+  # The checks and the partition, then the trace's own partition (once, in
+  # jit, where value_and_grad's step partitions its arguments).
+  assert calls == ["validate", "partition", "partition"]
+  for _ in range(2):
+    w, opt_state, _ = step(w, opt_state, batch)
+  assert len(calls) == 3
+  x, y = batch
+  w, opt_state, _ = step(w, opt_state, (x, y.astype(jnp.bfloat16)))
+  assert calls[3:5] == ["validate", "partition"]
+  n = len(calls)
+  w, opt_state, _ = step(w, opt_state, (x, y.astype(jnp.bfloat16)))
+  assert len(calls) == n
+  # An error is raised again on the next call: a configuration that fails
+  # its checks is not recorded.
+  for _ in range(2):
+    with pytest.raises(TypeError, match="is a str"):
+      step(w, opt_state, (x, "y"))
+
+
+def test_an_integer_leaf_where_a_float_was_is_static():
+  """The configuration a step records holds the leaves' dtypes: an integer
+  array in the place of an earlier call's float array is a static leaf (no
+  gradient, back as it was), not differentiated."""
+
+  def loss(params, batch):
+    return mse(params["w"] * jnp.sum(params["n"]), batch)
+
+  w, batch = data()
+  tx = optax.sgd(0.1)
+  step = jaxaccum.make_train_step(loss, tx, K, donate=False)
+  as_float = {"n": jnp.ones(2), "w": w}
+  step(as_float, tx.init(as_float), batch)
+  as_int = {"n": jnp.ones(2, jnp.int32), "w": w}
+  new, _, value = step(as_int, tx.init({"n": None, "w": w}), batch)
+  assert new["n"] is as_int["n"]
+  want_value, want = jax.value_and_grad(loss)(as_float, batch)
+  chex.assert_trees_all_close(value, want_value, rtol=1e-6)
+  chex.assert_trees_all_close(new["w"], w - 0.1 * want["w"], rtol=1e-5, atol=1e-6)
