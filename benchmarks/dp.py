@@ -762,31 +762,45 @@ def audit_part() -> dict[str, Any]:
 
 
 def audit_table(audit: dict[str, Any]) -> str:
-  """The audit's table and verdict (``dp_audit table``)."""
+  """The audit: the run, one row per configuration, and the verdict."""
   bound = audit["bound"]
-  ratio = lambda r: "–" if r is None else f"{r:.6f}" + ("" if r <= bound else " ✗")  # noqa: E731
-  rows = [
-    (*(r[f] for f in AUDIT_FIELDS), ratio(r["sum"]), ratio(r["update"]))
-    for r in audit["rows"]
-  ]
-  rows = [(r[0], AUDIT_PATHS[r[1]], f'`"{r[2]}"`', *r[3:]) for r in rows]
-  measured = [
-    r[v] for r in audit["rows"] for v in ("sum", "update") if r[v] is not None
-  ]
-  header = ["library", "path", "clip", "k", "parameters", "loss"]
-  header += ["noised sum: ΔS / C", "update: ΔU · E / C"]
-  return "\n".join(
+  ratios = [r[v] for r in audit["rows"] for v in ("sum", "update") if r[v] is not None]
+  run = {
+    "measured": lambda a: a["date"],
+    "machine": lambda a: a["machine"],
+    **{
+      lib: lambda a, lib=lib: a["versions"][lib] for lib in ("jax", "flax", "equinox")
+    },
+    "configurations": lambda a: len(a["rows"]),
+    "examples": lambda a: f"{a['examples']:,}",
+    "C": lambda a: f"{CLIP:g}",
+  }
+
+  def ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.6f}" + ("" if x <= bound else " ✗")
+
+  rows = {
+    "library": lambda r: r["library"],
+    "path": lambda r: AUDIT_PATHS[r["path"]],
+    "clip": lambda r: f'`"{r["clip_method"]}"`',
+    "k": lambda r: r["k"],
+    "parameters": lambda r: r["dtype"],
+    "loss": lambda r: r["loss"],
+    "noised sum: ΔS / C": lambda r: ratio(r["sum"]),
+    "update: ΔU · E / C": lambda r: ratio(r["update"]),
+  }
+  verdict = {
+    "ratios measured": len,
+    "smallest": lambda x: f"{min(x):.6f}",
+    "largest": lambda x: f"**{max(x):.6f}**",
+    "goal: every ratio at most": lambda x: bound,
+    "goal": lambda x: _report.met(max(x) <= bound),
+  }
+  return "\n\n".join(
     [
-      f"{len(rows)} configurations, {audit['examples']:,} examples each, one of them "
-      f"replaced by a 30× outlier and then masked out; C = {CLIP:g}, sigma = 0. "
-      f"On {audit['machine']}, jax {audit['versions']['jax']}, flax "
-      f"{audit['versions']['flax']}, equinox {audit['versions']['equinox']}, "
-      f"{audit['date']}. Goal: every ratio at most {bound} (✗ marks one above).",
-      "",
-      _report.table(header, rows),
-      "",
-      f"Largest ratio: **{max(measured):.6f}** ({len(measured)} measured); "
-      f"smallest: {min(measured):.6f}. Goal {_report.met(max(measured) <= bound)}.",
+      _report.columns([audit], run),
+      _report.columns(audit["rows"], rows),
+      _report.columns([ratios], verdict),
     ]
   )
 
@@ -964,48 +978,54 @@ def time_part(
 # ---------------------------------------------------------------- the report
 
 
+def _transformer(model: dict[str, Any]) -> str:
+  return (
+    f"{model['num_layers']} layers, d_model {model['d_model']}, vocabulary "
+    f"{model['vocab']:,}, {model['seq_len']} tokens"
+  )
+
+
 def memory_table(results: dict[str, Any]) -> str:
+  """The memory part: the run, the peak against k, and the largest batch."""
   memory = results["memory"]
-  model = memory["model"]
-  lines = [
-    f"Compiled for {memory['target']} ({_report.gib(memory['memory_bytes'], 0)} GiB), "
-    f"never run: the transformer of `step_time.py`'s `gpu` preset "
-    f"({model['num_layers']} layers, d_model {model['d_model']}, vocabulary "
-    f"{model['vocab']:,}, {model['seq_len']} tokens; "
-    f"{memory['num_params'] / 1e6:.0f}M parameters, float32), Adam, DP-SGD with "
-    f"per-example clipping, logical batch {memory['batch_size']} sequences, "
-    f"per-device peak against k ({results['date']}).",
-    "",
-  ]
-  rows = [
-    (
-      r["k"],
-      r["micro_batch_size"],
-      "–" if r["peak"] is None else _report.gib(r["peak"], 1),
-    )
-    for r in memory["rows"]
-  ]
-  lines.append(_report.table(("k", "examples per micro-batch", "peak, GiB"), rows))
+  budget = memory["memory_bytes"]
+  run = {
+    "measured": lambda m: results["date"],
+    "compiled for": lambda m: m["target"],
+    "memory, GiB": lambda m: _report.gib(budget, 0),
+    "`gpu` preset's transformer": lambda m: _transformer(m["model"]),
+    "parameters": lambda m: f"{m['num_params'] / 1e6:.0f}M",
+    "dtype": lambda m: m["model"]["dtype"],
+    "logical batch": lambda m: m["batch_size"],
+  }
+  peaks = {
+    "k": lambda r: r["k"],
+    "examples per micro-batch": lambda r: r["micro_batch_size"],
+    "peak, GiB": lambda r: _report.gib(r["peak"], 1),
+  }
+  text = (
+    _report.columns([memory], run) + "\n\n" + _report.columns(memory["rows"], peaks)
+  )
   whole = memory.get("largest_whole_batch")
-  accumulated = memory.get("largest_accumulated_batch")
-  if whole and accumulated:
-    budget = f"{_report.gib(memory['memory_bytes'], 0)} GiB"
-    lines += [
-      "",
-      f"In {budget}: per-example clipping on the whole batch (k = 1) fits "
-      f"**{whole['batch']:,} sequences** (peak {_report.gib(whole['peak'], 1)} GiB; "
-      f"{whole['batch'] + 1:,} does not compile within it). jaxaccum at "
-      f"{accumulated['micro_batch_size']} sequences per micro-batch fits **at "
-      f"least {accumulated['batch']:,} sequences**, "
-      f"{accumulated['batch'] / whole['batch']:,.0f} times as many (k = "
-      f"{accumulated['num_micro_batches']:,}, compiled: peak "
-      f"{_report.gib(accumulated['peak'], 1)} GiB). That batch is a lower bound: the "
-      "search drew a line through the peaks at k = 8 and 64, "
-      f"{accumulated['bytes_per_micro_batch'] / 1024:.0f} KiB per micro-batch "
-      "(its tokens), and the compiled peak at the line's k came out below the "
-      "budget; what grows with k is only the batch itself.",
-    ]
-  return "\n".join(lines)
+  acc = memory.get("largest_accumulated_batch")
+  if not (whole and acc):
+    return text
+  whole = whole | {"micro_batch_size": whole["batch"], "num_micro_batches": 1}
+  largest = {
+    "step": lambda r: "jaxaccum" if r is acc else "whole batch (k = 1)",
+    "k": lambda r: f"{r['num_micro_batches']:,}",
+    "examples per micro-batch": lambda r: r["micro_batch_size"],
+    f"largest batch in {_report.gib(budget, 0)} GiB": lambda r: (
+      f"**{'≥ ' if r is acc else ''}{r['batch']:,}**"
+    ),
+    "× the whole batch's": lambda r: f"{r['batch'] / whole['batch']:,.0f}",
+    "peak, GiB": lambda r: _report.gib(r["peak"], 1),
+    "the batch above it": lambda r: "–" if r is acc else f"{r['batch'] + 1:,}",
+    "KiB per micro-batch": lambda r: (
+      f"{r['bytes_per_micro_batch'] / 1024:.0f}" if r is acc else "–"
+    ),
+  }
+  return text + "\n\n" + _report.columns([whole, acc], largest)
 
 
 def _range(r: dict[str, Any], key: str) -> str:
@@ -1015,312 +1035,159 @@ def _range(r: dict[str, Any], key: str) -> str:
   return f"{r[key]:.2f}× ({spread[0]:.2f}–{spread[1]:.2f})"
 
 
+def _decided(r: dict[str, Any], verdict: str) -> str:
+  """``verdict`` where the row's A/A ratio decides a timing (within 3% of
+  1), else ``undecided``."""
+  return verdict if _report.aa_decides(r.get("aa_ratio")) else "undecided"
+
+
 def _ghost_speed(r: dict[str, Any]) -> str:
-  """Ghost against ``"vmap"`` at one k, decided by the A/A rule: slower or
-  faster by more than 3%, or the same."""
+  """Ghost against ``"vmap"`` at one k: slower or faster by more than 3%, or
+  the same."""
   if "ghost_ratio" not in r:
-    return "not timed"
-  if not _report.aa_decides(r["aa_ratio"]):
-    return f"undecided ({_report.aa_note(r['aa_ratio'])})"
-  if r["ghost_ratio"] > 1 + _report.AA_TOLERANCE:
-    return "slower"
-  if r["ghost_ratio"] < 1 - _report.AA_TOLERANCE:
-    return "faster"
-  return "the same within 3%"
-
-
-def _time_rows(timing: dict[str, Any]) -> str:
-  rows = [
-    (
-      r["k"],
-      r["micro_batch_size"],
-      _report.ms(r["ms"]["jaxaccum"]),
-      _report.ms(r["ms"]["ghost"]) if "ghost" in r["ms"] else "–",
-      _report.ms(r["ms"]["jax_privacy"]),
-      _range(r, "ghost_ratio"),
-      _range(r, "ratio"),
-      _range(r, "ghost_jax_privacy_ratio"),
-      _range(r, "aa_ratio"),
-    )
-    for r in timing["rows"]
-  ]
-  header = (
-    "k",
-    "m",
-    "vmap ms",
-    "ghost ms",
-    "jax-privacy ms",
-    "ghost / vmap",
-    "jax-privacy / vmap",
-    "ghost / jax-privacy",
-    "A/A: vmap / vmap",
-  )
-  return _report.table(header, rows)
-
-
-def _ghost_verdicts(timing: dict[str, Any]) -> str:
-  return "; ".join(
-    f"k = {r['k']} (m = {r['micro_batch_size']}): {_ghost_speed(r)}"
-    + (f" ({r['ghost_ratio']:.2f}×)" if "ghost_ratio" in r else "")
-    for r in timing["rows"]
-  )
-
-
-def _ghost_summary(timing: dict[str, Any], mlp: dict[str, Any] | None) -> str:
-  """Where ghost is slower and faster than vmap, read from the rows, and the
-  reason."""
-  models = {"the transformer": timing, "the MLP": mlp or {"rows": []}}
-  found = {
-    verdict: [
-      f"{name} at {_report.ks_text([r['k'] for r in t['rows'] if _ghost_speed(r) == verdict])}"
-      for name, t in models.items()
-      if any(_ghost_speed(r) == verdict for r in t["rows"])
-    ]
-    for verdict in ("slower", "faster")
-  }
-  said = [
-    f"ghost is {verdict} on {_report.listing(where)}"
-    for verdict, where in found.items()
-    if where
-  ]
-  text = (_report.capital("; ".join(said)) + ". ") if said else ""
-  text += (
-    "Ghost clipping runs the model twice: a forward and backward pass whose "
-    "taps give each example's gradient norm, then a second forward and backward "
-    "pass with each example's loss weighted by its clipping factor. vmap runs one "
-    "forward and backward pass and writes each example's gradient, m copies of "
-    "the parameters. The second pass is the price where an example's activations "
-    f"are large beside the parameters (the transformer: {timing['model']['seq_len']} "
-    f"tokens an example, {timing.get('num_params', 0) / 1e3:,.0f}k parameters); the "
-    "per-example gradients are the price where the parameters are large beside an "
-    "example's activations"
-  )
-  if mlp:
-    text += (
-      f" (the MLP: one row an example, {mlp['num_params'] / 1e3:,.0f}k parameters)"
-    )
-  return text + "."
+    return "–"
+  x, tolerance = r["ghost_ratio"], _report.AA_TOLERANCE
+  return "slower" if x > 1 + tolerance else "faster" if x < 1 - tolerance else "same"
 
 
 def time_table(results: dict[str, Any]) -> str:
-  timing = results["time"]
-  model = timing["model"]
-  load = timing.get("load_average")
-  lines = [
-    f"On {results['machine']}, one DP-SGD step (clip, noise, Adam) at a fixed "
-    f"logical batch split into k micro-batches of m examples, by jaxaccum with "
-    f'`clip_method="vmap"` (the default), with `"ghost"`, and by jax-privacy\'s '
-    f"`clipped_grad` (its own micro-batching), median of {timing['rounds']} "
-    f"interleaved rounds; each ratio is the median over rounds of the two "
-    f"approaches' times in the same round (range: the lowest and highest round), "
-    f"and the A/A control times the vmap step twice. jax-privacy "
-    f"{results['versions']['jax-privacy']}, jax {results['versions']['jax']}"
-    + (
-      f"; the machine's load average was {load[0]:.1f} at the start and "
-      f"{load[1]:.1f} at the end of the transformer's rounds (other work shares "
-      "its 2 cores)."
-      if load
-      else "."
-    ),
-    "",
-    f"The `cpu` preset's transformer ({model['num_layers']} layers, d_model "
-    f"{model['d_model']}, {model['seq_len']} tokens, "
-    f"{timing.get('num_params', 0) / 1e3:,.0f}k parameters), logical batch "
-    f"{timing['batch_size']} sequences, {timing['repeats']} steps a sample:",
-    "",
-    _time_rows(timing),
-  ]
-  mlp = results.get("time_mlp")
-  if mlp:
-    widths = " → ".join(str(w) for w in mlp["model"]["widths"])
-    lines += [
-      "",
-      f"An MLP ({widths}, {mlp['num_params'] / 1e3:,.0f}k parameters, no sequence "
-      f"axis), logical batch {mlp['batch_size']} rows, {mlp['repeats']} "
-      f"step{'s' if mlp['repeats'] > 1 else ''} a sample:",
-      "",
-      _time_rows(mlp),
-    ]
-  verdicts = [
-    f"k = {r['k']}: {_report.timed_verdict(r['ratio'] >= 1, r['aa_ratio'])} "
-    f"({r['ratio']:.2f}×)"
-    for r in timing["rows"]
-  ]
-  lines += [
-    "",
-    "Ghost against vmap (decided only where the A/A ratio is within 3% of 1, "
-    "slower or faster by more than 3%): on the transformer "
-    + _ghost_verdicts(timing)
-    + (f"; on the MLP {_ghost_verdicts(mlp)}" if mlp else "")
-    + ". "
-    + _ghost_summary(timing, mlp),
-    "",
-    "Goal (jaxaccum's vmap step at most jax-privacy's, a ratio of at least 1; "
-    "decided only where the A/A ratio is within 3% of 1): " + "; ".join(verdicts) + ".",
-  ]
-  return "\n".join(lines)
+  """The time part: the run of each model, and one row per model and k."""
+  models = {"transformer": results["time"], "MLP": results.get("time_mlp")}
+  models = {name: t for name, t in models.items() if t}
+
+  def model(t: dict[str, Any]) -> str:
+    m = t["model"]
+    if m["kind"] == "mlp":
+      return "MLP: " + " → ".join(map(str, m["widths"]))
+    return "`cpu` preset's transformer: " + _transformer(m)
+
+  def load(t: dict[str, Any]) -> str:
+    load = t.get("load_average")
+    return f"{load[0]:.1f} / {load[1]:.1f}" if load else "–"
+
+  run = {
+    "model": lambda x: model(x[1]),
+    "parameters": lambda x: f"{x[1].get('num_params', 0) / 1e3:,.0f}k",
+    "logical batch": lambda x: x[1]["batch_size"],
+    "rounds": lambda x: x[1]["rounds"],
+    "steps a sample": lambda x: x[1]["repeats"],
+    "machine": lambda x: results["machine"],
+    "load average, start / end": lambda x: load(x[1]),
+    "jax": lambda x: results["versions"]["jax"],
+    "jax-privacy": lambda x: results["versions"]["jax-privacy"],
+  }
+  rows = [(name, r) for name, t in models.items() for r in t["rows"]]
+  ms = lambda r, key: _report.ms(r["ms"][key]) if key in r["ms"] else "–"  # noqa: E731
+  goal = lambda r: "met" if r["ratio"] >= 1 else "missed"  # noqa: E731
+  times = {
+    "model": lambda x: x[0],
+    "k": lambda x: x[1]["k"],
+    "m": lambda x: x[1]["micro_batch_size"],
+    "vmap ms": lambda x: ms(x[1], "jaxaccum"),
+    "ghost ms": lambda x: ms(x[1], "ghost"),
+    "jax-privacy ms": lambda x: ms(x[1], "jax_privacy"),
+    "ghost / vmap": lambda x: _range(x[1], "ghost_ratio"),
+    "jax-privacy / vmap": lambda x: _range(x[1], "ratio"),
+    "ghost / jax-privacy": lambda x: _range(x[1], "ghost_jax_privacy_ratio"),
+    "A/A: vmap / vmap": lambda x: _range(x[1], "aa_ratio"),
+    "ghost against vmap": lambda x: _decided(x[1], _ghost_speed(x[1])),
+    "goal": lambda x: _decided(x[1], goal(x[1])) if x[0] == "transformer" else "–",
+  }
+  return _report.columns(models.items(), run) + "\n\n" + _report.columns(rows, times)
 
 
-#: How the ghost block names the four steps.
+#: How the ghost block names the four steps: in a column's header, in a row.
 GHOST_NAMES = {
-  "peak": '`"vmap"`',
-  "peak_ghost": '`"ghost"`',
-  "peak_jax_privacy": "jax-privacy's `clipped_grad`",
-  "peak_non_private": "the non-private step",
+  "peak": ("vmap", '`"vmap"`'),
+  "peak_ghost": ("ghost", '`"ghost"`'),
+  "peak_jax_privacy": ("jax-privacy", "jax-privacy's `clipped_grad`"),
+  "peak_non_private": ("non-private", "the non-private step"),
 }
 
 
-def _search_note(ghost: dict[str, Any]) -> str:
-  """How the ghost part's searches ran: at a time, wall time, compiles, and
-  the peaks kept from an earlier run."""
-  largest = ghost["largest"]
-  compiles = sum(len(v["compiled"]) for v in largest.values())
-  jobs = ghost.get("jobs", 1)
-  wall = ghost.get("search_seconds", sum(v["seconds"] for v in largest.values()))
-  text = (
-    f"The four searches took {_report.duration(wall)} of wall time, {compiles} "
-    f"compiles, {jobs} at a time"
-    + (" (threads; a search's own time above overlaps the others')" if jobs > 1 else "")
-    + "."
-  )
-  reused = sorted({k for r in ghost["rows"] for k in r.get("reused", [])})
-  if reused:
-    names = _report.listing([GHOST_NAMES[k] for k in GHOST_NAMES if k in reused])
-    text += (
-      f" The rows' peaks of {names} were kept from the run before (`--reuse`; "
-      "same model, target and code path), and only the rest compiled"
-    )
-    seeded = largest.get("peak", {}).get("seeded")
-    text += (
-      f"; vmap's search started from the memory part's m = {seeded[0]}."
-      if seeded
-      else "."
-    )
-  return text
-
-
 def ghost_table(results: dict[str, Any]) -> str:
-  ghost = results["ghost"]
-  budget = results["memory"]["memory_bytes"]
-  lines = [
-    f'Ghost clipping (`clip_method="ghost"`) against per-example gradients '
-    f'(`"vmap"`, the default), jax-privacy\'s `clipped_grad` (one `vmap` of '
-    "`grad`, the same loss, noise and Adam) and the step without privacy: one "
-    f"micro-batch of m sequences (k = 1), the same transformer, compiled for "
-    f"{ghost['target']}, per-device peak. A peak marked * is above the "
-    f"{_report.gib(budget, 0)} GiB the device has: compiled, it would not run. "
-    "A dash: XLA refused it.",
-    "",
-  ]
+  """The ghost part: the run, the peak of each step against m, and the
+  largest m each fits, with what its search took."""
+  ghost, budget = results["ghost"], results["memory"]["memory_bytes"]
+  largest = ghost.get("largest")
+  run: dict[str, Callable[[Any], Any]] = {
+    "compiled for": lambda g: g["target"],
+    "memory, GiB": lambda g: _report.gib(budget, 0),
+  }
+  if largest:
+    wall = ghost.get("search_seconds", sum(v["seconds"] for v in largest.values()))
+    run |= {
+      "searches at a time": lambda g: g.get("jobs", 1),
+      "the searches' wall time": lambda g: _report.duration(wall),
+      "compiles": lambda g: sum(len(v["compiled"]) for v in largest.values()),
+    }
 
-  def gib(b):
+  def gib(b: int | None) -> str:
     return "–" if b is None else _report.gib(b, 1) + ("*" if b > budget else "")
 
-  def over(a, b):
+  def over(a: int | None, b: int | None) -> str:
     return "–" if a is None or b is None else f"{a / b:.2f}×"
 
-  rows = [
-    (
-      r["micro_batch_size"],
-      gib(r["peak"]),
-      gib(r["peak_ghost"]),
-      gib(r.get("peak_jax_privacy")),
-      gib(r["peak_non_private"]),
-      over(r["peak_ghost"], r["peak_non_private"]),
-      over(r["peak_ghost"], r["peak"]),
-    )
-    for r in ghost["rows"]
-  ]
-  header = (
-    "m",
-    "vmap, GiB",
-    "ghost, GiB",
-    "jax-privacy, GiB",
-    "non-private, GiB",
-    "ghost / non-private",
-    "ghost / vmap",
-  )
-  lines.append(_report.table(header, rows))
-  largest = ghost.get("largest")
-  if largest:
-    lines += [
-      "",
-      f"The largest m each fits in {_report.gib(budget, 0)} GiB (k = 1; a search "
-      "over m that starts from the rows above and probes where the line through "
-      "the two nearest compiled peaks meets the budget, a bisection where that "
-      "fails; each probe is one compile of the 119M-parameter step on this "
-      "machine's CPUs):",
-      "",
-      _report.table(
-        ("step", "largest m", "its peak, GiB", "compiles", "search's wall time"),
-        [
-          (
-            name,
-            f"**{largest[key]['batch']}**",
-            _report.gib(largest[key]["peak"], 1),
-            len(largest[key]["compiled"]),
-            _report.duration(largest[key]["seconds"]),
-          )
-          for key, name in GHOST_NAMES.items()
-        ],
-      ),
-    ]
-    m = {key: largest[key]["batch"] for key in GHOST_NAMES}
-    whole = results["memory"].get("largest_whole_batch")
-    same = (
-      f" (the memory part's own search of the same step found {whole['batch']})"
-      if whole and not largest["peak"].get("seeded")
-      else ""
-    )
-    savings = [
-      f"{1 - r['peak_ghost'] / r['peak']:.0%} at m = {r['micro_batch_size']}"
-      for r in ghost["rows"]
-      if r["peak"] and r["peak_ghost"]
-    ]
-    lines += [
-      "",
-      f"Ghost's peak is {_report.listing(savings)} below vmap's, and in "
-      f"{_report.gib(budget, 0)} GiB ghost fits m = {m['peak_ghost']} where vmap "
-      f"fits {m['peak']}{same}, jax-privacy {m['peak_jax_privacy']} and the "
-      f"non-private step {m['peak_non_private']}. {_search_note(ghost)}",
-    ]
-  return "\n".join(lines)
+  peaks = {"m": lambda r: r["micro_batch_size"]}
+  peaks |= {
+    f"{name}, GiB": lambda r, key=key: gib(r.get(key))
+    for key, (name, _) in GHOST_NAMES.items()
+  }
+  peaks |= {
+    "ghost / non-private": lambda r: over(r["peak_ghost"], r["peak_non_private"]),
+    "ghost / vmap": lambda r: over(r["peak_ghost"], r["peak"]),
+  }
+  text = _report.columns([ghost], run) + "\n\n" + _report.columns(ghost["rows"], peaks)
+  if not largest:
+    return text
+
+  def kept(key: str) -> str:
+    ms = [r["micro_batch_size"] for r in ghost["rows"] if key in r.get("reused", [])]
+    return ", ".join(map(str, ms)) or "–"
+
+  search = {
+    "step": lambda key: GHOST_NAMES[key][1],
+    f"largest m in {_report.gib(budget, 0)} GiB": lambda key: (
+      f"**{largest[key]['batch']}**"
+    ),
+    "its peak, GiB": lambda key: _report.gib(largest[key]["peak"], 1),
+    "compiles": lambda key: len(largest[key]["compiled"]),
+    "search's wall time": lambda key: _report.duration(largest[key]["seconds"]),
+    "started from the memory part's m": lambda key: (
+      ", ".join(map(str, largest[key].get("seeded", []))) or "–"
+    ),
+    "rows' peaks kept from the run before (m)": kept,
+  }
+  return text + "\n\n" + _report.columns(GHOST_NAMES, search)
 
 
 def exact_table(results: dict[str, Any]) -> str:
+  """The exactness part: the run, and one row per model, devices and k."""
   exact = results["exact"]
   tolerance = exact["tolerance"]
-  lines = [
-    'Ghost clipping (`clip_method="ghost"`) against an independent reference '
-    "written in `dp.py` (one `jax.vmap(jax.grad)` over the 64 rows on one "
-    "device, each example clipped to the median norm, summed): the relative "
-    "error of the clipped sum over all leaves, and of the worst leaf. "
-    "An MLP and a CNN on scikit-learn's digits, a one-layer transformer LM "
-    "(16 tokens) on CPython's `pydoc_data` text; on one CPU device, and on 8 "
-    "CPU devices with `mesh=` and every leaf that 8 divides sharded over the "
-    "data axis (FSDP; Auto axes, the shardings given as `param_specs`, since "
-    "the models are written for one device's rows); "
-    f"jax {exact['jax']}, {exact['date']}. Goal: at most "
-    f"{tolerance:g}; a row above it is marked ✗.",
-    "",
-  ]
-  rows = [
-    (
-      r["model"],
+  run = {
+    "measured": lambda e: e["date"],
+    "jax": lambda e: e["jax"],
+    "examples": lambda e: e["rows"][0]["rows"] if e["rows"] else "–",
+    "goal: rel. error at most": lambda e: f"{tolerance:g}",
+  }
+
+  def error(x: float) -> str:
+    return f"{x:.1e}" + ("" if x <= tolerance else " ✗")
+
+  rows = {
+    "model": lambda r: r["model"],
+    "devices": lambda r: (
       "1"
       if r["devices"] == 1
-      else f"{r['devices']}, FSDP ({r['fsdp_leaves']} of {r['leaves']} leaves)",
-      r["k"],
-      f"{r['rel_error']:.1e}" + ("" if r["rel_error"] <= tolerance else " ✗"),
-      f"{r['max_leaf_rel_error']:.1e}"
-      + ("" if r["max_leaf_rel_error"] <= tolerance else " ✗"),
-      "; ".join(r["fallback"]) or "none",
-    )
-    for r in exact["rows"]
-  ]
-  header = ("model", "devices", "k", "rel. error", "worst leaf", "falls back")
-  lines.append(_report.table(header, rows))
-  return "\n".join(lines)
+      else f"{r['devices']}, FSDP ({r['fsdp_leaves']} of {r['leaves']} leaves)"
+    ),
+    "k": lambda r: r["k"],
+    "rel. error": lambda r: error(r["rel_error"]),
+    "worst leaf": lambda r: error(r["max_leaf_rel_error"]),
+    "falls back": lambda r: "; ".join(r["fallback"]) or "none",
+  }
+  return _report.columns([exact], run) + "\n\n" + _report.columns(exact["rows"], rows)
 
 
 #: The generated blocks this file writes from ``dp.json``, by name
