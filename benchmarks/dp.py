@@ -6,57 +6,17 @@ Usage::
   python benchmarks/dp.py --quick    # small sizes, writes <tmp>/dp_quick.json
   python benchmarks/dp.py --part audit  # writes benchmarks/results/dp_audit.json
 
-Part 1, memory (compiled for an H100 that is not there, never run; the
-``targets`` extra). The step is ``jaxaccum.make_train_step(loss, tx, k,
-clip_per_example=1.0)`` with ``tx = optax.chain(jaxaccum.dp_noise(...),
-optax.adam(...))``, parameters and optimizer state donated, on the
-transformer of ``step_time.py``'s ``gpu`` preset (float32) with its logical
-batch of 64 sequences: per-device peak (XLA's memory analysis) against k. At
-k = 1 the step clips per example over the whole batch at once: every
-example's gradient is alive together, ``B`` copies of the parameters. Then
-the largest logical batch that fits in the H100's 80 GB: at k = 1 (clipping
-on the whole batch) by bisection over the batch size, and with jaxaccum at a
-fixed micro-batch size (the peak is then the fixed step plus the batch's
-tokens, so the batch is found by a line through two compiled sizes and the
-answer compiled to check).
-
-Part 1b, ghost clipping's memory (``--part ghost``; compiled only, for the
-same H100 and transformer): one micro-batch of m = 8, 32 and 128 sequences
-(k = 1), the DP step's peak by ``clip_method="vmap"`` (``peak``), by
-``"ghost"`` (``peak_ghost``), by the same step written with jax-privacy's
-``clipped_grad`` (``peak_jax_privacy``) and without privacy (a batch loss and
-Adam: ``peak_non_private``), in ``results["ghost"]``. Then the largest m each
-of the four fits in the H100's memory (``results["ghost"]["largest"]``): a
-bracketing search that starts from those rows and probes where the line
-through the bracket's two peaks meets the budget (``largest_fitting``), with
-the compiles it took and their time.
-
-Part 2, step time on this CPU, side by side: the same DP-SGD step (clipped
-sum, Gaussian noise, Adam) at equal logical batch, with jaxaccum
-(``make_train_step(..., k, clip_per_example=C)``, ``clip_method="vmap"`` and
-``"ghost"``) and with jax-privacy's clipped-gradient function
-(``jax_privacy.clipping.clipped_grad`` with ``microbatch_size = B / k``, its
-own accumulation), inside one ``jax.jit``, at k = 1, 2, 4 and 8. The
-approaches are timed in interleaved rounds (the order rotates every round);
-each round times ``repeats`` steps of each. A ratio is the median over rounds
-of one approach's time over another's in the same round: jax-privacy / vmap
-(``ratio``; above 1: jaxaccum is faster), ghost / vmap (``ghost_ratio``; above
-1: ghost is slower) and ghost / jax-privacy. An A/A control times the vmap
-step twice, as two approaches in the same rounds: its ratio, and the spread
-of it, is the noise floor of the machine, shared with other work. The goal is
-a ratio <= 1.0x of jaxaccum's time to jax-privacy's, i.e. jax-privacy /
-jaxaccum >= 1 within the noise floor. The same rounds run on the
-``cpu`` preset's transformer (``results["time"]``) and on an MLP whose
-weights are large beside its activations (``results["time_mlp"]``), the two
-sides of where ghost's second pass costs more than the per-example gradients
-it avoids.
-
-Part 4, the privacy audit (``--part audit``, :func:`audit_rows`): one example's
-effect on what the noise covers, over C, for each of :data:`AUDIT_CONFIGS`.
-
-The results go to ``benchmarks/results/dp.json`` (``--quick``: a temporary
-folder) and the table into ``benchmarks/README.md`` (this file's
-``report``, between the ``dp`` markers).
+The parts (``--part``): ``memory`` (:func:`memory_part`), the DP step's
+per-device peak against k, compiled for an H100 that is not there, and the
+largest logical batch it fits; ``ghost`` (:func:`ghost_part`), one
+micro-batch by ``clip_method="ghost"`` beside ``"vmap"``, jax-privacy's
+``clipped_grad`` and the non-private step, and the largest each fits;
+``time`` (:func:`time_part`), the step on this CPU beside jax-privacy's, in
+interleaved rounds with an A/A control; ``exact`` (:func:`exact_rows`),
+ghost's clipped sum against a reference written here; ``audit``
+(:func:`audit_rows`), one example's effect on what the noise covers.
+``benchmarks/README.md``'s ``dp.py`` section says how each is measured and
+how to read the tables this file's :data:`BLOCKS` write there.
 """
 
 # The manual's typography: multiplication signs for ratios, en dashes.
@@ -105,10 +65,14 @@ SIGMA = 1.0
 GB = 10**9
 
 
+def one_example(batch_loss: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """``batch_loss`` on ONE example (no batch axis)."""
+  return lambda params, x: batch_loss(params, jax.tree.map(lambda a: a[None], x))
+
+
 def example_loss(cfg: _models.TransformerConfig) -> Callable[..., jax.Array]:
-  """The transformer's loss on ONE sequence (no batch axis)."""
-  batch_loss = _models.make_transformer_loss(cfg)
-  return lambda params, tokens: batch_loss(params, tokens[None])
+  """The transformer's loss on ONE sequence."""
+  return one_example(_models.make_transformer_loss(cfg))
 
 
 def dp_tx(expected: float) -> optax.GradientTransformation:
@@ -334,14 +298,6 @@ def largest_fitting(
   return {"batch": low, "peak": peaks[low] if low else None, "compiled": compiled}
 
 
-def largest_whole_batch(
-  cfg: Any, target: Any, budget: int, start: int
-) -> dict[str, Any]:
-  """The largest batch of the k = 1 step (clipping on the whole batch)
-  whose peak is at most ``budget``."""
-  return largest_fitting(lambda b: step_peak(cfg, target, b, 1), budget, start)
-
-
 def largest_accumulated_batch(
   cfg: Any, target: Any, budget: int, micro: int
 ) -> dict[str, Any]:
@@ -396,7 +352,9 @@ def memory_part(preset: str, ks: tuple[int, ...], search: bool) -> dict[str, Any
   }
   if search:
     budget = target.memory_bytes
-    result["largest_whole_batch"] = largest_whole_batch(cfg, target, budget, batch)
+    result["largest_whole_batch"] = largest_fitting(  # k = 1: the whole batch
+      lambda b: step_peak(cfg, target, b, 1), budget, batch
+    )
     print(
       f"  k=1 (whole batch): largest batch {result['largest_whole_batch']['batch']}"
     )
@@ -546,26 +504,23 @@ def exact_rows(ks: tuple[int, ...]) -> list[dict[str, Any]]:
   return rows
 
 
-def exact_part(ks: tuple[int, ...]) -> dict[str, Any]:
-  """:func:`exact_rows`, in a process of its own with 8 CPU devices (this
-  one's backend may have started with one)."""
-  env = dict(os.environ)
+def _eight_devices(*flags: str) -> list[dict[str, Any]]:
+  """The rows this file prints as its last line when run with ``flags``, in
+  a process of its own with 8 CPU devices (this one's backend may have
+  started with one)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   testing.cpu_devices(8, environ=env)
-  env["JAX_PLATFORMS"] = "cpu"
-  out = subprocess.run(
-    [sys.executable, __file__, "--exact-rows", ",".join(map(str, ks))],
-    env=env,
-    check=True,
-    capture_output=True,
-    text=True,
-  )
+  command = [sys.executable, __file__, *flags]
+  out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
   print(out.stdout.rsplit("\n", 2)[0])
-  return {
-    "date": datetime.date.today().isoformat(),
-    "jax": jax.__version__,
-    "tolerance": 1e-5,
-    "rows": json.loads(out.stdout.splitlines()[-1]),
-  }
+  return json.loads(out.stdout.splitlines()[-1])
+
+
+def exact_part(ks: tuple[int, ...]) -> dict[str, Any]:
+  """:func:`exact_rows` on 8 CPU devices, dated."""
+  rows = _eight_devices("--exact-rows", ",".join(map(str, ks)))
+  today, jax_version = datetime.date.today().isoformat(), jax.__version__
+  return {"date": today, "jax": jax_version, "tolerance": 1e-5, "rows": rows}
 
 
 # ---------------------------------------------------------------- part 4: audit
@@ -743,12 +698,7 @@ def audit_rows() -> list[dict[str, Any]]:
 
 
 def audit_part() -> dict[str, Any]:
-  """:func:`audit_rows`, in a process of its own with 8 CPU devices."""
-  env = dict(os.environ)
-  testing.cpu_devices(8, environ=env)
-  env["JAX_PLATFORMS"] = "cpu"
-  run = [sys.executable, __file__, "--audit-rows"]
-  out = subprocess.run(run, env=env, check=True, capture_output=True, text=True)
+  """:func:`audit_rows` on 8 CPU devices, with the machine and versions."""
   return {
     "machine": f"{os.cpu_count()}-core {_report.cpu_model()}",
     "date": datetime.date.today().isoformat(),
@@ -757,7 +707,7 @@ def audit_part() -> dict[str, Any]:
     },
     "examples": AUDIT_N,
     "bound": 1.0001,
-    "rows": json.loads(out.stdout.splitlines()[-1]),
+    "rows": _eight_devices("--audit-rows"),
   }
 
 
@@ -894,13 +844,6 @@ RATIOS = {
 }
 
 
-def time_model(model: _models.Model) -> Callable[..., jax.Array]:
-  """``model``'s loss on ONE example (no batch axis)."""
-  return lambda params, example: model.loss(
-    params, jax.tree.map(lambda x: x[None], example)
-  )
-
-
 def time_part(
   model: _models.Model, ks: tuple[int, ...], rounds: int, repeats: int
 ) -> dict[str, Any]:
@@ -908,7 +851,7 @@ def time_part(
   ``clip_method="vmap"`` (``jaxaccum``, timed twice for the A/A control), with
   ``"ghost"``, and jax-privacy, in interleaved rounds whose order rotates."""
   load_start = os.getloadavg()
-  loss = time_model(model)
+  loss = one_example(model.loss)
   batch = model.batch_size
   params = model.params
   mask = jnp.ones((batch,), jnp.float32)
@@ -1241,9 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.part == "audit":  # its own JSON; the other parts' stays as it is
     print("Part 4: one example's effect on what the noise covers")
     (out / "dp_audit.json").write_text(json.dumps(audit_part(), indent=1) + "\n")
-    for page, file in _report.PAGES.items():
-      file.write_text(_report.render(file.read_text(), out, page))
-    return 0
+    return _report.main(["--results", str(out)])  # the pages, from out
   name = "dp_quick.json" if quick else "dp.json"
   path = out / name
   results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
@@ -1288,11 +1229,7 @@ def main(argv: list[str] | None = None) -> int:
     results["exact"] = exact_part((1, 2, 4, 8))
   path.write_text(json.dumps(results, indent=1) + "\n")
   print(f"wrote {path}")
-  if not quick:
-    for page, file in _report.PAGES.items():
-      file.write_text(_report.render(file.read_text(), out, page))
-    print(f"rewrote {_report.MANUAL}")
-  return 0
+  return 0 if quick else _report.main(["--results", str(out)])
 
 
 if __name__ == "__main__":
