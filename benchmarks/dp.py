@@ -746,13 +746,7 @@ def audit_table(audit: dict[str, Any]) -> str:
     "goal: every ratio at most": lambda x: bound,
     "goal": lambda x: _report.met(max(x) <= bound),
   }
-  return "\n\n".join(
-    [
-      _report.columns([audit], run),
-      _report.columns(audit["rows"], rows),
-      _report.columns([ratios], verdict),
-    ]
-  )
+  return _tables(([audit], run), (audit["rows"], rows), ([ratios], verdict))
 
 
 AUDIT_PATHS = {
@@ -921,6 +915,11 @@ def time_part(
 # ---------------------------------------------------------------- the report
 
 
+def _tables(*tables: tuple[Any, dict[str, Callable[[Any], Any]]] | None) -> str:
+  """The tables of a block, one per ``(items, columns)`` (None: left out)."""
+  return "\n\n".join(_report.columns(*t) for t in tables if t)
+
+
 def _transformer(model: dict[str, Any]) -> str:
   return (
     f"{model['num_layers']} layers, d_model {model['d_model']}, vocabulary "
@@ -946,21 +945,17 @@ def memory_table(results: dict[str, Any]) -> str:
     "examples per micro-batch": lambda r: r["micro_batch_size"],
     "peak, GiB": lambda r: _report.gib(r["peak"], 1),
   }
-  text = (
-    _report.columns([memory], run) + "\n\n" + _report.columns(memory["rows"], peaks)
-  )
   whole = memory.get("largest_whole_batch")
   acc = memory.get("largest_accumulated_batch")
   if not (whole and acc):
-    return text
+    return _tables(([memory], run), (memory["rows"], peaks))
   whole = whole | {"micro_batch_size": whole["batch"], "num_micro_batches": 1}
+  fits = f"in {_report.gib(budget, 0)} GiB"
   largest = {
     "step": lambda r: "jaxaccum" if r is acc else "whole batch (k = 1)",
     "k": lambda r: f"{r['num_micro_batches']:,}",
     "examples per micro-batch": lambda r: r["micro_batch_size"],
-    f"largest batch in {_report.gib(budget, 0)} GiB": lambda r: (
-      f"**{'≥ ' if r is acc else ''}{r['batch']:,}**"
-    ),
+    f"largest batch {fits}": lambda r: f"**{'≥ ' * (r is acc)}{r['batch']:,}**",
     "× the whole batch's": lambda r: f"{r['batch'] / whole['batch']:,.0f}",
     "peak, GiB": lambda r: _report.gib(r["peak"], 1),
     "the batch above it": lambda r: "–" if r is acc else f"{r['batch'] + 1:,}",
@@ -968,7 +963,7 @@ def memory_table(results: dict[str, Any]) -> str:
       f"{r['bytes_per_micro_batch'] / 1024:.0f}" if r is acc else "–"
     ),
   }
-  return text + "\n\n" + _report.columns([whole, acc], largest)
+  return _tables(([memory], run), (memory["rows"], peaks), ([whole, acc], largest))
 
 
 def _range(r: dict[str, Any], key: str) -> str:
@@ -1036,7 +1031,7 @@ def time_table(results: dict[str, Any]) -> str:
     "ghost against vmap": lambda x: _decided(x[1], _ghost_speed(x[1])),
     "goal": lambda x: _decided(x[1], goal(x[1])) if x[0] == "transformer" else "–",
   }
-  return _report.columns(models.items(), run) + "\n\n" + _report.columns(rows, times)
+  return _tables((models.items(), run), (rows, times))
 
 
 #: How the ghost block names the four steps: in a column's header, in a row.
@@ -1080,12 +1075,10 @@ def ghost_table(results: dict[str, Any]) -> str:
     "ghost / non-private": lambda r: over(r["peak_ghost"], r["peak_non_private"]),
     "ghost / vmap": lambda r: over(r["peak_ghost"], r["peak"]),
   }
-  text = _report.columns([ghost], run) + "\n\n" + _report.columns(ghost["rows"], peaks)
   if not largest:
-    return text
+    return _tables(([ghost], run), (ghost["rows"], peaks))
 
-  def kept(key: str) -> str:
-    ms = [r["micro_batch_size"] for r in ghost["rows"] if key in r.get("reused", [])]
+  def listed(ms: list[int]) -> str:
     return ", ".join(map(str, ms)) or "–"
 
   search = {
@@ -1096,12 +1089,14 @@ def ghost_table(results: dict[str, Any]) -> str:
     "its peak, GiB": lambda key: _report.gib(largest[key]["peak"], 1),
     "compiles": lambda key: len(largest[key]["compiled"]),
     "search's wall time": lambda key: _report.duration(largest[key]["seconds"]),
-    "started from the memory part's m": lambda key: (
-      ", ".join(map(str, largest[key].get("seeded", []))) or "–"
+    "started from the memory part's m": lambda key: listed(
+      largest[key].get("seeded", [])
     ),
-    "rows' peaks kept from the run before (m)": kept,
+    "rows' peaks kept from the run before (m)": lambda key: listed(
+      [r["micro_batch_size"] for r in ghost["rows"] if key in r.get("reused", [])]
+    ),
   }
-  return text + "\n\n" + _report.columns(GHOST_NAMES, search)
+  return _tables(([ghost], run), (ghost["rows"], peaks), (GHOST_NAMES, search))
 
 
 def exact_table(results: dict[str, Any]) -> str:
@@ -1130,7 +1125,7 @@ def exact_table(results: dict[str, Any]) -> str:
     "worst leaf": lambda r: error(r["max_leaf_rel_error"]),
     "falls back": lambda r: "; ".join(r["fallback"]) or "none",
   }
-  return _report.columns([exact], run) + "\n\n" + _report.columns(exact["rows"], rows)
+  return _tables(([exact], run), (exact["rows"], rows))
 
 
 #: The generated blocks this file writes from ``dp.json``, by name
