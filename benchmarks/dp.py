@@ -952,7 +952,7 @@ def memory_table(results: dict[str, Any]) -> str:
   whole = whole | {"micro_batch_size": whole["batch"], "num_micro_batches": 1}
   fits = f"in {_report.gib(budget, 0)} GiB"
   largest = {
-    "step": lambda r: "jaxaccum" if r is acc else "whole batch (k = 1)",
+    "step": lambda r: "jaxaccum" if r is acc else "whole batch",
     "k": lambda r: f"{r['num_micro_batches']:,}",
     "examples per micro-batch": lambda r: r["micro_batch_size"],
     f"largest batch {fits}": lambda r: f"**{'≥ ' * (r is acc)}{r['batch']:,}**",
