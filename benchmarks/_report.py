@@ -96,18 +96,6 @@ def count(n: float) -> str:
   return f"{n:,.0f}"
 
 
-def listing(items: Sequence[str], conj: str = "and") -> str:
-  """``a``, ``a and b``, ``a, b and c``."""
-  items = list(items)
-  if len(items) <= 2:
-    return f" {conj} ".join(items)
-  return ", ".join(items[:-1]) + f" {conj} " + items[-1]
-
-
-def ks_text(ks: Sequence[int]) -> str:
-  return "k = " + listing([str(k) for k in ks])
-
-
 def duration(seconds: float) -> str:
   """``45 s`` or ``7 minutes``."""
   return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"

@@ -6,57 +6,17 @@ Usage::
   python benchmarks/dp.py --quick    # small sizes, writes <tmp>/dp_quick.json
   python benchmarks/dp.py --part audit  # writes benchmarks/results/dp_audit.json
 
-Part 1, memory (compiled for an H100 that is not there, never run; the
-``targets`` extra). The step is ``jaxaccum.make_train_step(loss, tx, k,
-clip_per_example=1.0)`` with ``tx = optax.chain(jaxaccum.dp_noise(...),
-optax.adam(...))``, parameters and optimizer state donated, on the
-transformer of ``step_time.py``'s ``gpu`` preset (float32) with its logical
-batch of 64 sequences: per-device peak (XLA's memory analysis) against k. At
-k = 1 the step clips per example over the whole batch at once: every
-example's gradient is alive together, ``B`` copies of the parameters. Then
-the largest logical batch that fits in the H100's 80 GB: at k = 1 (clipping
-on the whole batch) by bisection over the batch size, and with jaxaccum at a
-fixed micro-batch size (the peak is then the fixed step plus the batch's
-tokens, so the batch is found by a line through two compiled sizes and the
-answer compiled to check).
-
-Part 1b, ghost clipping's memory (``--part ghost``; compiled only, for the
-same H100 and transformer): one micro-batch of m = 8, 32 and 128 sequences
-(k = 1), the DP step's peak by ``clip_method="vmap"`` (``peak``), by
-``"ghost"`` (``peak_ghost``), by the same step written with jax-privacy's
-``clipped_grad`` (``peak_jax_privacy``) and without privacy (a batch loss and
-Adam: ``peak_non_private``), in ``results["ghost"]``. Then the largest m each
-of the four fits in the H100's memory (``results["ghost"]["largest"]``): a
-bracketing search that starts from those rows and probes where the line
-through the bracket's two peaks meets the budget (``largest_fitting``), with
-the compiles it took and their time.
-
-Part 2, step time on this CPU, side by side: the same DP-SGD step (clipped
-sum, Gaussian noise, Adam) at equal logical batch, with jaxaccum
-(``make_train_step(..., k, clip_per_example=C)``, ``clip_method="vmap"`` and
-``"ghost"``) and with jax-privacy's clipped-gradient function
-(``jax_privacy.clipping.clipped_grad`` with ``microbatch_size = B / k``, its
-own accumulation), inside one ``jax.jit``, at k = 1, 2, 4 and 8. The
-approaches are timed in interleaved rounds (the order rotates every round);
-each round times ``repeats`` steps of each. A ratio is the median over rounds
-of one approach's time over another's in the same round: jax-privacy / vmap
-(``ratio``; above 1: jaxaccum is faster), ghost / vmap (``ghost_ratio``; above
-1: ghost is slower) and ghost / jax-privacy. An A/A control times the vmap
-step twice, as two approaches in the same rounds: its ratio, and the spread
-of it, is the noise floor of the machine, shared with other work. The goal is
-a ratio <= 1.0x of jaxaccum's time to jax-privacy's, i.e. jax-privacy /
-jaxaccum >= 1 within the noise floor. The same rounds run on the
-``cpu`` preset's transformer (``results["time"]``) and on an MLP whose
-weights are large beside its activations (``results["time_mlp"]``), the two
-sides of where ghost's second pass costs more than the per-example gradients
-it avoids.
-
-Part 4, the privacy audit (``--part audit``, :func:`audit_rows`): one example's
-effect on what the noise covers, over C, for each of :data:`AUDIT_CONFIGS`.
-
-The results go to ``benchmarks/results/dp.json`` (``--quick``: a temporary
-folder) and the table into ``benchmarks/README.md`` (this file's
-``report``, between the ``dp`` markers).
+The parts (``--part``): ``memory`` (:func:`memory_part`), the DP step's
+per-device peak against k, compiled for an H100 that is not there, and the
+largest logical batch it fits; ``ghost`` (:func:`ghost_part`), one
+micro-batch by ``clip_method="ghost"`` beside ``"vmap"``, jax-privacy's
+``clipped_grad`` and the non-private step, and the largest each fits;
+``time`` (:func:`time_part`), the step on this CPU beside jax-privacy's, in
+interleaved rounds with an A/A control; ``exact`` (:func:`exact_rows`),
+ghost's clipped sum against a reference written here; ``audit``
+(:func:`audit_rows`), one example's effect on what the noise covers.
+``benchmarks/README.md``'s ``dp.py`` section says how each is measured and
+how to read the tables this file's :data:`BLOCKS` write there.
 """
 
 # The manual's typography: multiplication signs for ratios, en dashes.
@@ -105,10 +65,14 @@ SIGMA = 1.0
 GB = 10**9
 
 
+def one_example(batch_loss: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """``batch_loss`` on ONE example (no batch axis)."""
+  return lambda params, x: batch_loss(params, jax.tree.map(lambda a: a[None], x))
+
+
 def example_loss(cfg: _models.TransformerConfig) -> Callable[..., jax.Array]:
-  """The transformer's loss on ONE sequence (no batch axis)."""
-  batch_loss = _models.make_transformer_loss(cfg)
-  return lambda params, tokens: batch_loss(params, tokens[None])
+  """The transformer's loss on ONE sequence."""
+  return one_example(_models.make_transformer_loss(cfg))
 
 
 def dp_tx(expected: float) -> optax.GradientTransformation:
@@ -334,14 +298,6 @@ def largest_fitting(
   return {"batch": low, "peak": peaks[low] if low else None, "compiled": compiled}
 
 
-def largest_whole_batch(
-  cfg: Any, target: Any, budget: int, start: int
-) -> dict[str, Any]:
-  """The largest batch of the k = 1 step (clipping on the whole batch)
-  whose peak is at most ``budget``."""
-  return largest_fitting(lambda b: step_peak(cfg, target, b, 1), budget, start)
-
-
 def largest_accumulated_batch(
   cfg: Any, target: Any, budget: int, micro: int
 ) -> dict[str, Any]:
@@ -396,7 +352,9 @@ def memory_part(preset: str, ks: tuple[int, ...], search: bool) -> dict[str, Any
   }
   if search:
     budget = target.memory_bytes
-    result["largest_whole_batch"] = largest_whole_batch(cfg, target, budget, batch)
+    result["largest_whole_batch"] = largest_fitting(  # k = 1: the whole batch
+      lambda b: step_peak(cfg, target, b, 1), budget, batch
+    )
     print(
       f"  k=1 (whole batch): largest batch {result['largest_whole_batch']['batch']}"
     )
@@ -546,26 +504,23 @@ def exact_rows(ks: tuple[int, ...]) -> list[dict[str, Any]]:
   return rows
 
 
-def exact_part(ks: tuple[int, ...]) -> dict[str, Any]:
-  """:func:`exact_rows`, in a process of its own with 8 CPU devices (this
-  one's backend may have started with one)."""
-  env = dict(os.environ)
+def _eight_devices(*flags: str) -> list[dict[str, Any]]:
+  """The rows this file prints as its last line when run with ``flags``, in
+  a process of its own with 8 CPU devices (this one's backend may have
+  started with one)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   testing.cpu_devices(8, environ=env)
-  env["JAX_PLATFORMS"] = "cpu"
-  out = subprocess.run(
-    [sys.executable, __file__, "--exact-rows", ",".join(map(str, ks))],
-    env=env,
-    check=True,
-    capture_output=True,
-    text=True,
-  )
+  command = [sys.executable, __file__, *flags]
+  out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
   print(out.stdout.rsplit("\n", 2)[0])
-  return {
-    "date": datetime.date.today().isoformat(),
-    "jax": jax.__version__,
-    "tolerance": 1e-5,
-    "rows": json.loads(out.stdout.splitlines()[-1]),
-  }
+  return json.loads(out.stdout.splitlines()[-1])
+
+
+def exact_part(ks: tuple[int, ...]) -> dict[str, Any]:
+  """:func:`exact_rows` on 8 CPU devices, dated."""
+  rows = _eight_devices("--exact-rows", ",".join(map(str, ks)))
+  today, jax_version = datetime.date.today().isoformat(), jax.__version__
+  return {"date": today, "jax": jax_version, "tolerance": 1e-5, "rows": rows}
 
 
 # ---------------------------------------------------------------- part 4: audit
@@ -743,12 +698,7 @@ def audit_rows() -> list[dict[str, Any]]:
 
 
 def audit_part() -> dict[str, Any]:
-  """:func:`audit_rows`, in a process of its own with 8 CPU devices."""
-  env = dict(os.environ)
-  testing.cpu_devices(8, environ=env)
-  env["JAX_PLATFORMS"] = "cpu"
-  run = [sys.executable, __file__, "--audit-rows"]
-  out = subprocess.run(run, env=env, check=True, capture_output=True, text=True)
+  """:func:`audit_rows` on 8 CPU devices, with the machine and versions."""
   return {
     "machine": f"{os.cpu_count()}-core {_report.cpu_model()}",
     "date": datetime.date.today().isoformat(),
@@ -757,38 +707,46 @@ def audit_part() -> dict[str, Any]:
     },
     "examples": AUDIT_N,
     "bound": 1.0001,
-    "rows": json.loads(out.stdout.splitlines()[-1]),
+    "rows": _eight_devices("--audit-rows"),
   }
 
 
 def audit_table(audit: dict[str, Any]) -> str:
-  """The audit's table and verdict (``dp_audit table``)."""
+  """The audit: the run, one row per configuration, and the verdict."""
   bound = audit["bound"]
-  ratio = lambda r: "–" if r is None else f"{r:.6f}" + ("" if r <= bound else " ✗")  # noqa: E731
-  rows = [
-    (*(r[f] for f in AUDIT_FIELDS), ratio(r["sum"]), ratio(r["update"]))
-    for r in audit["rows"]
-  ]
-  rows = [(r[0], AUDIT_PATHS[r[1]], f'`"{r[2]}"`', *r[3:]) for r in rows]
-  measured = [
-    r[v] for r in audit["rows"] for v in ("sum", "update") if r[v] is not None
-  ]
-  header = ["library", "path", "clip", "k", "parameters", "loss"]
-  header += ["noised sum: ΔS / C", "update: ΔU · E / C"]
-  return "\n".join(
-    [
-      f"{len(rows)} configurations, {audit['examples']:,} examples each, one of them "
-      f"replaced by a 30× outlier and then masked out; C = {CLIP:g}, sigma = 0. "
-      f"On {audit['machine']}, jax {audit['versions']['jax']}, flax "
-      f"{audit['versions']['flax']}, equinox {audit['versions']['equinox']}, "
-      f"{audit['date']}. Goal: every ratio at most {bound} (✗ marks one above).",
-      "",
-      _report.table(header, rows),
-      "",
-      f"Largest ratio: **{max(measured):.6f}** ({len(measured)} measured); "
-      f"smallest: {min(measured):.6f}. Goal {_report.met(max(measured) <= bound)}.",
-    ]
-  )
+  ratios = [r[v] for r in audit["rows"] for v in ("sum", "update") if r[v] is not None]
+  run = {
+    "measured": lambda a: a["date"],
+    "machine": lambda a: a["machine"],
+    **{
+      lib: lambda a, lib=lib: a["versions"][lib] for lib in ("jax", "flax", "equinox")
+    },
+    "configurations": lambda a: len(a["rows"]),
+    "examples": lambda a: f"{a['examples']:,}",
+    "C": lambda a: f"{CLIP:g}",
+  }
+
+  def ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.6f}" + ("" if x <= bound else " ✗")
+
+  rows = {
+    "library": lambda r: r["library"],
+    "path": lambda r: AUDIT_PATHS[r["path"]],
+    "clip": lambda r: f'`"{r["clip_method"]}"`',
+    "k": lambda r: r["k"],
+    "parameters": lambda r: r["dtype"],
+    "loss": lambda r: r["loss"],
+    "noised sum: ΔS / C": lambda r: ratio(r["sum"]),
+    "update: ΔU · E / C": lambda r: ratio(r["update"]),
+  }
+  verdict = {
+    "ratios measured": len,
+    "smallest": lambda x: f"{min(x):.6f}",
+    "largest": lambda x: f"**{max(x):.6f}**",
+    "goal: every ratio at most": lambda x: bound,
+    "goal": lambda x: _report.met(max(x) <= bound),
+  }
+  return _tables(([audit], run), (audit["rows"], rows), ([ratios], verdict))
 
 
 AUDIT_PATHS = {
@@ -880,13 +838,6 @@ RATIOS = {
 }
 
 
-def time_model(model: _models.Model) -> Callable[..., jax.Array]:
-  """``model``'s loss on ONE example (no batch axis)."""
-  return lambda params, example: model.loss(
-    params, jax.tree.map(lambda x: x[None], example)
-  )
-
-
 def time_part(
   model: _models.Model, ks: tuple[int, ...], rounds: int, repeats: int
 ) -> dict[str, Any]:
@@ -894,7 +845,7 @@ def time_part(
   ``clip_method="vmap"`` (``jaxaccum``, timed twice for the A/A control), with
   ``"ghost"``, and jax-privacy, in interleaved rounds whose order rotates."""
   load_start = os.getloadavg()
-  loss = time_model(model)
+  loss = one_example(model.loss)
   batch = model.batch_size
   params = model.params
   mask = jnp.ones((batch,), jnp.float32)
@@ -964,48 +915,55 @@ def time_part(
 # ---------------------------------------------------------------- the report
 
 
+def _tables(*tables: tuple[Any, dict[str, Callable[[Any], Any]]] | None) -> str:
+  """The tables of a block, one per ``(items, columns)`` (None: left out)."""
+  return "\n\n".join(_report.columns(*t) for t in tables if t)
+
+
+def _transformer(model: dict[str, Any]) -> str:
+  return (
+    f"{model['num_layers']} layers, d_model {model['d_model']}, vocabulary "
+    f"{model['vocab']:,}, {model['seq_len']} tokens"
+  )
+
+
 def memory_table(results: dict[str, Any]) -> str:
+  """The memory part: the run, the peak against k, and the largest batch."""
   memory = results["memory"]
-  model = memory["model"]
-  lines = [
-    f"Compiled for {memory['target']} ({_report.gib(memory['memory_bytes'], 0)} GiB), "
-    f"never run: the transformer of `step_time.py`'s `gpu` preset "
-    f"({model['num_layers']} layers, d_model {model['d_model']}, vocabulary "
-    f"{model['vocab']:,}, {model['seq_len']} tokens; "
-    f"{memory['num_params'] / 1e6:.0f}M parameters, float32), Adam, DP-SGD with "
-    f"per-example clipping, logical batch {memory['batch_size']} sequences, "
-    f"per-device peak against k ({results['date']}).",
-    "",
-  ]
-  rows = [
-    (
-      r["k"],
-      r["micro_batch_size"],
-      "–" if r["peak"] is None else _report.gib(r["peak"], 1),
-    )
-    for r in memory["rows"]
-  ]
-  lines.append(_report.table(("k", "examples per micro-batch", "peak, GiB"), rows))
+  budget = memory["memory_bytes"]
+  run = {
+    "measured": lambda m: results["date"],
+    "compiled for": lambda m: m["target"],
+    "memory, GiB": lambda m: _report.gib(budget, 0),
+    "`gpu` preset's transformer": lambda m: _transformer(m["model"]),
+    "parameters": lambda m: f"{m['num_params'] / 1e6:.0f}M",
+    "dtype": lambda m: m["model"]["dtype"],
+    "logical batch": lambda m: m["batch_size"],
+  }
+  peaks = {
+    "k": lambda r: r["k"],
+    "examples per micro-batch": lambda r: r["micro_batch_size"],
+    "peak, GiB": lambda r: _report.gib(r["peak"], 1),
+  }
   whole = memory.get("largest_whole_batch")
-  accumulated = memory.get("largest_accumulated_batch")
-  if whole and accumulated:
-    budget = f"{_report.gib(memory['memory_bytes'], 0)} GiB"
-    lines += [
-      "",
-      f"In {budget}: per-example clipping on the whole batch (k = 1) fits "
-      f"**{whole['batch']:,} sequences** (peak {_report.gib(whole['peak'], 1)} GiB; "
-      f"{whole['batch'] + 1:,} does not compile within it). jaxaccum at "
-      f"{accumulated['micro_batch_size']} sequences per micro-batch fits **at "
-      f"least {accumulated['batch']:,} sequences**, "
-      f"{accumulated['batch'] / whole['batch']:,.0f} times as many (k = "
-      f"{accumulated['num_micro_batches']:,}, compiled: peak "
-      f"{_report.gib(accumulated['peak'], 1)} GiB). That batch is a lower bound: the "
-      "search drew a line through the peaks at k = 8 and 64, "
-      f"{accumulated['bytes_per_micro_batch'] / 1024:.0f} KiB per micro-batch "
-      "(its tokens), and the compiled peak at the line's k came out below the "
-      "budget; what grows with k is only the batch itself.",
-    ]
-  return "\n".join(lines)
+  acc = memory.get("largest_accumulated_batch")
+  if not (whole and acc):
+    return _tables(([memory], run), (memory["rows"], peaks))
+  whole = whole | {"micro_batch_size": whole["batch"], "num_micro_batches": 1}
+  fits = f"in {_report.gib(budget, 0)} GiB"
+  largest = {
+    "step": lambda r: "jaxaccum" if r is acc else "whole batch",
+    "k": lambda r: f"{r['num_micro_batches']:,}",
+    "examples per micro-batch": lambda r: r["micro_batch_size"],
+    f"largest batch {fits}": lambda r: f"**{'≥ ' * (r is acc)}{r['batch']:,}**",
+    "× the whole batch's": lambda r: f"{r['batch'] / whole['batch']:,.0f}",
+    "peak, GiB": lambda r: _report.gib(r["peak"], 1),
+    "the batch above it": lambda r: "–" if r is acc else f"{r['batch'] + 1:,}",
+    "KiB per micro-batch": lambda r: (
+      f"{r['bytes_per_micro_batch'] / 1024:.0f}" if r is acc else "–"
+    ),
+  }
+  return _tables(([memory], run), (memory["rows"], peaks), ([whole, acc], largest))
 
 
 def _range(r: dict[str, Any], key: str) -> str:
@@ -1015,312 +973,159 @@ def _range(r: dict[str, Any], key: str) -> str:
   return f"{r[key]:.2f}× ({spread[0]:.2f}–{spread[1]:.2f})"
 
 
+def _decided(r: dict[str, Any], verdict: str) -> str:
+  """``verdict`` where the row's A/A ratio decides a timing (within 3% of
+  1), else ``undecided``."""
+  return verdict if _report.aa_decides(r.get("aa_ratio")) else "undecided"
+
+
 def _ghost_speed(r: dict[str, Any]) -> str:
-  """Ghost against ``"vmap"`` at one k, decided by the A/A rule: slower or
-  faster by more than 3%, or the same."""
+  """Ghost against ``"vmap"`` at one k: slower or faster by more than 3%, or
+  the same."""
   if "ghost_ratio" not in r:
-    return "not timed"
-  if not _report.aa_decides(r["aa_ratio"]):
-    return f"undecided ({_report.aa_note(r['aa_ratio'])})"
-  if r["ghost_ratio"] > 1 + _report.AA_TOLERANCE:
-    return "slower"
-  if r["ghost_ratio"] < 1 - _report.AA_TOLERANCE:
-    return "faster"
-  return "the same within 3%"
-
-
-def _time_rows(timing: dict[str, Any]) -> str:
-  rows = [
-    (
-      r["k"],
-      r["micro_batch_size"],
-      _report.ms(r["ms"]["jaxaccum"]),
-      _report.ms(r["ms"]["ghost"]) if "ghost" in r["ms"] else "–",
-      _report.ms(r["ms"]["jax_privacy"]),
-      _range(r, "ghost_ratio"),
-      _range(r, "ratio"),
-      _range(r, "ghost_jax_privacy_ratio"),
-      _range(r, "aa_ratio"),
-    )
-    for r in timing["rows"]
-  ]
-  header = (
-    "k",
-    "m",
-    "vmap ms",
-    "ghost ms",
-    "jax-privacy ms",
-    "ghost / vmap",
-    "jax-privacy / vmap",
-    "ghost / jax-privacy",
-    "A/A: vmap / vmap",
-  )
-  return _report.table(header, rows)
-
-
-def _ghost_verdicts(timing: dict[str, Any]) -> str:
-  return "; ".join(
-    f"k = {r['k']} (m = {r['micro_batch_size']}): {_ghost_speed(r)}"
-    + (f" ({r['ghost_ratio']:.2f}×)" if "ghost_ratio" in r else "")
-    for r in timing["rows"]
-  )
-
-
-def _ghost_summary(timing: dict[str, Any], mlp: dict[str, Any] | None) -> str:
-  """Where ghost is slower and faster than vmap, read from the rows, and the
-  reason."""
-  models = {"the transformer": timing, "the MLP": mlp or {"rows": []}}
-  found = {
-    verdict: [
-      f"{name} at {_report.ks_text([r['k'] for r in t['rows'] if _ghost_speed(r) == verdict])}"
-      for name, t in models.items()
-      if any(_ghost_speed(r) == verdict for r in t["rows"])
-    ]
-    for verdict in ("slower", "faster")
-  }
-  said = [
-    f"ghost is {verdict} on {_report.listing(where)}"
-    for verdict, where in found.items()
-    if where
-  ]
-  text = (_report.capital("; ".join(said)) + ". ") if said else ""
-  text += (
-    "Ghost clipping runs the model twice: a forward and backward pass whose "
-    "taps give each example's gradient norm, then a second forward and backward "
-    "pass with each example's loss weighted by its clipping factor. vmap runs one "
-    "forward and backward pass and writes each example's gradient, m copies of "
-    "the parameters. The second pass is the price where an example's activations "
-    f"are large beside the parameters (the transformer: {timing['model']['seq_len']} "
-    f"tokens an example, {timing.get('num_params', 0) / 1e3:,.0f}k parameters); the "
-    "per-example gradients are the price where the parameters are large beside an "
-    "example's activations"
-  )
-  if mlp:
-    text += (
-      f" (the MLP: one row an example, {mlp['num_params'] / 1e3:,.0f}k parameters)"
-    )
-  return text + "."
+    return "–"
+  x, tolerance = r["ghost_ratio"], _report.AA_TOLERANCE
+  return "slower" if x > 1 + tolerance else "faster" if x < 1 - tolerance else "same"
 
 
 def time_table(results: dict[str, Any]) -> str:
-  timing = results["time"]
-  model = timing["model"]
-  load = timing.get("load_average")
-  lines = [
-    f"On {results['machine']}, one DP-SGD step (clip, noise, Adam) at a fixed "
-    f"logical batch split into k micro-batches of m examples, by jaxaccum with "
-    f'`clip_method="vmap"` (the default), with `"ghost"`, and by jax-privacy\'s '
-    f"`clipped_grad` (its own micro-batching), median of {timing['rounds']} "
-    f"interleaved rounds; each ratio is the median over rounds of the two "
-    f"approaches' times in the same round (range: the lowest and highest round), "
-    f"and the A/A control times the vmap step twice. jax-privacy "
-    f"{results['versions']['jax-privacy']}, jax {results['versions']['jax']}"
-    + (
-      f"; the machine's load average was {load[0]:.1f} at the start and "
-      f"{load[1]:.1f} at the end of the transformer's rounds (other work shares "
-      "its 2 cores)."
-      if load
-      else "."
-    ),
-    "",
-    f"The `cpu` preset's transformer ({model['num_layers']} layers, d_model "
-    f"{model['d_model']}, {model['seq_len']} tokens, "
-    f"{timing.get('num_params', 0) / 1e3:,.0f}k parameters), logical batch "
-    f"{timing['batch_size']} sequences, {timing['repeats']} steps a sample:",
-    "",
-    _time_rows(timing),
-  ]
-  mlp = results.get("time_mlp")
-  if mlp:
-    widths = " → ".join(str(w) for w in mlp["model"]["widths"])
-    lines += [
-      "",
-      f"An MLP ({widths}, {mlp['num_params'] / 1e3:,.0f}k parameters, no sequence "
-      f"axis), logical batch {mlp['batch_size']} rows, {mlp['repeats']} "
-      f"step{'s' if mlp['repeats'] > 1 else ''} a sample:",
-      "",
-      _time_rows(mlp),
-    ]
-  verdicts = [
-    f"k = {r['k']}: {_report.timed_verdict(r['ratio'] >= 1, r['aa_ratio'])} "
-    f"({r['ratio']:.2f}×)"
-    for r in timing["rows"]
-  ]
-  lines += [
-    "",
-    "Ghost against vmap (decided only where the A/A ratio is within 3% of 1, "
-    "slower or faster by more than 3%): on the transformer "
-    + _ghost_verdicts(timing)
-    + (f"; on the MLP {_ghost_verdicts(mlp)}" if mlp else "")
-    + ". "
-    + _ghost_summary(timing, mlp),
-    "",
-    "Goal (jaxaccum's vmap step at most jax-privacy's, a ratio of at least 1; "
-    "decided only where the A/A ratio is within 3% of 1): " + "; ".join(verdicts) + ".",
-  ]
-  return "\n".join(lines)
+  """The time part: the run of each model, and one row per model and k."""
+  models = {"transformer": results["time"], "MLP": results.get("time_mlp")}
+  models = {name: t for name, t in models.items() if t}
+
+  def model(t: dict[str, Any]) -> str:
+    m = t["model"]
+    if m["kind"] == "mlp":
+      return "MLP: " + " → ".join(map(str, m["widths"]))
+    return "`cpu` preset's transformer: " + _transformer(m)
+
+  def load(t: dict[str, Any]) -> str:
+    load = t.get("load_average")
+    return f"{load[0]:.1f} / {load[1]:.1f}" if load else "–"
+
+  run = {
+    "model": lambda x: model(x[1]),
+    "parameters": lambda x: f"{x[1].get('num_params', 0) / 1e3:,.0f}k",
+    "logical batch": lambda x: x[1]["batch_size"],
+    "rounds": lambda x: x[1]["rounds"],
+    "steps a sample": lambda x: x[1]["repeats"],
+    "machine": lambda x: results["machine"],
+    "load average, start / end": lambda x: load(x[1]),
+    "jax": lambda x: results["versions"]["jax"],
+    "jax-privacy": lambda x: results["versions"]["jax-privacy"],
+  }
+  rows = [(name, r) for name, t in models.items() for r in t["rows"]]
+  ms = lambda r, key: _report.ms(r["ms"][key]) if key in r["ms"] else "–"  # noqa: E731
+  goal = lambda r: "met" if r["ratio"] >= 1 else "missed"  # noqa: E731
+  times = {
+    "model": lambda x: x[0],
+    "k": lambda x: x[1]["k"],
+    "m": lambda x: x[1]["micro_batch_size"],
+    "vmap ms": lambda x: ms(x[1], "jaxaccum"),
+    "ghost ms": lambda x: ms(x[1], "ghost"),
+    "jax-privacy ms": lambda x: ms(x[1], "jax_privacy"),
+    "ghost / vmap": lambda x: _range(x[1], "ghost_ratio"),
+    "jax-privacy / vmap": lambda x: _range(x[1], "ratio"),
+    "ghost / jax-privacy": lambda x: _range(x[1], "ghost_jax_privacy_ratio"),
+    "A/A: vmap / vmap": lambda x: _range(x[1], "aa_ratio"),
+    "ghost against vmap": lambda x: _decided(x[1], _ghost_speed(x[1])),
+    "goal": lambda x: _decided(x[1], goal(x[1])) if x[0] == "transformer" else "–",
+  }
+  return _tables((models.items(), run), (rows, times))
 
 
-#: How the ghost block names the four steps.
+#: How the ghost block names the four steps: in a column's header, in a row.
 GHOST_NAMES = {
-  "peak": '`"vmap"`',
-  "peak_ghost": '`"ghost"`',
-  "peak_jax_privacy": "jax-privacy's `clipped_grad`",
-  "peak_non_private": "the non-private step",
+  "peak": ("vmap", '`"vmap"`'),
+  "peak_ghost": ("ghost", '`"ghost"`'),
+  "peak_jax_privacy": ("jax-privacy", "jax-privacy's `clipped_grad`"),
+  "peak_non_private": ("non-private", "the non-private step"),
 }
 
 
-def _search_note(ghost: dict[str, Any]) -> str:
-  """How the ghost part's searches ran: at a time, wall time, compiles, and
-  the peaks kept from an earlier run."""
-  largest = ghost["largest"]
-  compiles = sum(len(v["compiled"]) for v in largest.values())
-  jobs = ghost.get("jobs", 1)
-  wall = ghost.get("search_seconds", sum(v["seconds"] for v in largest.values()))
-  text = (
-    f"The four searches took {_report.duration(wall)} of wall time, {compiles} "
-    f"compiles, {jobs} at a time"
-    + (" (threads; a search's own time above overlaps the others')" if jobs > 1 else "")
-    + "."
-  )
-  reused = sorted({k for r in ghost["rows"] for k in r.get("reused", [])})
-  if reused:
-    names = _report.listing([GHOST_NAMES[k] for k in GHOST_NAMES if k in reused])
-    text += (
-      f" The rows' peaks of {names} were kept from the run before (`--reuse`; "
-      "same model, target and code path), and only the rest compiled"
-    )
-    seeded = largest.get("peak", {}).get("seeded")
-    text += (
-      f"; vmap's search started from the memory part's m = {seeded[0]}."
-      if seeded
-      else "."
-    )
-  return text
-
-
 def ghost_table(results: dict[str, Any]) -> str:
-  ghost = results["ghost"]
-  budget = results["memory"]["memory_bytes"]
-  lines = [
-    f'Ghost clipping (`clip_method="ghost"`) against per-example gradients '
-    f'(`"vmap"`, the default), jax-privacy\'s `clipped_grad` (one `vmap` of '
-    "`grad`, the same loss, noise and Adam) and the step without privacy: one "
-    f"micro-batch of m sequences (k = 1), the same transformer, compiled for "
-    f"{ghost['target']}, per-device peak. A peak marked * is above the "
-    f"{_report.gib(budget, 0)} GiB the device has: compiled, it would not run. "
-    "A dash: XLA refused it.",
-    "",
-  ]
+  """The ghost part: the run, the peak of each step against m, and the
+  largest m each fits, with what its search took."""
+  ghost, budget = results["ghost"], results["memory"]["memory_bytes"]
+  largest = ghost.get("largest")
+  run: dict[str, Callable[[Any], Any]] = {
+    "compiled for": lambda g: g["target"],
+    "memory, GiB": lambda g: _report.gib(budget, 0),
+  }
+  if largest:
+    wall = ghost.get("search_seconds", sum(v["seconds"] for v in largest.values()))
+    run |= {
+      "searches at a time": lambda g: g.get("jobs", 1),
+      "the searches' wall time": lambda g: _report.duration(wall),
+      "compiles": lambda g: sum(len(v["compiled"]) for v in largest.values()),
+    }
 
-  def gib(b):
+  def gib(b: int | None) -> str:
     return "–" if b is None else _report.gib(b, 1) + ("*" if b > budget else "")
 
-  def over(a, b):
+  def over(a: int | None, b: int | None) -> str:
     return "–" if a is None or b is None else f"{a / b:.2f}×"
 
-  rows = [
-    (
-      r["micro_batch_size"],
-      gib(r["peak"]),
-      gib(r["peak_ghost"]),
-      gib(r.get("peak_jax_privacy")),
-      gib(r["peak_non_private"]),
-      over(r["peak_ghost"], r["peak_non_private"]),
-      over(r["peak_ghost"], r["peak"]),
-    )
-    for r in ghost["rows"]
-  ]
-  header = (
-    "m",
-    "vmap, GiB",
-    "ghost, GiB",
-    "jax-privacy, GiB",
-    "non-private, GiB",
-    "ghost / non-private",
-    "ghost / vmap",
-  )
-  lines.append(_report.table(header, rows))
-  largest = ghost.get("largest")
-  if largest:
-    lines += [
-      "",
-      f"The largest m each fits in {_report.gib(budget, 0)} GiB (k = 1; a search "
-      "over m that starts from the rows above and probes where the line through "
-      "the two nearest compiled peaks meets the budget, a bisection where that "
-      "fails; each probe is one compile of the 119M-parameter step on this "
-      "machine's CPUs):",
-      "",
-      _report.table(
-        ("step", "largest m", "its peak, GiB", "compiles", "search's wall time"),
-        [
-          (
-            name,
-            f"**{largest[key]['batch']}**",
-            _report.gib(largest[key]["peak"], 1),
-            len(largest[key]["compiled"]),
-            _report.duration(largest[key]["seconds"]),
-          )
-          for key, name in GHOST_NAMES.items()
-        ],
-      ),
-    ]
-    m = {key: largest[key]["batch"] for key in GHOST_NAMES}
-    whole = results["memory"].get("largest_whole_batch")
-    same = (
-      f" (the memory part's own search of the same step found {whole['batch']})"
-      if whole and not largest["peak"].get("seeded")
-      else ""
-    )
-    savings = [
-      f"{1 - r['peak_ghost'] / r['peak']:.0%} at m = {r['micro_batch_size']}"
-      for r in ghost["rows"]
-      if r["peak"] and r["peak_ghost"]
-    ]
-    lines += [
-      "",
-      f"Ghost's peak is {_report.listing(savings)} below vmap's, and in "
-      f"{_report.gib(budget, 0)} GiB ghost fits m = {m['peak_ghost']} where vmap "
-      f"fits {m['peak']}{same}, jax-privacy {m['peak_jax_privacy']} and the "
-      f"non-private step {m['peak_non_private']}. {_search_note(ghost)}",
-    ]
-  return "\n".join(lines)
+  peaks = {"m": lambda r: r["micro_batch_size"]}
+  peaks |= {
+    f"{name}, GiB": lambda r, key=key: gib(r.get(key))
+    for key, (name, _) in GHOST_NAMES.items()
+  }
+  peaks |= {
+    "ghost / non-private": lambda r: over(r["peak_ghost"], r["peak_non_private"]),
+    "ghost / vmap": lambda r: over(r["peak_ghost"], r["peak"]),
+  }
+  if not largest:
+    return _tables(([ghost], run), (ghost["rows"], peaks))
+
+  def listed(ms: list[int]) -> str:
+    return ", ".join(map(str, ms)) or "–"
+
+  search = {
+    "step": lambda key: GHOST_NAMES[key][1],
+    f"largest m in {_report.gib(budget, 0)} GiB": lambda key: (
+      f"**{largest[key]['batch']}**"
+    ),
+    "its peak, GiB": lambda key: _report.gib(largest[key]["peak"], 1),
+    "compiles": lambda key: len(largest[key]["compiled"]),
+    "search's wall time": lambda key: _report.duration(largest[key]["seconds"]),
+    "started from the memory part's m": lambda key: listed(
+      largest[key].get("seeded", [])
+    ),
+    "rows' peaks kept from the run before (m)": lambda key: listed(
+      [r["micro_batch_size"] for r in ghost["rows"] if key in r.get("reused", [])]
+    ),
+  }
+  return _tables(([ghost], run), (ghost["rows"], peaks), (GHOST_NAMES, search))
 
 
 def exact_table(results: dict[str, Any]) -> str:
+  """The exactness part: the run, and one row per model, devices and k."""
   exact = results["exact"]
   tolerance = exact["tolerance"]
-  lines = [
-    'Ghost clipping (`clip_method="ghost"`) against an independent reference '
-    "written in `dp.py` (one `jax.vmap(jax.grad)` over the 64 rows on one "
-    "device, each example clipped to the median norm, summed): the relative "
-    "error of the clipped sum over all leaves, and of the worst leaf. "
-    "An MLP and a CNN on scikit-learn's digits, a one-layer transformer LM "
-    "(16 tokens) on CPython's `pydoc_data` text; on one CPU device, and on 8 "
-    "CPU devices with `mesh=` and every leaf that 8 divides sharded over the "
-    "data axis (FSDP; Auto axes, the shardings given as `param_specs`, since "
-    "the models are written for one device's rows); "
-    f"jax {exact['jax']}, {exact['date']}. Goal: at most "
-    f"{tolerance:g}; a row above it is marked ✗.",
-    "",
-  ]
-  rows = [
-    (
-      r["model"],
+  run = {
+    "measured": lambda e: e["date"],
+    "jax": lambda e: e["jax"],
+    "examples": lambda e: e["rows"][0]["rows"] if e["rows"] else "–",
+    "goal: rel. error at most": lambda e: f"{tolerance:g}",
+  }
+
+  def error(x: float) -> str:
+    return f"{x:.1e}" + ("" if x <= tolerance else " ✗")
+
+  rows = {
+    "model": lambda r: r["model"],
+    "devices": lambda r: (
       "1"
       if r["devices"] == 1
-      else f"{r['devices']}, FSDP ({r['fsdp_leaves']} of {r['leaves']} leaves)",
-      r["k"],
-      f"{r['rel_error']:.1e}" + ("" if r["rel_error"] <= tolerance else " ✗"),
-      f"{r['max_leaf_rel_error']:.1e}"
-      + ("" if r["max_leaf_rel_error"] <= tolerance else " ✗"),
-      "; ".join(r["fallback"]) or "none",
-    )
-    for r in exact["rows"]
-  ]
-  header = ("model", "devices", "k", "rel. error", "worst leaf", "falls back")
-  lines.append(_report.table(header, rows))
-  return "\n".join(lines)
+      else f"{r['devices']}, FSDP ({r['fsdp_leaves']} of {r['leaves']} leaves)"
+    ),
+    "k": lambda r: r["k"],
+    "rel. error": lambda r: error(r["rel_error"]),
+    "worst leaf": lambda r: error(r["max_leaf_rel_error"]),
+    "falls back": lambda r: "; ".join(r["fallback"]) or "none",
+  }
+  return _tables(([exact], run), (exact["rows"], rows))
 
 
 #: The generated blocks this file writes from ``dp.json``, by name
@@ -1374,9 +1179,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.part == "audit":  # its own JSON; the other parts' stays as it is
     print("Part 4: one example's effect on what the noise covers")
     (out / "dp_audit.json").write_text(json.dumps(audit_part(), indent=1) + "\n")
-    for page, file in _report.PAGES.items():
-      file.write_text(_report.render(file.read_text(), out, page))
-    return 0
+    return _report.main(["--results", str(out)])  # the pages, from out
   name = "dp_quick.json" if quick else "dp.json"
   path = out / name
   results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
@@ -1421,11 +1224,7 @@ def main(argv: list[str] | None = None) -> int:
     results["exact"] = exact_part((1, 2, 4, 8))
   path.write_text(json.dumps(results, indent=1) + "\n")
   print(f"wrote {path}")
-  if not quick:
-    for page, file in _report.PAGES.items():
-      file.write_text(_report.render(file.read_text(), out, page))
-    print(f"rewrote {_report.MANUAL}")
-  return 0
+  return 0 if quick else _report.main(["--results", str(out)])
 
 
 if __name__ == "__main__":
