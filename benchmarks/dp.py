@@ -1150,12 +1150,8 @@ def main(argv: list[str] | None = None) -> int:
     default="both",
     help="measure one part and keep the other from the existing JSON",
   )
-  parser.add_argument(
-    "--rounds", type=int, default=None, help="timed rounds (default 21; quick 3)"
-  )
-  parser.add_argument(
-    "--repeats", type=int, default=None, help="steps per sample (default 5; quick 2)"
-  )
+  parser.add_argument("--rounds", type=int, help="timed rounds (21; quick 3)")
+  parser.add_argument("--repeats", type=int, help="steps per sample (5; quick 2)")
   parser.add_argument("--exact-rows", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--audit-rows", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument(
@@ -1163,9 +1159,7 @@ def main(argv: list[str] | None = None) -> int:
     action="store_true",
     help="ghost part: keep the peaks the JSON has for the same model and target",
   )
-  parser.add_argument(
-    "--jobs", type=int, default=1, help="ghost part: compiles at a time (threads)"
-  )
+  parser.add_argument("--jobs", type=int, default=1, help="ghost: compiles at a time")
   args = parser.parse_args(argv)
   if args.exact_rows:  # exact_part's process, with 8 CPU devices
     rows = exact_rows(tuple(int(k) for k in args.exact_rows.split(",")))
@@ -1179,7 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.part == "audit":  # its own JSON; the other parts' stays as it is
     print("Part 4: one example's effect on what the noise covers")
     (out / "dp_audit.json").write_text(json.dumps(audit_part(), indent=1) + "\n")
-    return _report.main(["--results", str(out)])  # the pages, from out
+    return _pages(out)
   name = "dp_quick.json" if quick else "dp.json"
   path = out / name
   results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
@@ -1224,7 +1218,13 @@ def main(argv: list[str] | None = None) -> int:
     results["exact"] = exact_part((1, 2, 4, 8))
   path.write_text(json.dumps(results, indent=1) + "\n")
   print(f"wrote {path}")
-  return 0 if quick else _report.main(["--results", str(out)])
+  return _pages(out)
+
+
+def _pages(out: pathlib.Path) -> int:
+  """The manuals rewritten from ``out`` where it is ``benchmarks/results``
+  (a run written elsewhere leaves them as they are)."""
+  return _report.main(["--results", str(out)]) if out == _paths.RESULTS else 0
 
 
 if __name__ == "__main__":

@@ -518,44 +518,39 @@ def meshes_bytes(results: dict[str, Any]) -> str:
   )
 
 
-def meshes_peak(results: dict[str, Any]) -> str:
-  header = ["mesh, axes", "full batch, MiB", "approach", *_ks_header(results)]
-  rows = _mesh_rows(
-    results,
-    lambda r: ratio(r["peak_bytes_vs_full"]),
-    lambda r: mib(r["peak_bytes"], 2),
-  )
-  return (
-    "Peak memory per device (`argument + output + temp − alias`), × the full "
-    "batch's on the same mesh:\n\n" + table(header, rows)
-  )
+def _meshes_table(
+  caption: str, full: str, cell: Callable[..., str], full_cell: Callable[..., str]
+) -> Callable[[dict[str, Any]], str]:
+  """A block of one number per mesh, approach and ``k``."""
+
+  def block(results: dict[str, Any]) -> str:
+    header = ["mesh, axes", full, "approach", *_ks_header(results)]
+    return caption + ":\n\n" + table(header, _mesh_rows(results, cell, full_cell))
+
+  return block
 
 
-def meshes_in_loop(results: dict[str, Any]) -> str:
-  header = ["mesh, axes", "full batch", "approach", *_ks_header(results)]
-  rows = _mesh_rows(
-    results,
-    lambda r: str(r["in_loop_data_axis_executions"]),
-    lambda r: str(r["in_loop_data_axis_executions"]),
-  )
-  return (
-    "Data-axis collectives executed inside the micro-batch loop, per step "
-    "(a collective in the loop counts once per micro-batch):\n\n" + table(header, rows)
-  )
-
-
-def meshes_compute(results: dict[str, Any]) -> str:
-  header = ["mesh, axes", "full batch", "approach", *_ks_header(results)]
-  rows = _mesh_rows(
-    results,
-    lambda r: ratio(r["compute_vs_full_est"]),
-    lambda r: f"{r['grads_rel_error']:.1e}",
-  )
-  return (
-    "XLA's flops per device times k over the full batch's (a loop body counts "
-    "once); the full batch's gradients' error against one device:\n\n"
-    + table(header, rows)
-  )
+meshes_peak = _meshes_table(
+  "Peak memory per device (`argument + output + temp − alias`), × the full "
+  "batch's on the same mesh",
+  "full batch, MiB",
+  lambda r: ratio(r["peak_bytes_vs_full"]),
+  lambda r: mib(r["peak_bytes"], 2),
+)
+meshes_in_loop = _meshes_table(
+  "Data-axis collectives executed inside the micro-batch loop, per step "
+  "(a collective in the loop counts once per micro-batch)",
+  "full batch",
+  lambda r: str(r["in_loop_data_axis_executions"]),
+  lambda r: str(r["in_loop_data_axis_executions"]),
+)
+meshes_compute = _meshes_table(
+  "XLA's flops per device times k over the full batch's (a loop body counts "
+  "once); the full batch's gradients' error against one device",
+  "full batch",
+  lambda r: ratio(r["compute_vs_full_est"]),
+  lambda r: f"{r['grads_rel_error']:.1e}",
+)
 
 
 #: The generated blocks this file writes from ``meshes.json``, by name
