@@ -1103,6 +1103,8 @@ class Bug(NamedTuple):
   reason: str
 
 
+#: In the order in which they would fail a case that meets several: the
+#: first that applies names it.
 BUGS = (
   Bug(
     "global+value_checks",
@@ -1144,23 +1146,6 @@ BUGS = (
     "mesh, are exact",
   ),
   Bug(
-    "jit+cast_once+clip_or_noise",
-    lambda c: (
-      c.parallel == "jit"
-      and c.fsdp == "cast_once"
-      and (c.clip != "none" or c.noise_stats)
-    ),
-    AssertionError,
-    "plain jit on an Explicit mesh with fsdp_gather='cast_once', "
-    "gather_dtype=bfloat16 and clip_per_example (vmap or ghost) or "
-    "noise_stats=True silently drops the cast: the value is 1.333663, the "
-    "float32 weights' (the cast's reference, the weights rounded to bfloat16, "
-    "gives 1.335031, as plain jit without them and view='global' do), so the "
-    "mode the user chose (one gather in bfloat16) is not the one run and the "
-    "result differs from the same step without clipping or noise statistics "
-    "by the rounding",
-  ),
-  Bug(
     "global+once",
     lambda c: c.parallel == "global" and c.fsdp == "once",
     ValueError,
@@ -1185,6 +1170,23 @@ BUGS = (
     "(_add_micro_batch) raises ShardingTypeError 'select cases must have the "
     "same shardings, got [P(None, None), P(None, 'data')]'; on an Auto mesh "
     "the same window is exact",
+  ),
+  Bug(
+    "jit+cast_once+clip_or_noise",
+    lambda c: (
+      c.parallel == "jit"
+      and c.fsdp == "cast_once"
+      and (c.clip != "none" or c.noise_stats)
+    ),
+    AssertionError,
+    "plain jit on an Explicit mesh with fsdp_gather='cast_once', "
+    "gather_dtype=bfloat16 and clip_per_example (vmap or ghost) or "
+    "noise_stats=True silently drops the cast: the value is 1.333663, the "
+    "float32 weights' (the cast's reference, the weights rounded to bfloat16, "
+    "gives 1.335031, as plain jit without them and view='global' do), so the "
+    "mode the user chose (one gather in bfloat16) is not the one run and the "
+    "result differs from the same step without clipping or noise statistics "
+    "by the rounding",
   ),
 )
 
