@@ -83,7 +83,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat, _engine, _normalize, _tree
+from jaxaccum import _accumulator, _compat, _engine, _tree
 from jaxaccum._engine import Engine
 from jaxaccum._options import Options
 from jaxaccum._parallel import specs as _sharding
@@ -674,27 +674,20 @@ class _Step:
 
   # -- chapter 3: accumulate, then reduce once --------------------------------
 
-  def _accumulator(self) -> _engine.Accumulator:
+  def _accumulator(self) -> _accumulator.Accumulator:
     """Per leaf, a float32 (or wider) accumulator shaped and sharded like
     the leaf in the loop: a copy per device along its copies' axes, and
     sharded like the parameter along the others."""
-    dtype = self.options.accum_dtype
 
-    def spec(x, p):
-      return P(*p.copies, *_accumulator_spec(p, jnp.ndim(x) - len(p.copies)))
+    def kept(p):
+      def layout(x):
+        inner = _accumulator_spec(p, jnp.ndim(x) - len(p.copies))
+        return self.parallel.constrain(x, P(*p.copies, *inner))
 
-    def fold(g, p):
-      like = _normalize.accumulator_dtype(dtype, g)
-      return self.parallel.constrain(g.astype(like), spec(g, p))
+      return _accumulator.LeafSum(layout=layout)
 
-    return _engine.Accumulator(
-      init=lambda diff: self._map(lambda x, p: fold(jnp.zeros_like(x), p), diff),
-      first=lambda grads: self._map(fold, grads),
-      add=lambda acc, grads: self._map(
-        lambda a, g, p: self.parallel.constrain(a + g.astype(a.dtype), spec(a, p)),
-        acc,
-        grads,
-      ),
+    return _accumulator.accumulator(
+      self.options.accum_dtype, [kept(p) for p in self.placements]
     )
 
   def _after_loop(self, acc: jax.Array, p: Placement) -> jax.Array:
@@ -812,19 +805,16 @@ class _GlobalStep:
     gathered = x.astype(self.engine.options.gather_dtype)
     return self.parallel.constrain(gathered, p.spec.other_spec())
 
-  def _accumulator(self) -> _engine.Accumulator:
+  def _accumulator(self) -> _accumulator.Accumulator:
     """Float32 (or wider) sums, sharded like the parameters."""
-    dtype = self.engine.options.accum_dtype
 
-    def fold(g, p):
-      return self._like_parameter(g.astype(_normalize.accumulator_dtype(dtype, g)), p)
+    def kept(p):
+      if p.spec is None:
+        return _accumulator.LeafSum()
+      return _accumulator.LeafSum(layout=lambda x: self._like_parameter(x, p))
 
-    return _engine.Accumulator(
-      init=lambda diff: self._map(lambda x, p: fold(jnp.zeros_like(x), p), diff),
-      first=lambda grads: self._map(fold, grads),
-      add=lambda acc, grads: self._map(
-        lambda a, g, p: self._like_parameter(a + g.astype(a.dtype), p), acc, grads
-      ),
+    return _accumulator.accumulator(
+      self.engine.options.accum_dtype, [kept(p) for p in self.placements]
     )
 
   def _like_parameter(self, x: jax.Array, p: Placement) -> jax.Array:

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat, _engine, _normalize, _split
+from jaxaccum import _accumulator, _compat, _engine, _split
 from jaxaccum._engine import Engine
 from jaxaccum._parallel import reduced as _reduced
 
@@ -234,25 +234,16 @@ class UnreducedStep:
       return x
     return _reshard(x, _typed(spec, reduced=leaf.reduced))
 
-  def _accumulator(self, leaves: list[Leaf]) -> _engine.Accumulator:
+  def _accumulator(self, leaves: list[Leaf]) -> _accumulator.Accumulator:
     """Float32 (or wider) sums typed as each leaf's ``accumulator`` says."""
-    dtype = self.options.accum_dtype
 
-    def fold(g, leaf, acc=None):
-      g = g.astype(_normalize.accumulator_dtype(dtype, g) if acc is None else acc.dtype)
-      if leaf.accumulator is not None:
-        g = _reshard(g, leaf.accumulator)
-      return g if acc is None else acc + g
+    def kept(leaf):
+      if leaf.accumulator is None:
+        return _accumulator.LeafSum()
+      return _accumulator.LeafSum(term=lambda g: _reshard(g, leaf.accumulator))
 
-    def init(diff):
-      return self._map(lambda x, leaf: fold(jnp.zeros_like(x), leaf), leaves, diff)
-
-    return _engine.Accumulator(
-      init=init,
-      first=lambda grads: self._map(fold, leaves, grads),
-      add=lambda acc, grads: self._map(
-        lambda a, g, leaf: fold(g, leaf, a), leaves, acc, grads
-      ),
+    return _accumulator.accumulator(
+      self.options.accum_dtype, [kept(leaf) for leaf in leaves]
     )
 
   def _reduce(self, acc: jax.Array, leaf: Leaf) -> jax.Array:
