@@ -87,6 +87,7 @@ from jaxaccum import _accumulator, _compat, _engine, _tree
 from jaxaccum._engine import Engine
 from jaxaccum._options import Options
 from jaxaccum._parallel import specs as _sharding
+from jaxaccum._parallel import types as _types
 from jaxaccum._parallel import unreduced as _unreduced
 from jaxaccum._privacy import ghost as _ghost
 
@@ -190,7 +191,7 @@ class DataParallel:
     the parameter nor ``param_specs``)."""
     for dim, (size, entry) in enumerate(zip(shape, spec.partitions, strict=False)):
       devices = 1
-      for name in _names(entry):
+      for name in _sharding.names(entry):
         devices *= self.mesh.shape[name]
       if size % devices:
         raise ValueError(
@@ -306,39 +307,8 @@ class DataParallel:
     return _GlobalStep(self, engine, placements)(args, kwargs)
 
   def constrain(self, x: jax.Array, spec: P) -> jax.Array:
-    """``x`` laid out as ``spec`` on the mesh of the context: a reshard
-    along its Explicit axes (a mesh may mix the two), a sharding constraint
-    along the others."""
-    context = jax.sharding.get_abstract_mesh()
-    explicit = {
-      n
-      for n, t in zip(context.axis_names, context.axis_types, strict=True)
-      if t == AxisType.Explicit
-    }
-    entries = [*spec, *(None,) * (jnp.ndim(x) - len(spec))]
-    if not explicit:
-      return jax.lax.with_sharding_constraint(x, P(*entries))
-    if all(e is P.UNCONSTRAINED for e in entries):
-      return x
-    now = [*(_compat.explicit_spec(x) or ()), *(None,) * jnp.ndim(x)]
-    x = jax.sharding.reshard(
-      x,
-      P(
-        *(
-          now[d] if e is P.UNCONSTRAINED else _only(e, explicit)
-          for d, e in enumerate(entries)
-        )
-      ),
-    )
-    rest = [
-      P.UNCONSTRAINED
-      if e is P.UNCONSTRAINED or _only(e, explicit)
-      else _without(e, explicit)
-      for e in entries
-    ]
-    if all(e is None or e is P.UNCONSTRAINED for e in rest):
-      return x
-    return jax.lax.with_sharding_constraint(x, P(*rest))
+    """``x`` laid out as ``spec`` (:func:`jaxaccum._parallel.types.constrain`)."""
+    return _types.constrain(x, spec)
 
 
 class _Step:
@@ -620,7 +590,7 @@ class _Step:
       shape.append(size // math.prod(self.mesh.shape[a] for a in over))
       entries.append(None if over else inner[dim])
     if self.parallel.explicit:
-      x = _reshaped(x, tuple(shape), _explicit_only(P(*entries), self.mesh))
+      x = _types.reshaped(x, tuple(shape), _types.explicit_only(P(*entries), self.mesh))
     else:
       x = x.reshape(shape)
     order = [position[a] for a in self.axes]
@@ -659,10 +629,10 @@ class _Step:
     if not self.parallel.explicit:
       return x.reshape(shape)
     x = self.parallel.constrain(
-      x, P(_entry(self.axes), *(P.UNCONSTRAINED,) * (jnp.ndim(x) - 1))
+      x, P(_sharding.entry(self.axes), *(P.UNCONSTRAINED,) * (jnp.ndim(x) - 1))
     )
     rest = jax.typeof(x).sharding.spec.partitions[1:]
-    return _reshaped(x, shape, P(*self.axes, *rest))
+    return _types.reshaped(x, shape, P(*self.axes, *rest))
 
   def _flatten_devices(self, x: jax.Array) -> jax.Array:
     shape = (self.devices, *x.shape[len(self.sizes) :])
@@ -670,7 +640,7 @@ class _Step:
     if spec is None or not self.parallel.explicit:
       return x.reshape(shape)
     rest = spec.partitions[len(self.sizes) :]
-    return _reshaped(x, shape, P(_entry(self.axes), *rest))
+    return _types.reshaped(x, shape, P(_sharding.entry(self.axes), *rest))
 
   # -- chapter 3: accumulate, then reduce once --------------------------------
 
@@ -746,7 +716,9 @@ class _Step:
       else:
         copies = jnp.broadcast_to(jnp.asarray(x), (self.devices, *jnp.shape(x)))
       other = _sharding.split_spec(_compat.visible_spec(x), jnp.ndim(x), self.axes)
-      return self.parallel.constrain(copies, P(_entry(self.axes), *other.other_spec()))
+      return self.parallel.constrain(
+        copies, P(_sharding.entry(self.axes), *other.other_spec())
+      )
 
     return jax.tree.map(per_device, state)
 
@@ -898,39 +870,6 @@ def _mesh_context(mesh: jax.sharding.Mesh) -> Any:
   return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
-def _explicit_only(spec: P, mesh: jax.sharding.Mesh) -> P:
-  """``spec`` without the axes that are not Explicit (what a reshard, or a
-  reshape's ``out_sharding``, names)."""
-  explicit = {
-    n
-    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-    if t == AxisType.Explicit
-  }
-  return P(*(_only(e, explicit) for e in spec))
-
-
-def _only(entry: Any, axes: set[str]) -> Any:
-  """A spec entry restricted to ``axes``."""
-  return _entry(tuple(n for n in _names(entry) if n in axes))
-
-
-def _without(entry: Any, axes: set[str]) -> Any:
-  """A spec entry without ``axes``."""
-  return _entry(tuple(n for n in _names(entry) if n not in axes))
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-  if entry is None or entry is P.UNCONSTRAINED:
-    return ()
-  return entry if isinstance(entry, tuple) else (entry,)
-
-
-def _entry(names: tuple[str, ...]) -> Any:
-  if not names:
-    return None
-  return names[0] if len(names) == 1 else names
-
-
 def _known_spec(x: Any) -> P | None:
   """``x``'s ``PartitionSpec`` where it can be known: its type or sharding;
   ``P()`` for a concrete array not sharded over a mesh; None for a value
@@ -989,12 +928,6 @@ def _final_key(new: jax.Array, old: jax.Array) -> jax.Array:
     jax.random.key_data(new_zero) != jax.random.key_data(_tree.fold_in(old, 0))
   )
   return _tree.select(changed, new_zero, old)
-
-
-def _reshaped(x: jax.Array, shape: tuple[int, ...], spec: P) -> jax.Array:
-  """``x`` reshaped to ``shape``, typed ``spec`` on its mesh."""
-  sharding = jax.typeof(x).sharding.update(spec=spec)
-  return jax.lax.reshape(x, shape, out_sharding=sharding)
 
 
 def _replicated_rows(x: jax.Array) -> jax.Array:

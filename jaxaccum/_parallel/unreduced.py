@@ -52,12 +52,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _accumulator, _compat, _engine, _split
 from jaxaccum._engine import Engine
 from jaxaccum._parallel import reduced as _reduced
+from jaxaccum._parallel import specs as _specs
+from jaxaccum._parallel import types as _types
 
 PyTree = Any
 
@@ -73,13 +74,10 @@ def data_axes(options: Any, args: tuple[Any, ...]) -> tuple[str, ...]:
       spec = _compat.explicit_spec(x)
       if spec is None or not jnp.ndim(x) or not spec.partitions:
         continue
-      mesh = jax.typeof(x).sharding.mesh
-      explicit = {
-        a
-        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t == AxisType.Explicit
-      }
-      axes += [a for a in _names(spec.partitions[0]) if a in explicit and a not in axes]
+      explicit = _types.explicit_axes(jax.typeof(x).sharding.mesh)
+      axes += [
+        a for a in _specs.names(spec.partitions[0]) if a in explicit and a not in axes
+      ]
   return tuple(axes)
 
 
@@ -124,20 +122,22 @@ def plan_leaf(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Leaf
   spec = _compat.explicit_spec(x)
   if spec is None:
     return Leaf(None, frozenset(), "as_is", None)
-  used = _uses(spec, axes)
+  used = _specs.uses(spec, axes)
   if used and mode == "per_micro_batch":
     # HSDP's replica axes stay with the partitioner too: JAX types a
     # weight's cotangent from a contraction over rows sharded over
     # (replica, fsdp) as unreduced over all of them or none.
     return Leaf(spec, spec.reduced, "as_is", P(*spec.partitions), barrier=True)
   gather = "as_is" if not used else "gather" if mode == "once" else "cast_gather"
-  inside = _gathered(spec, axes)
+  inside = _specs.gathered(spec, axes)
   if not reducible:  # the partitioner reduces each micro-batch's gradient
     return Leaf(spec, frozenset(), gather, P(*inside.partitions))
   reduced = frozenset(axes)
   if gather == "cast_gather":  # reduce-scattered into a sharded sum
     return Leaf(spec, reduced, gather, P(*spec.partitions))
-  return Leaf(spec, reduced | spec.reduced, gather, _typed(inside, unreduced=reduced))
+  return Leaf(
+    spec, reduced | spec.reduced, gather, _specs.typed(inside, unreduced=reduced)
+  )
 
 
 class UnreducedStep:
@@ -228,11 +228,11 @@ class UnreducedStep:
     if leaf.gather != "as_is":
       if leaf.gather == "cast_gather":
         x = x.astype(self.options.gather_dtype)
-      spec = _gathered(spec, self.axes)
-      x = _reshard(x, spec)
+      spec = _specs.gathered(spec, self.axes)
+      x = _types.reshard(x, spec)
     if not leaf.reduced:
       return x
-    return _reshard(x, _typed(spec, reduced=leaf.reduced))
+    return _types.reshard(x, _specs.typed(spec, reduced=leaf.reduced))
 
   def _accumulator(self, leaves: list[Leaf]) -> _accumulator.Accumulator:
     """Float32 (or wider) sums typed as each leaf's ``accumulator`` says."""
@@ -240,7 +240,7 @@ class UnreducedStep:
     def kept(leaf):
       if leaf.accumulator is None:
         return _accumulator.LeafSum()
-      return _accumulator.LeafSum(term=lambda g: _reshard(g, leaf.accumulator))
+      return _accumulator.LeafSum(term=lambda g: _types.reshard(g, leaf.accumulator))
 
     return _accumulator.accumulator(
       self.options.accum_dtype, [kept(leaf) for leaf in leaves]
@@ -255,7 +255,7 @@ class UnreducedStep:
     spec = jax.typeof(acc).sharding.spec
     if spec.unreduced and spec.partitions == leaf.spec.partitions:
       return all_reduce(acc)
-    return _reshard(acc, leaf.spec)
+    return _types.reshard(acc, leaf.spec)
 
   def _map(self, fun: Callable[..., Any], leaves: list[Leaf], *trees: PyTree) -> PyTree:
     flat = [jax.tree.flatten(t) for t in trees]
@@ -294,43 +294,6 @@ def barrier(diff_args: PyTree, held: list[bool], index: jax.Array) -> PyTree:
   return jax.tree.unflatten(
     treedef, [next(it) if h else x for x, h in zip(leaves, held, strict=True)]
   )
-
-
-def _reshard(x: jax.Array, spec: P) -> jax.Array:
-  """``x`` resharded to ``spec`` on its own mesh (no mesh context needed)."""
-  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=spec))
-
-
-def _typed(
-  spec: P,
-  reduced: frozenset[str] = frozenset(),
-  unreduced: frozenset[str] = frozenset(),
-) -> P:
-  """``spec``'s partitions with ``reduced`` and ``unreduced`` axes."""
-  return P(*spec.partitions, reduced=set(reduced), unreduced=set(unreduced))
-
-
-def _uses(spec: P, axes: tuple[str, ...]) -> frozenset[str]:
-  """The ``axes`` that ``spec`` shards a dimension over."""
-  return frozenset(n for e in spec.partitions for n in _names(e) if n in axes)
-
-
-def _gathered(spec: P, axes: tuple[str, ...]) -> P:
-  """``spec`` without the data ``axes``: the leaf gathered over them."""
-  return P(*(_without(e, set(axes)) for e in spec.partitions))
-
-
-def _without(entry: Any, axes: set[str]) -> Any:
-  names = tuple(n for n in _names(entry) if n not in axes)
-  if not names:
-    return None
-  return names[0] if len(names) == 1 else names
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-  if entry is None or entry is P.UNCONSTRAINED:
-    return ()
-  return entry if isinstance(entry, tuple) else (entry,)
 
 
 def local(
