@@ -76,7 +76,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,9 +86,11 @@ from jax.sharding import PartitionSpec as P
 from jaxaccum import _accumulator, _compat, _engine, _tree
 from jaxaccum._engine import Engine
 from jaxaccum._options import Options
+from jaxaccum._parallel import placement as _placement
 from jaxaccum._parallel import specs as _sharding
 from jaxaccum._parallel import types as _types
 from jaxaccum._parallel import unreduced as _unreduced
+from jaxaccum._parallel.placement import Placement
 from jaxaccum._privacy import ghost as _ghost
 
 PyTree = Any
@@ -98,45 +100,6 @@ Layout = tuple["_sharding.SplitSpec | None", ...]
 class HiddenShardingWarning(UserWarning):
   """The parameters' shardings are not visible to ``mesh=`` (under ``jit`` on
   Auto axes, without ``param_specs``), and they are treated as replicated."""
-
-
-class Placement(NamedTuple):
-  """How one differentiated leaf reaches the micro step.
-
-  Attributes:
-    spec: its split spec (None where unknown: treated as replicated).
-    copies: the data axes along which each device gets its own copy, whose
-      gradient stays per device until the one reduction after the loop. The
-      leaf's other data axes (those it is sharded over) share it: its
-      gradient is summed over them inside the backward pass.
-    before_loop: ``"as_is"``, ``"gather"`` (gathered over its data axes
-      once, before the loop) or ``"cast_gather"`` (cast to ``gather_dtype``
-      first).
-    barrier: passes an optimization barrier with the micro-batch index in
-      each micro step, so that its gather is not hoisted out of the loop.
-  """
-
-  spec: _sharding.SplitSpec | None
-  copies: tuple[str, ...]
-  before_loop: str = "as_is"
-  barrier: bool = False
-
-  @property
-  def shared(self) -> bool:
-    """Whether some data axes share the leaf (its gradient is summed over
-    them inside the backward pass)."""
-    return _fsdp(self.spec) and self.before_loop != "gather"
-
-  @property
-  def blocked(self) -> bool:
-    """Whether the leaf reaches the micro step sharded over the data axes
-    it is shared along (not gathered before the loop)."""
-    return self.shared and self.before_loop == "as_is"
-
-  def mapped(self, axis: str) -> bool:
-    """Whether the ``vmap`` over ``axis`` maps the leaf: along its copies,
-    and along the axes a blocked leaf is sharded over."""
-    return axis in self.copies or self.blocked
 
 
 class DataParallel:
@@ -202,29 +165,8 @@ class DataParallel:
         )
 
   def placements(self, layout: Layout) -> tuple[Placement, ...]:
-    """Each leaf's :class:`Placement`: the one place the strategy is chosen
-    (see the module docstring)."""
-    mode = self.options.fsdp_gather
-    o = self.options
-    if (
-      o.clip_per_example is not None and o.clip_method == "vmap" and o.view == "device"
-    ):
-      # Each example's gradient is clipped by its norm over every leaf, so
-      # each device computes whole gradients: FSDP leaves gathered once.
-      # Ghost clipping needs no per-example gradient: its weighted backward
-      # pass is shared like the non-private step's (_ghost_micro_step).
-      mode = "once"
-    placed = []
-    for s in layout:
-      if s is None or not _fsdp(s):
-        placed.append(Placement(s, self.axes))
-      elif mode == "once":
-        placed.append(Placement(s, self.axes, before_loop="gather"))
-      elif mode == "cast_once":
-        placed.append(Placement(s, _kept_axes(s, self.axes), "cast_gather"))
-      else:
-        placed.append(Placement(s, _kept_axes(s, self.axes), barrier=True))
-    return tuple(placed)
+    """Each leaf's :class:`Placement` (:func:`jaxaccum._parallel.placement.for_mesh`)."""
+    return _placement.for_mesh(self.options, layout)
 
   def _warn_if_hidden(self, o: Options, layout: Layout, args: tuple[Any, ...]) -> None:
     """Warns, once per traced step, where the parameters' shardings are not
@@ -651,7 +593,9 @@ class _Step:
 
     def kept(p):
       def layout(x):
-        inner = _accumulator_spec(p, jnp.ndim(x) - len(p.copies))
+        inner = p.accumulator
+        if inner is None:  # hidden: left to the partitioner
+          inner = (P.UNCONSTRAINED,) * (jnp.ndim(x) - len(p.copies))
         return self.parallel.constrain(x, P(*p.copies, *inner))
 
       return _accumulator.LeafSum(layout=layout)
@@ -668,7 +612,7 @@ class _Step:
     copies = len(p.copies)
     if p.before_loop == "gather" and p.spec is not None:
       acc = self._reduce_scatter(acc, p.spec)
-      copies = len(_kept_axes(p.spec, self.axes))
+      copies = len(_placement.kept_axes(p.spec, self.axes))
     if copies:
       acc = jnp.sum(acc, axis=tuple(range(copies)))
     return acc if p.spec is None else self.parallel.constrain(acc, p.spec.full_spec())
@@ -677,7 +621,7 @@ class _Step:
     """``(*data sizes, *shape)`` per-device sums, reduce-scattered over the
     data axes the leaf is sharded over: ``(*kept sizes, *shape)``, the
     copies along its kept data axes left for the sum after."""
-    kept = _kept_axes(s, self.axes)
+    kept = _placement.kept_axes(s, self.axes)
 
     def scatter(local):
       x = local.reshape(local.shape[len(self.axes) :])
@@ -781,9 +725,11 @@ class _GlobalStep:
     """Float32 (or wider) sums, sharded like the parameters."""
 
     def kept(p):
-      if p.spec is None:
+      if p.accumulator is None:
         return _accumulator.LeafSum()
-      return _accumulator.LeafSum(layout=lambda x: self._like_parameter(x, p))
+      return _accumulator.LeafSum(
+        layout=lambda x: self.parallel.constrain(x, p.accumulator)
+      )
 
     return _accumulator.accumulator(
       self.engine.options.accum_dtype, [kept(p) for p in self.placements]
@@ -803,15 +749,6 @@ def _inner_spec(p: Placement, ndim: int) -> tuple[Any, ...]:
   if p.spec is None:
     return (P.UNCONSTRAINED,) * ndim
   return tuple(p.spec.full_spec() if p.before_loop == "as_is" else p.spec.other_spec())
-
-
-def _accumulator_spec(p: Placement, ndim: int) -> tuple[Any, ...]:
-  """The spec of one copy of a leaf's accumulator: sharded like the
-  parameter, but for a leaf gathered once, whose whole gradient each device
-  keeps until after the loop."""
-  if p.spec is None:
-    return (P.UNCONSTRAINED,) * ndim
-  return tuple(p.spec.other_spec() if p.before_loop == "gather" else p.spec.full_spec())
 
 
 def _map_placed(
@@ -878,16 +815,6 @@ def _known_spec(x: Any) -> P | None:
   if spec is None and not _compat.is_tracer(x):
     return P()
   return spec
-
-
-def _fsdp(s: _sharding.SplitSpec | None) -> bool:
-  """Whether a leaf is sharded over data axes (FSDP)."""
-  return s is not None and bool(s.sharded_dims())
-
-
-def _kept_axes(s: _sharding.SplitSpec, axes: tuple[str, ...]) -> tuple[str, ...]:
-  """The data axes a leaf is replicated over (HSDP's replica axes)."""
-  return tuple(a for a in axes if a not in s.data_axes_used())
 
 
 def _device_major(x: jax.Array) -> jax.Array:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +56,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _accumulator, _compat, _engine, _split
 from jaxaccum._engine import Engine
+from jaxaccum._parallel import placement as _placement
 from jaxaccum._parallel import reduced as _reduced
 from jaxaccum._parallel import specs as _specs
 from jaxaccum._parallel import types as _types
+from jaxaccum._parallel.placement import Placement
 
 PyTree = Any
 
@@ -93,53 +95,6 @@ def applies(options: Any, num_micro_batches: int) -> bool:
   )
 
 
-class Leaf(NamedTuple):
-  """How one differentiated leaf enters the loop and is accumulated.
-
-  Attributes:
-    spec: the leaf's own ``PartitionSpec`` (its type's), or None for a leaf
-      with no Explicit sharding, left to the partitioner.
-    reduced: the data axes it is ``reduced`` over in the loop (its gradient
-      comes back ``unreduced`` over them).
-    gather: ``"as_is"``, ``"gather"`` (over its data axes, before the loop)
-      or ``"cast_gather"`` (cast to ``gather_dtype`` first).
-    accumulator: the accumulator's ``PartitionSpec``.
-    barrier: sharded over data axes in the loop: it passes an optimization
-      barrier, so that its gather stays in the loop (:func:`barrier`).
-  """
-
-  spec: P | None
-  reduced: frozenset[str]
-  gather: str
-  accumulator: P | None
-  barrier: bool = False
-
-
-def plan_leaf(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Leaf:
-  """The :class:`Leaf` for ``x`` with the batch on data ``axes`` under
-  ``fsdp_gather=mode``; ``reducible`` says whether some use of it in
-  ``fun`` keeps it ``reduced`` (:meth:`jaxaccum._parallel.reduced.Evaluated.probe`)."""
-  spec = _compat.explicit_spec(x)
-  if spec is None:
-    return Leaf(None, frozenset(), "as_is", None)
-  used = _specs.uses(spec, axes)
-  if used and mode == "per_micro_batch":
-    # HSDP's replica axes stay with the partitioner too: JAX types a
-    # weight's cotangent from a contraction over rows sharded over
-    # (replica, fsdp) as unreduced over all of them or none.
-    return Leaf(spec, spec.reduced, "as_is", P(*spec.partitions), barrier=True)
-  gather = "as_is" if not used else "gather" if mode == "once" else "cast_gather"
-  inside = _specs.gathered(spec, axes)
-  if not reducible:  # the partitioner reduces each micro-batch's gradient
-    return Leaf(spec, frozenset(), gather, P(*inside.partitions))
-  reduced = frozenset(axes)
-  if gather == "cast_gather":  # reduce-scattered into a sharded sum
-    return Leaf(spec, reduced, gather, P(*spec.partitions))
-  return Leaf(
-    spec, reduced | spec.reduced, gather, _specs.typed(inside, unreduced=reduced)
-  )
-
-
 class UnreducedStep:
   """The step of the module docstring, for an :class:`Engine` whose batch
   lies on data ``axes`` of an Explicit mesh."""
@@ -157,7 +112,7 @@ class UnreducedStep:
     flat = jax.tree.leaves(diff_args)
     engine, reducible = self._reducible(args, kwargs, split, flat)
     leaves = [
-      plan_leaf(x, self.axes, o.fsdp_gather, r)
+      _placement.on_types(x, self.axes, o.fsdp_gather, r)
       for x, r in zip(flat, reducible, strict=True)
     ]
     call_args = list(args)
@@ -177,7 +132,7 @@ class UnreducedStep:
     )
     if jax.typeof(sums.loss).sharding.spec.unreduced:  # the losses' one sum
       sums = sums._replace(loss=all_reduce(sums.loss), losses=all_reduce(sums.losses))
-    grads = self._map(self._reduce, leaves, sums.grads)
+    grads = self._map(self._reduce, leaves, sums.grads, diff_args)
     return self.engine.finish(sums._replace(grads=grads), diff_args)
 
   def _reducible(
@@ -204,7 +159,7 @@ class UnreducedStep:
     state = None if o.state_argnum is None else args[o.state_argnum]
     index = jax.ShapeDtypeStruct((), jnp.int32)
     diff_args = tuple(args[n] for n in o.argnums)
-    entry = [plan_leaf(x, self.axes, o.fsdp_gather, True) for x in flat]
+    entry = [_placement.on_types(x, self.axes, o.fsdp_gather, True) for x in flat]
     # A use the walk cannot rewrite takes its leaf plain there alone; an
     # error here is fun's own (JAX's, as under jax.value_and_grad).
     kept = fun.probe(
@@ -219,45 +174,46 @@ class UnreducedStep:
 
   # -- the leaves in the loop, their accumulators, the one reduction --------
 
-  def _enter(self, x: jax.Array, leaf: Leaf) -> jax.Array:
-    """``x`` as the loop takes it: gathered (and cast) where ``leaf`` says,
-    then ``reduced`` over its replica axes (no data moves)."""
-    if leaf.spec is None:
+  def _enter(self, x: jax.Array, p: Placement) -> jax.Array:
+    """``x`` as the loop takes it: gathered (and cast) where ``p`` says,
+    then ``reduced`` over its copies' axes (no data moves)."""
+    spec = _compat.explicit_spec(x)
+    if p.spec is None or spec is None:
       return x
-    spec = leaf.spec
-    if leaf.gather != "as_is":
-      if leaf.gather == "cast_gather":
+    if p.before_loop != "as_is":
+      if p.before_loop == "cast_gather":
         x = x.astype(self.options.gather_dtype)
-      spec = _specs.gathered(spec, self.axes)
+      spec = p.spec.other_spec()
       x = _types.reshard(x, spec)
-    if not leaf.reduced:
+    if not p.copies:
       return x
-    return _types.reshard(x, _specs.typed(spec, reduced=leaf.reduced))
+    return _types.reshard(x, _specs.typed(spec, reduced=p.copies))
 
-  def _accumulator(self, leaves: list[Leaf]) -> _accumulator.Accumulator:
+  def _accumulator(self, leaves: list[Placement]) -> _accumulator.Accumulator:
     """Float32 (or wider) sums typed as each leaf's ``accumulator`` says."""
 
-    def kept(leaf):
-      if leaf.accumulator is None:
+    def kept(p):
+      if p.accumulator is None:
         return _accumulator.LeafSum()
-      return _accumulator.LeafSum(term=lambda g: _types.reshard(g, leaf.accumulator))
+      return _accumulator.LeafSum(term=lambda g: _types.reshard(g, p.accumulator))
 
-    return _accumulator.accumulator(
-      self.options.accum_dtype, [kept(leaf) for leaf in leaves]
-    )
+    return _accumulator.accumulator(self.options.accum_dtype, [kept(p) for p in leaves])
 
-  def _reduce(self, acc: jax.Array, leaf: Leaf) -> jax.Array:
-    """The accumulator in the parameter's own sharding: the step's one
+  def _reduce(self, acc: jax.Array, x: jax.Array, p: Placement) -> jax.Array:
+    """The accumulator in the parameter ``x``'s own sharding: the step's one
     reduction of an ``unreduced`` sum (an all-reduce, or for a leaf
     gathered once a reduce-scatter)."""
-    if leaf.spec is None or jax.typeof(acc).sharding.spec == leaf.spec:
+    own = _compat.explicit_spec(x)
+    if own is None or jax.typeof(acc).sharding.spec == own:
       return acc
     spec = jax.typeof(acc).sharding.spec
-    if spec.unreduced and spec.partitions == leaf.spec.partitions:
+    if spec.unreduced and spec.partitions == own.partitions:
       return all_reduce(acc)
-    return _types.reshard(acc, leaf.spec)
+    return _types.reshard(acc, own)
 
-  def _map(self, fun: Callable[..., Any], leaves: list[Leaf], *trees: PyTree) -> PyTree:
+  def _map(
+    self, fun: Callable[..., Any], leaves: list[Placement], *trees: PyTree
+  ) -> PyTree:
     flat = [jax.tree.flatten(t) for t in trees]
     out = [
       fun(*xs, leaf) for *xs, leaf in zip(*(f[0] for f in flat), leaves, strict=True)
