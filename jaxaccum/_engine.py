@@ -31,17 +31,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import (
-  _accumulator,
-  _aux,
-  _checks,
-  _noise_scale,
-  _normalize,
-  _privacy,
-  _split,
-  _tree,
-)
+from jaxaccum import _aux, _checks, _noise_scale, _normalize, _privacy, _split, _tree
 from jaxaccum._accumulator import Accumulator
+from jaxaccum._accumulator import accumulator as new_accumulator
 from jaxaccum._options import Options
 
 PyTree = Any
@@ -381,7 +373,7 @@ class Engine:
     step = step or self.micro_step(
       args, kwargs, split, split.num_micro_batches, split.micro_batch_size
     )
-    accumulator = accumulator or _accumulator.accumulator(o.accum_dtype)
+    accumulator = accumulator or new_accumulator(o.accum_dtype)
     diff_args = tuple(args[i] for i in o.argnums)
     batches = _split.MicroBatches(
       tuple(args[i] for i in o.batch_argnums), split, per_block=per_block

@@ -35,13 +35,17 @@ what each device keeps), :func:`on_types` those of plain ``jit`` (typed
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _compat
 from jaxaccum._options import Options
 from jaxaccum._parallel import specs as _specs
+
+PyTree = Any
 
 #: What happens to a leaf before the loop, by ``fsdp_gather`` for an FSDP
 #: leaf (any other leaf enters as it is).
@@ -148,6 +152,18 @@ def on_types(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Place
     return Placement(spec, axes, before, P(*own.partitions))
   copies = (*axes, *_ordered(set(own.reduced) - set(axes)))
   return Placement(spec, copies, before, _specs.typed(inside, unreduced=axes))
+
+
+def each(
+  fun: Callable[..., Any], placements: Sequence[Placement], *trees: PyTree
+) -> PyTree:
+  """``fun(*leaves, placement)`` over the leaves of ``trees`` (shaped like
+  the differentiated arguments) and ``placements``, one per leaf."""
+  flat = [jax.tree.flatten(t) for t in trees]
+  leaves = [
+    fun(*xs, p) for *xs, p in zip(*(f[0] for f in flat), placements, strict=True)
+  ]
+  return jax.tree.unflatten(flat[0][1], leaves)
 
 
 def is_fsdp(s: _specs.SplitSpec | None) -> bool:

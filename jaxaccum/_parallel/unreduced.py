@@ -61,6 +61,7 @@ from jaxaccum._parallel import reduced as _reduced
 from jaxaccum._parallel import specs as _specs
 from jaxaccum._parallel import types as _types
 from jaxaccum._parallel.placement import Placement
+from jaxaccum._parallel.skeleton import Step
 
 PyTree = Any
 
@@ -95,114 +96,100 @@ def applies(options: Any, num_micro_batches: int) -> bool:
   )
 
 
-class UnreducedStep:
-  """The step of the module docstring, for an :class:`Engine` whose batch
-  lies on data ``axes`` of an Explicit mesh."""
+def run(
+  engine: Engine,
+  axes: tuple[str, ...],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  split: _split.MicroBatching,
+) -> _engine.Result:
+  """The step of the module docstring for ``engine``, whose batch lies on
+  data ``axes`` of an Explicit mesh: each leaf placed
+  (:func:`jaxaccum._parallel.placement.on_types`) as the probe of ``fun``'s
+  uses finds it (:func:`reducible`)."""
+  o = engine.options
+  flat = jax.tree.leaves(tuple(args[n] for n in o.argnums))
+  engine, kept = reducible(engine, axes, args, kwargs, split)
+  placements = [
+    _placement.on_types(x, axes, o.fsdp_gather, r)
+    for x, r in zip(flat, kept, strict=True)
+  ]
+  return UnreducedStep(engine, placements, split)(args, kwargs)
 
-  def __init__(self, engine: Engine, axes: tuple[str, ...]):
-    self.engine = engine
-    self.options = engine.options
-    self.axes = axes
 
-  def __call__(
-    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any
-  ) -> _engine.Result:
-    o = self.options
-    diff_args = tuple(args[n] for n in o.argnums)
-    flat = jax.tree.leaves(diff_args)
-    engine, reducible = self._reducible(args, kwargs, split, flat)
-    leaves = [
-      _placement.on_types(x, self.axes, o.fsdp_gather, r)
-      for x, r in zip(flat, reducible, strict=True)
-    ]
-    call_args = list(args)
-    entered = self._map(self._enter, leaves, diff_args)
-    for n, placed in zip(o.argnums, entered, strict=True):
-      call_args[n] = placed
-    base = engine.micro_step(
-      tuple(call_args), kwargs, split, split.num_micro_batches, split.micro_batch_size
-    )
-    held = [leaf.barrier for leaf in leaves]
+def reducible(
+  engine: Engine,
+  axes: tuple[str, ...],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  split: _split.MicroBatching,
+) -> tuple[Engine, list[bool]]:
+  """The engine whose ``fun`` takes ``reduced`` leaves
+  (:class:`jaxaccum._parallel.reduced.Evaluated`), and which leaves some
+  use of ``fun``'s keeps reduced: those enter the loop reduced. Probed on
+  the shapes of one micro-batch (nothing of it is computed)."""
+  o = engine.options
+  # the split's own checks first (a micro-batch that does not divide over
+  # the devices of its rows), as the loop would meet them
+  _split.MicroBatches(tuple(args[n] for n in o.batch_argnums), split)
+  fun = _reduced.Evaluated(engine.fun, axes)
+  evaluated = dataclasses.replace(engine, fun=fun)
+  loss = evaluated.micro_loss(args, kwargs, split, split.num_micro_batches)
+  m = split.micro_batch_size
 
-    def step(diff, micro, index, state):
-      return base(barrier(diff, held, index), micro, index, state)
+  def probe(x):
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct((m, *x.shape[1:]), x.dtype, sharding=aval.sharding)
 
-    sums = engine.sums(
-      tuple(call_args), kwargs, split, step=step, accumulator=self._accumulator(leaves)
-    )
-    if jax.typeof(sums.loss).sharding.spec.unreduced:  # the losses' one sum
+  micro = tuple(jax.tree.map(probe, args[n]) for n in o.batch_argnums)
+  state = None if o.state_argnum is None else args[o.state_argnum]
+  index = jax.ShapeDtypeStruct((), jnp.int32)
+  diff_args = tuple(args[n] for n in o.argnums)
+  entry = [
+    _placement.on_types(x, axes, o.fsdp_gather, True)
+    for x in jax.tree.leaves(diff_args)
+  ]
+  # A use the walk cannot rewrite takes its leaf plain there alone; an
+  # error here is fun's own (JAX's, as under jax.value_and_grad).
+  kept = fun.probe(
+    lambda *a: loss(*a)[0],
+    lambda diff: _placement.each(lambda x, p: enter(x, p, o.gather_dtype), entry, diff),
+    diff_args,
+    micro,
+    index,
+    state,
+  )
+  return (evaluated if any(kept) else engine), kept
+
+
+class UnreducedStep(Step):
+  """The step of the module docstring, its leaves placed by
+  :func:`jaxaccum._parallel.placement.on_types`."""
+
+  def before_loop(self, x: jax.Array, p: Placement) -> jax.Array:
+    """``x`` as the loop takes it (:func:`enter`)."""
+    return enter(x, p, self.options.gather_dtype)
+
+  def leaf_sum(self, p: Placement) -> _accumulator.LeafSum:
+    """Each micro-batch's gradient resharded into the accumulator's type
+    (``unreduced`` where the leaf entered ``reduced``) before it is added."""
+    spec = p.accumulator
+    if spec is None:
+      return _accumulator.LeafSum()
+    return _accumulator.LeafSum(term=lambda g: _types.reshard(g, spec))
+
+  def reduce(self, sums: _engine.Sums, args: tuple[Any, ...]) -> _engine.Result:
+    """The losses' one sum, where they are ``unreduced``, then each
+    gradient's (:meth:`after_loop`)."""
+    if jax.typeof(sums.loss).sharding.spec.unreduced:
       sums = sums._replace(loss=all_reduce(sums.loss), losses=all_reduce(sums.losses))
-    grads = self._map(self._reduce, leaves, sums.grads, diff_args)
-    return self.engine.finish(sums._replace(grads=grads), diff_args)
+    return super().reduce(sums, args)
 
-  def _reducible(
-    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, flat: list[Any]
-  ) -> tuple[Engine, list[bool]]:
-    """The engine whose ``fun`` takes ``reduced`` leaves
-    (:class:`jaxaccum._parallel.reduced.Evaluated`), and which leaves some use of
-    ``fun``'s keeps reduced: those enter the loop reduced. Probed on the
-    shapes of one micro-batch (nothing of it is computed)."""
-    o = self.options
-    # the split's own checks first (a micro-batch that does not divide over
-    # the devices of its rows), as the loop would meet them
-    _split.MicroBatches(tuple(args[n] for n in o.batch_argnums), split)
-    fun = _reduced.Evaluated(self.engine.fun, self.axes)
-    engine = dataclasses.replace(self.engine, fun=fun)
-    loss = engine.micro_loss(args, kwargs, split, split.num_micro_batches)
-    m = split.micro_batch_size
-
-    def probe(x):
-      aval = jax.typeof(x)
-      return jax.ShapeDtypeStruct((m, *x.shape[1:]), x.dtype, sharding=aval.sharding)
-
-    micro = tuple(jax.tree.map(probe, args[n]) for n in o.batch_argnums)
-    state = None if o.state_argnum is None else args[o.state_argnum]
-    index = jax.ShapeDtypeStruct((), jnp.int32)
-    diff_args = tuple(args[n] for n in o.argnums)
-    entry = [_placement.on_types(x, self.axes, o.fsdp_gather, True) for x in flat]
-    # A use the walk cannot rewrite takes its leaf plain there alone; an
-    # error here is fun's own (JAX's, as under jax.value_and_grad).
-    kept = fun.probe(
-      lambda *a: loss(*a)[0],
-      lambda diff: self._map(self._enter, entry, diff),
-      diff_args,
-      micro,
-      index,
-      state,
-    )
-    return (engine if any(kept) else self.engine), kept
-
-  # -- the leaves in the loop, their accumulators, the one reduction --------
-
-  def _enter(self, x: jax.Array, p: Placement) -> jax.Array:
-    """``x`` as the loop takes it: gathered (and cast) where ``p`` says,
-    then ``reduced`` over its copies' axes (no data moves)."""
-    spec = _compat.explicit_spec(x)
-    if p.spec is None or spec is None:
-      return x
-    if p.before_loop != "as_is":
-      if p.before_loop == "cast_gather":
-        x = x.astype(self.options.gather_dtype)
-      spec = p.spec.other_spec()
-      x = _types.reshard(x, spec)
-    if not p.copies:
-      return x
-    return _types.reshard(x, _specs.typed(spec, reduced=p.copies))
-
-  def _accumulator(self, leaves: list[Placement]) -> _accumulator.Accumulator:
-    """Float32 (or wider) sums typed as each leaf's ``accumulator`` says."""
-
-    def kept(p):
-      if p.accumulator is None:
-        return _accumulator.LeafSum()
-      return _accumulator.LeafSum(term=lambda g: _types.reshard(g, p.accumulator))
-
-    return _accumulator.accumulator(self.options.accum_dtype, [kept(p) for p in leaves])
-
-  def _reduce(self, acc: jax.Array, x: jax.Array, p: Placement) -> jax.Array:
+  def after_loop(self, acc: jax.Array, x: jax.Array, p: Placement) -> jax.Array:
     """The accumulator in the parameter ``x``'s own sharding: the step's one
     reduction of an ``unreduced`` sum (an all-reduce, or for a leaf
     gathered once a reduce-scatter)."""
+    del p
     own = _compat.explicit_spec(x)
     if own is None or jax.typeof(acc).sharding.spec == own:
       return acc
@@ -211,14 +198,22 @@ class UnreducedStep:
       return all_reduce(acc)
     return _types.reshard(acc, own)
 
-  def _map(
-    self, fun: Callable[..., Any], leaves: list[Placement], *trees: PyTree
-  ) -> PyTree:
-    flat = [jax.tree.flatten(t) for t in trees]
-    out = [
-      fun(*xs, leaf) for *xs, leaf in zip(*(f[0] for f in flat), leaves, strict=True)
-    ]
-    return jax.tree.unflatten(flat[0][1], out)
+
+def enter(x: jax.Array, p: Placement, gather_dtype: Any) -> jax.Array:
+  """``x`` as the loop takes it: gathered (and cast to ``gather_dtype``)
+  where ``p`` says, then ``reduced`` over its copies' axes (no data
+  moves)."""
+  spec = _compat.explicit_spec(x)
+  if p.spec is None or spec is None:
+    return x
+  if p.before_loop != "as_is":
+    if p.before_loop == "cast_gather":
+      x = x.astype(gather_dtype)
+    spec = p.spec.other_spec()
+    x = _types.reshard(x, spec)
+  if not p.copies:
+    return x
+  return _types.reshard(x, _specs.typed(spec, reduced=p.copies))
 
 
 def all_reduce(x: jax.Array) -> jax.Array:
@@ -236,54 +231,22 @@ def all_reduce(x: jax.Array) -> jax.Array:
   )(x)
 
 
-def barrier(diff_args: PyTree, held: list[bool], index: jax.Array) -> PyTree:
-  """The leaves marked in ``held`` pass an optimization barrier with the
-  micro-batch index: otherwise XLA sees a loop-invariant gather of an FSDP
-  weight and hoists it out of the loop, holding every full weight through
-  it."""
-  leaves, treedef = jax.tree.flatten(diff_args)
-  kept = [x for x, h in zip(leaves, held, strict=True) if h]
-  if not kept:
-    return diff_args
-  kept, _ = jax.lax.optimization_barrier((kept, index))
-  it = iter(kept)
-  return jax.tree.unflatten(
-    treedef, [next(it) if h else x for x, h in zip(leaves, held, strict=True)]
-  )
-
-
-def local(
-  engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _engine.Result:
-  """Plain ``jit``'s step: on a batch with data axes (:func:`data_axes`)
-  the step of the module docstring where it :func:`applies`, else the
-  engine's own, whose reductions the partitioner places."""
-  axes = data_axes(engine.options, args)
-  if not axes:
-    return engine.local(args, kwargs)
-  engine.check_args(args)
-  split = engine.plan(args)
-  if not applies(engine.options, split.num_micro_batches):
-    return engine.local(args, kwargs)
-  return run_or_fall_back(engine, axes, args, kwargs, split, fallback=engine.local)
-
-
 def run_or_fall_back(
   engine: Engine,
   axes: tuple[str, ...],
   args: tuple[Any, ...],
   kwargs: dict[str, Any],
-  split: Any,
+  split: _split.MicroBatching,
   *,
   fallback: Callable[[tuple[Any, ...], dict[str, Any]], _engine.Result],
 ) -> _engine.Result:
-  """:class:`UnreducedStep`. Each use the walk rewrites is checked where it
+  """:func:`run`. Each use the walk rewrites is checked where it
   is made, forward and backward (:mod:`jaxaccum._parallel.reduced`), and a
   use JAX refuses takes its leaf plain there alone; should JAX still refuse
   a ``reduced`` leaf in the step (a jaxaccum bug), a warning asking for a
   report and ``fallback``, the partitioner's step, as the last resort."""
   try:
-    return UnreducedStep(engine, axes)(args, kwargs, split)
+    return run(engine, axes, args, kwargs, split)
   except _REFUSALS as error:
     text = str(error)
     if "reduced" not in text:  # not about JAX's types: the user's error
