@@ -137,11 +137,6 @@ def covers(spec: P | None, axes: Collection[str]) -> bool:
   return set(axes) <= {n for e in spec.partitions for n in names(e)}
 
 
-def gathered(spec: P, axes: Collection[str]) -> P:
-  """``spec`` without the data ``axes``: the leaf gathered over them."""
-  return P(*(without(e, set(axes)) for e in spec.partitions))
-
-
 def typed(
   spec: P,
   reduced: Collection[str] = frozenset(),
