@@ -16,8 +16,9 @@ The step is a story in three chapters, each a method of :class:`Engine`:
 
 The data-parallel path (``_parallel``) runs the same loop with one block of
 the batch per device, ``vmap``-ped over the devices: it passes its own micro
-step and :class:`Accumulator`, and reduces over the devices between chapters
-2 and 3. The public wrappers (``_value_and_grad``), the data-parallel path and
+step and accumulator (:mod:`jaxaccum._accumulator`, where every path's
+accumulator is built), and reduces over the devices between chapters 2 and
+3. The public wrappers (``_value_and_grad``), the data-parallel path and
 ``verify_equivalence`` build on this module; it imports none of them.
 """
 
@@ -27,19 +28,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-import chex
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import (
-  _aux,
-  _checks,
-  _exact,
-  _noise_scale,
-  _normalize,
-  _split,
-  _tree,
-)
+from jaxaccum import _aux, _checks, _exact, _noise_scale, _normalize, _split, _tree
+from jaxaccum._accumulator import Accumulator
+from jaxaccum._accumulator import accumulator as new_accumulator
 from jaxaccum._options import Options
 
 PyTree = Any
@@ -106,38 +100,6 @@ class MicroOut(NamedTuple):
   aux: PyTree
   state: PyTree
   noise: tuple[jax.Array, jax.Array, jax.Array] | None
-
-
-class Accumulator(NamedTuple):
-  """How micro-batch gradients are summed: a fold.
-
-  Attributes:
-    init: ``diff_args -> acc``, the zero accumulator.
-    first: ``grads -> acc``, the accumulator after one micro-batch (with a
-      single micro-batch there is no zero to add to).
-    add: ``(acc, grads) -> acc``.
-  """
-
-  init: Callable[[Any], Any]
-  first: Callable[[Any], Any]
-  add: Callable[[Any, Any], Any]
-
-
-def local_accumulator(accum_dtype: Any) -> Accumulator:
-  """Sums in ``accum_dtype`` (or the gradient's dtype, where wider)."""
-
-  def like(p):
-    return _normalize.accumulator_dtype(accum_dtype, p)
-
-  def add(acc, grads):
-    chex.assert_trees_all_equal_shapes(grads, acc)  # trace time, free
-    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
-
-  return Accumulator(
-    init=lambda diff: jax.tree.map(lambda p: jnp.zeros_like(p, like(p)), diff),
-    first=lambda grads: jax.tree.map(lambda g: g.astype(like(g)), grads),
-    add=add,
-  )
 
 
 class Sums(NamedTuple):
@@ -450,7 +412,7 @@ class Engine:
     step = step or self.micro_step(
       args, kwargs, split, split.num_micro_batches, split.micro_batch_size
     )
-    accumulator = accumulator or local_accumulator(o.accum_dtype)
+    accumulator = accumulator or new_accumulator(o.accum_dtype)
     diff_args = tuple(args[i] for i in o.argnums)
     batches = _split.MicroBatches(
       tuple(args[i] for i in o.batch_argnums), split, per_block=per_block

@@ -1,8 +1,9 @@
 """``value_and_grad`` and ``grad``: the public face of the scan engine.
 
 These validate their options once (:mod:`jaxaccum._options`) and run the
-engine (:mod:`jaxaccum._engine`) on one device, or its data-parallel form
-(:mod:`jaxaccum._parallel.data_parallel`) with ``mesh=``. Called outside ``jit``, the step
+engine (:mod:`jaxaccum._engine`) on the path that
+:func:`jaxaccum._parallel.route.route` chooses: on one device, or data
+parallel (``mesh=``, or plain ``jit`` on an Explicit mesh). Called outside ``jit``, the step
 is compiled once per configuration and kept (:mod:`jaxaccum._calls`), and the
 arguments are validated once per configuration, so an eager call costs what
 an eager ``jax.value_and_grad`` call costs; under an outer transformation it
@@ -19,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import _calls, _compat, _engine, _options, _privacy, _split, _static
-from jaxaccum._parallel import data_parallel as _parallel
-from jaxaccum._parallel import unreduced as _unreduced
+from jaxaccum._parallel import layout as _layout
+from jaxaccum._parallel import route as _route
 
 PyTree = Any
 
@@ -261,7 +262,6 @@ class Step:
   def __init__(self, fun: Callable[..., Any], options: _options.Options):
     self.fun = _static.combining(fun)
     self.options = options
-    self.parallel = None if options.mesh is None else _parallel.DataParallel(options)
     self._engines: dict[int, _engine.Engine] = {}
     self._validated: set[Any] = set()
     self._compiled = _calls.Compiled(
@@ -286,9 +286,9 @@ class Step:
   def layout(self, args: tuple[Any, ...]) -> Any:
     """What the compiled program depends on besides static values: the
     parameters' shardings on the data-parallel path."""
-    if self.parallel is None:
+    if self.options.mesh is None:
       return None
-    return self.parallel.layout(self.engine(len(args)).options, args)
+    return _layout.layout(self.engine(len(args)).options, args)
 
   def masked_engine(self, num_args: int) -> _engine.Engine:
     """The engine for a call with ``example_mask=``: the mask goes after the
@@ -313,9 +313,7 @@ class Step:
     else:
       engine = self.engine(len(args))
     _privacy.check_public_args(engine.options, args, kwargs)
-    if self.parallel is not None:
-      return self.parallel(engine, layout, args, kwargs)
-    return _unreduced.local(engine, args, kwargs)
+    return _route.route(engine, layout, args, kwargs)
 
   def compiled_result(self, layout: Any, /, *args: Any, **kwargs: Any) -> Any:
     """:meth:`traced`, as a compiled call returns it: the clipped sum in the
@@ -359,11 +357,11 @@ class Step:
     if any(map(_compat.is_tracer, jax.tree.leaves((args, kwargs)))):
       return self.traced(self.layout(args), *args, **kwargs)
     self.validate(args)
-    with _parallel.mesh_context(self.options.mesh):
+    with _route.mesh_context(self.options.mesh):
       return self._compiled(self.layout(args), *args, **kwargs)
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
     """``jax.jit(...).lower`` of the program these arguments call."""
     args, kwargs = self.partitioned(args, kwargs)
-    with _parallel.mesh_context(self.options.mesh):
+    with _route.mesh_context(self.options.mesh):
       return self._compiled.lower(self.layout(args), *args, **kwargs)

@@ -29,7 +29,8 @@ import jax
 from jaxaccum import _options, _split, _value_and_grad
 from jaxaccum._inspect import hlo as _hlo
 from jaxaccum._inspect.targets import CompileTarget
-from jaxaccum._parallel import data_parallel as _parallel
+from jaxaccum._parallel import layout as _layout
+from jaxaccum._parallel import route as _route
 from jaxaccum._parallel.options import FSDP_MODES
 
 
@@ -478,7 +479,7 @@ def _measure(
   start = time.perf_counter()
   moved = None
   try:
-    with _parallel.mesh_context(options.mesh):
+    with _route.mesh_context(options.mesh):
       compiled = compile_for(step, args, {}, target)
     memory: MemoryStats | None = _memory_of(compiled, target)
     if options.mesh is not None:
@@ -515,7 +516,7 @@ def _fsdp_modes(
     return (kwargs.get("fsdp_gather"),)
   params = options.replace(argnums=(0,)) if builder else options
   params = params.resolve(len(args))
-  layout = _parallel.DataParallel(params).layout(params, tuple(args))
+  layout = _layout.layout(params, tuple(args))
   if not any(s is not None and s.sharded_dims() for s in layout):
     return (None,)
   if kwargs.get("gather_dtype") is not None:

@@ -26,7 +26,7 @@ its jaxpr on the ``reduced`` leaves, rewriting each use of a reduced value:
 - **a convolution of such an operand's images with a reduced kernel** (JAX
   has no ``reduced`` rule for it), on a mesh of the reduced axes only: its
   own derivative, the kernel's cotangent each device's share, ``unreduced``
-  (:func:`_kept_kernel_conv`);
+  (:func:`jaxaccum._parallel.rebuilt.kept_kernel_conv`);
 - **any other use** (a gather, a convolution, a custom derivative, a use
   JAX refuses, an output): the operand is made plain first, so that this
   use's cotangent is reduced in the loop by the partitioner, as under plain
@@ -51,6 +51,9 @@ from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _compat, _jaxpr
+from jaxaccum._parallel import rebuilt as _rebuilt
+from jaxaccum._parallel import specs as _specs
+from jaxaccum._parallel import types as _types
 
 PyTree = Any
 
@@ -123,8 +126,8 @@ class Evaluated:
     outs, _ = walk.run(closed.jaxpr, closed.consts, arrays, origins)
     self._kept |= walk.kept
     # the loss (the first leaf) may stay a sum over rows, unreduced
-    loss = outs[0] if outs and not walk.reduced(outs[0]) else _plain(outs[0])
-    return jax.tree.unflatten(out_tree, [loss, *map(_plain, outs[1:])])
+    loss = outs[0] if outs and not walk.reduced(outs[0]) else _types.plain(outs[0])
+    return jax.tree.unflatten(out_tree, [loss, *map(_types.plain, outs[1:])])
 
   def probe(
     self,
@@ -209,13 +212,13 @@ class _Walk(_jaxpr.Walker):
 
   def reduced(self, x: Any) -> frozenset[str]:
     """The axes of ``self.axes`` that ``x`` is reduced over."""
-    spec = _spec(x)
+    spec = _types.spec_of(x)
     return frozenset() if spec is None else frozenset(spec.reduced) & self.axes
 
   def partial(self, x: Any) -> frozenset[str]:
     """The axes of ``self.axes`` that ``x`` is ``unreduced`` over: a sum
     over rows whose reduction is put off."""
-    spec = _spec(x)
+    spec = _types.spec_of(x)
     return frozenset() if spec is None else frozenset(spec.unreduced) & self.axes
 
   def follows(self, eqn: Any, invals: list[Any], meta: list[Any]) -> bool:
@@ -227,9 +230,9 @@ class _Walk(_jaxpr.Walker):
     to a scalar (a loss, a count) is left ``unreduced`` over the data axes;
     the rest as it is."""
     if eqn.primitive.name == "reduce_sum" and not eqn.outvars[0].aval.shape:
-      parts = _spec_or_empty(invals[0]).partitions
-      axes = frozenset().union(*map(_names, parts)) & self.axes
-      spec = _aval_spec(eqn.outvars[0].aval)
+      parts = _types.spec_or_empty(invals[0]).partitions
+      axes = frozenset(n for e in parts for n in _specs.names(e)) & self.axes
+      spec = _types.aval_spec(eqn.outvars[0].aval)
       if axes and spec is not None and not spec.unreduced:
         out = eqn.outvars[0].aval.sharding.update(spec=P(unreduced=axes))
         return _jaxpr.bind(eqn, invals, out_sharding=out)
@@ -259,7 +262,7 @@ class _Walk(_jaxpr.Walker):
   def as_plain(self, eqn: Any, invals: list[Any]) -> list[Any]:
     """``eqn`` with its reduced and partial operands made plain: plain
     ``jit``'s own use of them."""
-    return _bind(eqn, [_plain(x) for x in invals])
+    return _bind(eqn, [_types.plain(x) for x in invals])
 
   def default(
     self, eqn: Any, invals: list[Any], meta: list[Any]
@@ -318,14 +321,14 @@ class _Walk(_jaxpr.Walker):
     rows: their cotangent comes back unreduced), ``"reduced"`` (the result
     is reduced too) or ``"plain"`` (made plain first; always the last)."""
     name = eqn.primitive.name
-    others = [_spec(x) for n, x in enumerate(invals) if n not in at]
+    others = [_types.spec_of(x) for n, x in enumerate(invals) if n not in at]
     out = eqn.outvars[0].aval
     if name == "dot_general" and _contracts_rows(eqn, invals, at, axes):
       yield list, "kept"
     elif (
       name in ELEMENTWISE
-      and _covers(_aval_spec(out), axes)
-      and any(_covers(s, axes) for s in others)
+      and _specs.covers(_types.aval_spec(out), axes)
+      and any(_specs.covers(s, axes) for s in others)
     ):  # broadcast into the sharded operand's rows
       yield (
         (
@@ -338,7 +341,7 @@ class _Walk(_jaxpr.Walker):
     elif name in TYPED:  # JAX's own rule, where it has one
       yield list, "kept"
     elif (name in ELEMENTWISE or len(invals) == 1) and not (
-      _has_jaxpr(eqn) or any(s is not None and _shards(s, axes) for s in others)
+      _has_jaxpr(eqn) or any(s is not None and _specs.shards(s, axes) for s in others)
     ):  # a view, a cast, an op of reduced and replicated values
       yield (
         (
@@ -350,7 +353,7 @@ class _Walk(_jaxpr.Walker):
         "reduced",
       )
     yield (
-      lambda vals: [_plain(x) if n in at else x for n, x in enumerate(vals)],
+      lambda vals: [_types.plain(x) if n in at else x for n, x in enumerate(vals)],
       "plain",
     )
 
@@ -358,11 +361,12 @@ class _Walk(_jaxpr.Walker):
     self, eqn: Any, invals: list[Any], sources: list[frozenset[int] | None]
   ) -> tuple[list[Any], list[frozenset[int] | None]]:
     """A convolution of rows with a reduced kernel: its own derivative
-    (:func:`_kept_kernel_conv`) where :func:`_kernel_of_rows` allows it."""
+    (:mod:`jaxaccum._parallel.rebuilt`) where each device's images are its
+    own."""
     axes = frozenset().union(*(self.reduced(x) for x in invals))
-    if self.reduced(invals[1]) and _kernel_of_rows(eqn, invals, axes):
+    if self.reduced(invals[1]) and _rebuilt.kernel_of_rows(eqn, invals, axes):
       self.kept |= frozenset().union(*(s for s in sources if s))
-      return [_kept_kernel_conv(eqn, invals[0], invals[1], axes)], [None]
+      return [_rebuilt.kept_kernel_conv(eqn, invals[0], invals[1], axes)], [None]
     return self.default(eqn, invals, sources)
 
   def reshard(
@@ -378,12 +382,7 @@ class _Walk(_jaxpr.Walker):
       return self.default(eqn, invals, sources)
     leaves = frozenset().union(*(s for s in sources if s))
     dst = eqn.params["dst_sharding"]
-    explicit = {
-      a
-      for a, t in zip(dst.mesh.axis_names, dst.mesh.axis_types, strict=True)
-      if t == jax.sharding.AxisType.Explicit
-    }
-    if axes <= explicit and not _shards(dst.spec, axes):
+    if axes <= _types.explicit_axes(dst.mesh) and not _specs.shards(dst.spec, axes):
       spec = P(*dst.spec.partitions, reduced=set(dst.spec.reduced) | axes)
       out = _jaxpr.bind(eqn, invals, dst_sharding=dst.update(spec=spec))
       return out, [leaves or None]
@@ -411,33 +410,8 @@ class _Walk(_jaxpr.Walker):
       remat = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])
       return remat(*invals), found
     if name == "cond":
-
-      def branch(closed: Any) -> Callable[..., list[Any]]:
-        def run(*ops: Any) -> list[Any]:
-          outs, _ = self.run(closed.jaxpr, closed.consts, ops, sources[1:])
-          return [_plain(x) for x in outs]
-
-        return run
-
-      outs = jax.lax.switch(invals[0], [branch(b) for b in p["branches"]], *invals[1:])
-      return list(outs), [None] * len(outs)
-    consts, carried = _compat.scan_operand_counts(p, len(invals))
-    fixed, init = invals[:consts], [_plain(x) for x in invals[consts:][:carried]]
-    scanned = invals[consts + carried :]
-    closed = p["jaxpr"]
-    inner_sources = [*sources[:consts], *[None] * carried, *sources[consts + carried :]]
-
-    def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
-      outs, _ = self.run(
-        closed.jaxpr, closed.consts, [*fixed, *carry, *xs], inner_sources
-      )
-      return [_plain(x) for x in outs[:carried]], [_plain(x) for x in outs[carried:]]
-
-    carry, ys = jax.lax.scan(
-      step, init, scanned, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
-    )
-    outs = [*carry, *ys]
-    return outs, [None] * len(outs)
+      return _rebuilt.cond(self, eqn, invals, sources)
+    return _rebuilt.scan(self, eqn, invals, sources)
 
 
 def _check_transpose(
@@ -473,73 +447,6 @@ def _check_transpose(
   )
 
 
-def _kernel_of_rows(eqn: Any, invals: list[Any], axes: frozenset[str]) -> bool:
-  """A convolution of images whose batch dimension is sharded over the
-  reduced axes exactly (each device's images its own; the kernel then is
-  the reduced operand), one batch group, on a mesh of those axes only
-  (other axes of size 1): the kernel's cotangent is taken in a
-  ``shard_map`` manual over every mesh axis (JAX takes ``unreduced``
-  outputs only so), and with another axis in the mesh jax 0.10.2 returned
-  half of it, silently (a ``(4, 2)`` data x model mesh; not isolated from
-  this derivative; 0.12.1 returned it whole)."""
-  mesh = jax.typeof(invals[0]).sharding.mesh
-  if eqn.params["batch_group_count"] != 1 or any(
-    size > 1 and a not in axes for a, size in mesh.shape.items()
-  ):
-    return False
-  images = _spec_or_empty(invals[0]).partitions
-  batch = eqn.params["dimension_numbers"].lhs_spec[0]
-  return batch < len(images) and set(_names(images[batch])) == axes
-
-
-def _kept_kernel_conv(
-  eqn: Any, images: jax.Array, kernel: jax.Array, axes: frozenset[str]
-) -> jax.Array:
-  """The convolution of :func:`_kernel_of_rows`, on the kernel made plain
-  (no data moves), with a derivative that leaves the kernel's cotangent
-  ``unreduced``: each device's rows' share, a ``shard_map`` over the
-  reduced axes, where JAX, which has no ``reduced`` rule for a convolution,
-  would have the partitioner all-reduce it. The images' cotangent is the
-  convolution's own."""
-  params = eqn.params
-  mesh = jax.typeof(images).sharding.mesh
-  names = tuple(sorted(axes))
-
-  def conv(x: jax.Array, k: jax.Array) -> jax.Array:
-    return eqn.primitive.bind(x, k, **params)
-
-  @jax.custom_vjp
-  def kept(x: jax.Array, k: jax.Array) -> jax.Array:
-    return conv(x, _plain(k))
-
-  def forward(x: jax.Array, k: jax.Array) -> tuple[jax.Array, Any]:
-    return kept(x, k), (x, k)
-
-  def backward(res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, k = res
-    plain = _plain(k)
-    _, images_vjp = jax.vjp(lambda x: conv(x, plain), x)
-    (dx,) = images_vjp(g)
-
-    def local(x: jax.Array, g: jax.Array, k: jax.Array) -> jax.Array:
-      k = jax.lax.pcast(k, names, to="varying")
-      _, kernel_vjp = jax.vjp(lambda k: conv(x, k), k)
-      return jax.lax.pcast(kernel_vjp(g)[0], names, to="unreduced")
-
-    # Manual over every mesh axis (the default): JAX takes unreduced
-    # outputs only so.
-    dk = jax.shard_map(
-      local,
-      mesh=mesh,
-      in_specs=(P(*_spec_or_empty(x)), P(*_spec_or_empty(g)), P()),
-      out_specs=P(unreduced=set(names)),
-    )(x, g, plain)
-    return dx, dk
-
-  kept.defvjp(forward, backward)
-  return kept(images, kernel)
-
-
 #: The parameters in which an operation carries its result's sharding, as
 #: traced (``vmap`` gives the bias it broadcasts one).
 _OUT_SHARDINGS = ("sharding", "out_sharding")
@@ -570,13 +477,15 @@ def _contracts_rows(
   if len(at) != 1 or len(invals) != 2:
     return False
   other = 1 - at[0]
-  spec = _spec(invals[other])
+  spec = _types.spec_of(invals[other])
   (contracting, batch) = eqn.params["dimension_numbers"]
   bound = set(contracting[other]) | set(batch[other])
-  if spec is None or not _covers(spec, axes):
+  if spec is None or not _specs.covers(spec, axes):
     return False
   return not any(
-    _names(entry) & axes for d, entry in enumerate(spec.partitions) if d in bound
+    set(_specs.names(entry)) & axes
+    for d, entry in enumerate(spec.partitions)
+    if d in bound
   )
 
 
@@ -632,19 +541,14 @@ def _as_reduced(
   (JAX decides) or on a mesh without them (JAX refuses it)."""
   x = jnp.asarray(x, dtype)
   sharding = jax.typeof(x).sharding
-  spec = _spec(x)
+  spec = _types.spec_of(x)
   if spec is None or sharding.mesh.empty:
     typed = P(*(None,) * jnp.ndim(x), reduced=set(axes))
     return jax.sharding.reshard(x, jax.typeof(like).sharding.update(spec=typed))
-  if _shards(spec, axes) or not axes <= set(sharding.mesh.axis_names):
+  if _specs.shards(spec, axes) or not axes <= set(sharding.mesh.axis_names):
     return x
   typed = P(*spec.partitions, reduced=set(spec.reduced) | axes)
   return jax.sharding.reshard(x, sharding.update(spec=typed))
-
-
-def _spec_or_empty(x: Any) -> P:
-  spec = _spec(x)
-  return P() if spec is None else spec
 
 
 def _has_jaxpr(eqn: Any) -> bool:
@@ -653,51 +557,12 @@ def _has_jaxpr(eqn: Any) -> bool:
   return any(isinstance(v, kinds) for v in eqn.params.values())
 
 
-def _shards(spec: P, axes: frozenset[str]) -> bool:
-  """``spec`` shards a dimension over some of ``axes``."""
-  return any(_names(e) & axes for e in spec.partitions)
-
-
-def _covers(spec: P | None, axes: frozenset[str]) -> bool:
-  """``spec`` shards its dimensions over all of ``axes``."""
-  if spec is None:
-    return False
-  return axes <= frozenset().union(*(_names(e) for e in spec.partitions))
-
-
-def _spec(x: Any) -> P | None:
-  """``x``'s ``PartitionSpec`` on an Explicit mesh, None elsewhere."""
-  return _aval_spec(jax.typeof(x))
-
-
-def _aval_spec(aval: Any) -> P | None:
-  sharding = getattr(aval, "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  return spec if isinstance(spec, P) else None
-
-
-def _plain(x: Any) -> Any:
-  """``x`` as an ordinary value: without ``reduced`` axes (its cotangent
-  reduced here) or ``unreduced`` ones (reduced here)."""
-  spec = _spec(x)
-  if spec is None or not (spec.reduced or spec.unreduced):
-    return x
-  plain = P(*spec.partitions)
-  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=plain))
-
-
 def _plain_type(x: jax.Array) -> jax.ShapeDtypeStruct:
   aval = jax.typeof(x)
   sharding = aval.sharding
-  spec = _spec(x)
+  spec = _types.spec_of(x)
   if spec is not None and spec.reduced:
     sharding = sharding.update(spec=P(*spec.partitions, unreduced=set(spec.unreduced)))
   return jax.ShapeDtypeStruct(
     x.shape, x.dtype, sharding=sharding, weak_type=aval.weak_type
   )
-
-
-def _names(entry: Any) -> frozenset[str]:
-  if entry is None or entry is P.UNCONSTRAINED:
-    return frozenset()
-  return frozenset(entry if isinstance(entry, tuple) else (entry,))

@@ -48,16 +48,20 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat, _engine, _normalize, _split
+from jaxaccum import _accumulator, _compat, _engine, _split
 from jaxaccum._engine import Engine
+from jaxaccum._parallel import placement as _placement
 from jaxaccum._parallel import reduced as _reduced
+from jaxaccum._parallel import specs as _specs
+from jaxaccum._parallel import types as _types
+from jaxaccum._parallel.placement import Placement
+from jaxaccum._parallel.skeleton import Step
 
 PyTree = Any
 
@@ -73,13 +77,10 @@ def data_axes(options: Any, args: tuple[Any, ...]) -> tuple[str, ...]:
       spec = _compat.explicit_spec(x)
       if spec is None or not jnp.ndim(x) or not spec.partitions:
         continue
-      mesh = jax.typeof(x).sharding.mesh
-      explicit = {
-        a
-        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t == AxisType.Explicit
-      }
-      axes += [a for a in _names(spec.partitions[0]) if a in explicit and a not in axes]
+      explicit = _types.explicit_axes(jax.typeof(x).sharding.mesh)
+      axes += [
+        a for a in _specs.names(spec.partitions[0]) if a in explicit and a not in axes
+      ]
   return tuple(axes)
 
 
@@ -91,183 +92,124 @@ def applies(options: Any, num_micro_batches: int) -> bool:
   return num_micro_batches > 1 and not options.noise_stats and options.rule is None
 
 
-class Leaf(NamedTuple):
-  """How one differentiated leaf enters the loop and is accumulated.
-
-  Attributes:
-    spec: the leaf's own ``PartitionSpec`` (its type's), or None for a leaf
-      with no Explicit sharding, left to the partitioner.
-    reduced: the data axes it is ``reduced`` over in the loop (its gradient
-      comes back ``unreduced`` over them).
-    gather: ``"as_is"``, ``"gather"`` (over its data axes, before the loop)
-      or ``"cast_gather"`` (cast to ``gather_dtype`` first).
-    accumulator: the accumulator's ``PartitionSpec``.
-    barrier: sharded over data axes in the loop: it passes an optimization
-      barrier, so that its gather stays in the loop (:func:`barrier`).
-  """
-
-  spec: P | None
-  reduced: frozenset[str]
-  gather: str
-  accumulator: P | None
-  barrier: bool = False
-
-
-def plan_leaf(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Leaf:
-  """The :class:`Leaf` for ``x`` with the batch on data ``axes`` under
-  ``fsdp_gather=mode``; ``reducible`` says whether some use of it in
-  ``fun`` keeps it ``reduced`` (:meth:`jaxaccum._parallel.reduced.Evaluated.probe`)."""
-  spec = _compat.explicit_spec(x)
-  if spec is None:
-    return Leaf(None, frozenset(), "as_is", None)
-  used = _uses(spec, axes)
-  if used and mode == "per_micro_batch":
-    # HSDP's replica axes stay with the partitioner too: JAX types a
-    # weight's cotangent from a contraction over rows sharded over
-    # (replica, fsdp) as unreduced over all of them or none.
-    return Leaf(spec, spec.reduced, "as_is", P(*spec.partitions), barrier=True)
-  gather = "as_is" if not used else "gather" if mode == "once" else "cast_gather"
-  inside = _gathered(spec, axes)
-  if not reducible:  # the partitioner reduces each micro-batch's gradient
-    return Leaf(spec, frozenset(), gather, P(*inside.partitions))
-  reduced = frozenset(axes)
-  if gather == "cast_gather":  # reduce-scattered into a sharded sum
-    return Leaf(spec, reduced, gather, P(*spec.partitions))
-  return Leaf(spec, reduced | spec.reduced, gather, _typed(inside, unreduced=reduced))
+def run(
+  engine: Engine,
+  axes: tuple[str, ...],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  split: _split.MicroBatching,
+) -> _engine.Result:
+  """The step of the module docstring for ``engine``, whose batch lies on
+  data ``axes`` of an Explicit mesh: each leaf placed
+  (:func:`jaxaccum._parallel.placement.on_types`) as the probe of ``fun``'s
+  uses finds it (:func:`reducible`)."""
+  o = engine.options
+  flat = jax.tree.leaves(tuple(args[n] for n in o.argnums))
+  engine, kept = reducible(engine, axes, args, kwargs, split)
+  placements = [
+    _placement.on_types(x, axes, o.fsdp_gather, r)
+    for x, r in zip(flat, kept, strict=True)
+  ]
+  return UnreducedStep(engine, placements, split)(args, kwargs)
 
 
-class UnreducedStep:
-  """The step of the module docstring, for an :class:`Engine` whose batch
-  lies on data ``axes`` of an Explicit mesh."""
+def reducible(
+  engine: Engine,
+  axes: tuple[str, ...],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  split: _split.MicroBatching,
+) -> tuple[Engine, list[bool]]:
+  """The engine whose ``fun`` takes ``reduced`` leaves
+  (:class:`jaxaccum._parallel.reduced.Evaluated`), and which leaves some
+  use of ``fun``'s keeps reduced: those enter the loop reduced. Probed on
+  the shapes of one micro-batch (nothing of it is computed)."""
+  o = engine.options
+  # the split's own checks first (a micro-batch that does not divide over
+  # the devices of its rows), as the loop would meet them
+  _split.MicroBatches(tuple(args[n] for n in o.batch_argnums), split)
+  fun = _reduced.Evaluated(engine.fun, axes)
+  evaluated = dataclasses.replace(engine, fun=fun)
+  loss = evaluated.micro_loss(args, kwargs, split, split.num_micro_batches)
+  m = split.micro_batch_size
 
-  def __init__(self, engine: Engine, axes: tuple[str, ...]):
-    self.engine = engine
-    self.options = engine.options
-    self.axes = axes
+  def probe(x):
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct((m, *x.shape[1:]), x.dtype, sharding=aval.sharding)
 
-  def __call__(
-    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any
-  ) -> _engine.Result:
-    o = self.options
-    diff_args = tuple(args[n] for n in o.argnums)
-    flat = jax.tree.leaves(diff_args)
-    engine, reducible = self._reducible(args, kwargs, split, flat)
-    leaves = [
-      plan_leaf(x, self.axes, o.fsdp_gather, r)
-      for x, r in zip(flat, reducible, strict=True)
-    ]
-    call_args = list(args)
-    entered = self._map(self._enter, leaves, diff_args)
-    for n, placed in zip(o.argnums, entered, strict=True):
-      call_args[n] = placed
-    base = engine.micro_step(
-      tuple(call_args), kwargs, split, split.num_micro_batches, split.micro_batch_size
-    )
-    held = [leaf.barrier for leaf in leaves]
+  micro = tuple(jax.tree.map(probe, args[n]) for n in o.batch_argnums)
+  state = None if o.state_argnum is None else args[o.state_argnum]
+  index = jax.ShapeDtypeStruct((), jnp.int32)
+  diff_args = tuple(args[n] for n in o.argnums)
+  entry = [
+    _placement.on_types(x, axes, o.fsdp_gather, True)
+    for x in jax.tree.leaves(diff_args)
+  ]
+  # A use the walk cannot rewrite takes its leaf plain there alone; an
+  # error here is fun's own (JAX's, as under jax.value_and_grad).
+  kept = fun.probe(
+    lambda *a: loss(*a)[0],
+    lambda diff: _placement.each(lambda x, p: enter(x, p, o.gather_dtype), entry, diff),
+    diff_args,
+    micro,
+    index,
+    state,
+  )
+  return (evaluated if any(kept) else engine), kept
 
-    def step(diff, micro, index, state):
-      return base(barrier(diff, held, index), micro, index, state)
 
-    sums = engine.sums(
-      tuple(call_args), kwargs, split, step=step, accumulator=self._accumulator(leaves)
-    )
-    if jax.typeof(sums.loss).sharding.spec.unreduced:  # the losses' one sum
+class UnreducedStep(Step):
+  """The step of the module docstring, its leaves placed by
+  :func:`jaxaccum._parallel.placement.on_types`."""
+
+  def before_loop(self, x: jax.Array, p: Placement) -> jax.Array:
+    """``x`` as the loop takes it (:func:`enter`)."""
+    return enter(x, p, self.options.gather_dtype)
+
+  def leaf_sum(self, p: Placement) -> _accumulator.LeafSum:
+    """Each micro-batch's gradient resharded into the accumulator's type
+    (``unreduced`` where the leaf entered ``reduced``) before it is added."""
+    spec = p.accumulator
+    if spec is None:
+      return _accumulator.LeafSum()
+    return _accumulator.LeafSum(term=lambda g: _types.reshard(g, spec))
+
+  def reduce(self, sums: _engine.Sums, args: tuple[Any, ...]) -> _engine.Result:
+    """The losses' one sum, where they are ``unreduced``, then each
+    gradient's (:meth:`after_loop`)."""
+    if jax.typeof(sums.loss).sharding.spec.unreduced:
       sums = sums._replace(loss=all_reduce(sums.loss), losses=all_reduce(sums.losses))
-    grads = self._map(self._reduce, leaves, sums.grads)
-    return self.engine.finish(sums._replace(grads=grads), diff_args)
+    return super().reduce(sums, args)
 
-  def _reducible(
-    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, flat: list[Any]
-  ) -> tuple[Engine, list[bool]]:
-    """The engine whose ``fun`` takes ``reduced`` leaves
-    (:class:`jaxaccum._parallel.reduced.Evaluated`), and which leaves some use of
-    ``fun``'s keeps reduced: those enter the loop reduced. Probed on the
-    shapes of one micro-batch (nothing of it is computed)."""
-    o = self.options
-    # the split's own checks first (a micro-batch that does not divide over
-    # the devices of its rows), as the loop would meet them
-    _split.MicroBatches(tuple(args[n] for n in o.batch_argnums), split)
-    fun = _reduced.Evaluated(self.engine.fun, self.axes)
-    engine = dataclasses.replace(self.engine, fun=fun)
-    loss = engine.micro_loss(args, kwargs, split, split.num_micro_batches)
-    m = split.micro_batch_size
-
-    def probe(x):
-      aval = jax.typeof(x)
-      return jax.ShapeDtypeStruct((m, *x.shape[1:]), x.dtype, sharding=aval.sharding)
-
-    micro = tuple(jax.tree.map(probe, args[n]) for n in o.batch_argnums)
-    state = None if o.state_argnum is None else args[o.state_argnum]
-    index = jax.ShapeDtypeStruct((), jnp.int32)
-    diff_args = tuple(args[n] for n in o.argnums)
-    entry = [plan_leaf(x, self.axes, o.fsdp_gather, True) for x in flat]
-    # A use the walk cannot rewrite takes its leaf plain there alone; an
-    # error here is fun's own (JAX's, as under jax.value_and_grad).
-    kept = fun.probe(
-      lambda *a: loss(*a)[0],
-      lambda diff: self._map(self._enter, entry, diff),
-      diff_args,
-      micro,
-      index,
-      state,
-    )
-    return (engine if any(kept) else self.engine), kept
-
-  # -- the leaves in the loop, their accumulators, the one reduction --------
-
-  def _enter(self, x: jax.Array, leaf: Leaf) -> jax.Array:
-    """``x`` as the loop takes it: gathered (and cast) where ``leaf`` says,
-    then ``reduced`` over its replica axes (no data moves)."""
-    if leaf.spec is None:
-      return x
-    spec = leaf.spec
-    if leaf.gather != "as_is":
-      if leaf.gather == "cast_gather":
-        x = x.astype(self.options.gather_dtype)
-      spec = _gathered(spec, self.axes)
-      x = _reshard(x, spec)
-    if not leaf.reduced:
-      return x
-    return _reshard(x, _typed(spec, reduced=leaf.reduced))
-
-  def _accumulator(self, leaves: list[Leaf]) -> _engine.Accumulator:
-    """Float32 (or wider) sums typed as each leaf's ``accumulator`` says."""
-    dtype = self.options.accum_dtype
-
-    def fold(g, leaf, acc=None):
-      g = g.astype(_normalize.accumulator_dtype(dtype, g) if acc is None else acc.dtype)
-      if leaf.accumulator is not None:
-        g = _reshard(g, leaf.accumulator)
-      return g if acc is None else acc + g
-
-    def init(diff):
-      return self._map(lambda x, leaf: fold(jnp.zeros_like(x), leaf), leaves, diff)
-
-    return _engine.Accumulator(
-      init=init,
-      first=lambda grads: self._map(fold, leaves, grads),
-      add=lambda acc, grads: self._map(
-        lambda a, g, leaf: fold(g, leaf, a), leaves, acc, grads
-      ),
-    )
-
-  def _reduce(self, acc: jax.Array, leaf: Leaf) -> jax.Array:
-    """The accumulator in the parameter's own sharding: the step's one
+  def after_loop(self, acc: jax.Array, x: jax.Array, p: Placement) -> jax.Array:
+    """The accumulator in the parameter ``x``'s own sharding: the step's one
     reduction of an ``unreduced`` sum (an all-reduce, or for a leaf
     gathered once a reduce-scatter)."""
-    if leaf.spec is None or jax.typeof(acc).sharding.spec == leaf.spec:
+    del p
+    own = _compat.explicit_spec(x)
+    if own is None or jax.typeof(acc).sharding.spec == own:
       return acc
     spec = jax.typeof(acc).sharding.spec
-    if spec.unreduced and spec.partitions == leaf.spec.partitions:
+    if spec.unreduced and spec.partitions == own.partitions:
       return all_reduce(acc)
-    return _reshard(acc, leaf.spec)
+    return _types.reshard(acc, own)
 
-  def _map(self, fun: Callable[..., Any], leaves: list[Leaf], *trees: PyTree) -> PyTree:
-    flat = [jax.tree.flatten(t) for t in trees]
-    out = [
-      fun(*xs, leaf) for *xs, leaf in zip(*(f[0] for f in flat), leaves, strict=True)
-    ]
-    return jax.tree.unflatten(flat[0][1], out)
+
+def enter(x: jax.Array, p: Placement, gather_dtype: Any) -> jax.Array:
+  """``x`` as the loop takes it: gathered (and cast to ``gather_dtype``)
+  where ``p`` says, then ``reduced`` over its copies' axes (no data
+  moves)."""
+  spec = _compat.explicit_spec(x)
+  if p.spec is None or spec is None:
+    return x
+  if p.before_loop != "as_is":
+    if p.before_loop == "cast_gather":
+      x = x.astype(gather_dtype)
+    spec = p.spec.other_spec()
+    x = _types.reshard(x, spec)
+  if not p.copies:
+    return x
+  return _types.reshard(x, _specs.typed(spec, reduced=p.copies))
 
 
 def all_reduce(x: jax.Array) -> jax.Array:
@@ -285,91 +227,22 @@ def all_reduce(x: jax.Array) -> jax.Array:
   )(x)
 
 
-def barrier(diff_args: PyTree, held: list[bool], index: jax.Array) -> PyTree:
-  """The leaves marked in ``held`` pass an optimization barrier with the
-  micro-batch index: otherwise XLA sees a loop-invariant gather of an FSDP
-  weight and hoists it out of the loop, holding every full weight through
-  it."""
-  leaves, treedef = jax.tree.flatten(diff_args)
-  kept = [x for x, h in zip(leaves, held, strict=True) if h]
-  if not kept:
-    return diff_args
-  kept, _ = jax.lax.optimization_barrier((kept, index))
-  it = iter(kept)
-  return jax.tree.unflatten(
-    treedef, [next(it) if h else x for x, h in zip(leaves, held, strict=True)]
-  )
-
-
-def _reshard(x: jax.Array, spec: P) -> jax.Array:
-  """``x`` resharded to ``spec`` on its own mesh (no mesh context needed)."""
-  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=spec))
-
-
-def _typed(
-  spec: P,
-  reduced: frozenset[str] = frozenset(),
-  unreduced: frozenset[str] = frozenset(),
-) -> P:
-  """``spec``'s partitions with ``reduced`` and ``unreduced`` axes."""
-  return P(*spec.partitions, reduced=set(reduced), unreduced=set(unreduced))
-
-
-def _uses(spec: P, axes: tuple[str, ...]) -> frozenset[str]:
-  """The ``axes`` that ``spec`` shards a dimension over."""
-  return frozenset(n for e in spec.partitions for n in _names(e) if n in axes)
-
-
-def _gathered(spec: P, axes: tuple[str, ...]) -> P:
-  """``spec`` without the data ``axes``: the leaf gathered over them."""
-  return P(*(_without(e, set(axes)) for e in spec.partitions))
-
-
-def _without(entry: Any, axes: set[str]) -> Any:
-  names = tuple(n for n in _names(entry) if n not in axes)
-  if not names:
-    return None
-  return names[0] if len(names) == 1 else names
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-  if entry is None or entry is P.UNCONSTRAINED:
-    return ()
-  return entry if isinstance(entry, tuple) else (entry,)
-
-
-def local(
-  engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _engine.Result:
-  """Plain ``jit``'s step: on a batch with data axes (:func:`data_axes`)
-  the step of the module docstring where it :func:`applies`, else the
-  engine's own, whose reductions the partitioner places."""
-  axes = data_axes(engine.options, args)
-  if not axes:
-    return engine.local(args, kwargs)
-  engine.check_args(args)
-  split = engine.plan(args)
-  if not applies(engine.options, split.num_micro_batches):
-    return engine.local(args, kwargs)
-  return run_or_fall_back(engine, axes, args, kwargs, split, fallback=engine.local)
-
-
 def run_or_fall_back(
   engine: Engine,
   axes: tuple[str, ...],
   args: tuple[Any, ...],
   kwargs: dict[str, Any],
-  split: Any,
+  split: _split.MicroBatching,
   *,
   fallback: Callable[[tuple[Any, ...], dict[str, Any]], _engine.Result],
 ) -> _engine.Result:
-  """:class:`UnreducedStep`. Each use the walk rewrites is checked where it
+  """:func:`run`. Each use the walk rewrites is checked where it
   is made, forward and backward (:mod:`jaxaccum._parallel.reduced`), and a
   use JAX refuses takes its leaf plain there alone; should JAX still refuse
   a ``reduced`` leaf in the step (a jaxaccum bug), a warning asking for a
   report and ``fallback``, the partitioner's step, as the last resort."""
   try:
-    return UnreducedStep(engine, axes)(args, kwargs, split)
+    return run(engine, axes, args, kwargs, split)
   except _REFUSALS as error:
     text = str(error)
     if "reduced" not in text:  # not about JAX's types: the user's error
