@@ -456,10 +456,19 @@ def capture() -> optax.GradientTransformation:
 
 def optimizer(case: Case) -> optax.GradientTransformation:
   """``capture()``, after DP-SGD's noise with ``sigma = 0`` when clipping:
-  then it gets the clipped sum divided as the step divides it."""
+  then it gets the clipped sum divided as the step divides it. A weighted
+  step's noise is divided by a public expected weight (dp_noise never
+  divides by the private one): here the batch's own total weight, so that
+  the reference's division by the total weight is the same number."""
   if case.clip == "none":
     return capture()
-  noise = jaxaccum.dp_noise(0.0, C, jax.random.key(3), normalize="fixed")
+  expected = None
+  if case.normalize == "weighted":
+    _, data, _, _ = problem(case.dtype)
+    expected = float(np.sum(host(data)[2]))
+  noise = jaxaccum.dp_noise(
+    0.0, C, jax.random.key(3), normalize="fixed", expected_weight=expected
+  )
   return optax.chain(noise, capture())
 
 
