@@ -1165,22 +1165,6 @@ BUGS = (
     "run once, after the loop)",
   ),
   Bug(
-    "accumulate+explicit+sharded",
-    lambda c: (
-      c.entry == "accumulate"
-      and c.parallel in ("jit", "device", "global")
-      and c.fsdp != "none"
-    ),
-    ShardingTypeError,
-    "accumulate() of parameters sharded over an Explicit mesh axis (here w1 "
-    "P(None, 'data')) does not trace: init makes the accumulator with "
-    "jnp.zeros(shape) (jaxaccum/_optim/accumulate.py, _init_state), typed "
-    "replicated, and update's jnp.where(valid, acc + g, acc) "
-    "(_add_micro_batch) raises ShardingTypeError 'select cases must have the "
-    "same shardings, got [P(None, None), P(None, 'data')]'; on an Auto mesh "
-    "the same window is exact",
-  ),
-  Bug(
     "jit+cast_once+clip_or_noise",
     lambda c: (
       c.parallel == "jit"

@@ -181,7 +181,7 @@ def _init_state(
     micro_step=_scalar(0, jnp.int32),
     step=_scalar(0, jnp.int32),
     acc_grads=jax.tree.map(
-      lambda p: jnp.zeros(jnp.shape(p), _normalize.accumulator_dtype(accum_dtype, p)),
+      lambda p: jnp.zeros_like(p, _normalize.accumulator_dtype(accum_dtype, p)),
       params,
     ),
     acc_weight=_scalar(0.0),
@@ -531,7 +531,7 @@ def _inner_or_zeros(
 
   def no_update(acc_grads, acc_weight, inner_state, noise):
     shapes = jax.eval_shape(inner_update, acc_grads, acc_weight, inner_state, noise)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+    zeros = jax.tree.map(jnp.zeros_like, shapes[0])
     return zeros, inner_state, noise
 
   return jax.lax.cond(
