@@ -1080,8 +1080,16 @@ REFUSALS = (
     ("noise_stats", "2 micro-batches"),
   ),
   Refusal(
-    "global_auto+once",  # docs: view="global" off Explicit axes, no "once"
-    lambda c: c.parallel == "global_auto" and c.fsdp == "once",
+    # docs/guide.md: view="global" has "once" only on plain jit's step
+    "global+once",
+    lambda c: (
+      c.fsdp == "once"
+      and c.entry != "accumulate"  # each call one micro-batch: nothing to keep
+      and (
+        c.parallel == "global_auto"
+        or (c.parallel == "global" and (c.clip != "none" or c.noise_stats))
+      )
+    ),
     ValueError,
     ("fsdp_gather='once'", "view='global'"),
   ),
@@ -1114,74 +1122,7 @@ class Bug(NamedTuple):
 
 #: In the order in which they would fail a case that meets several: the
 #: first that applies names it.
-BUGS = (
-  Bug(
-    "global+value_checks",
-    lambda c: (
-      c.parallel == "global"
-      and c.value_checks
-      and c.call == "eager"
-      and c.entry in ("value_and_grad", "equinox", "nnx", "accumulate")
-    ),
-    ValueError,
-    "value_and_grad(..., mesh=<Explicit mesh>, view='global', value_checks=True) "
-    "called outside jit does not trace: JAX raises 'context mesh "
-    "AbstractMesh(data: 4, Explicit) should match the aval mesh "
-    "AbstractMesh(data: 4, Manual)' for broadcast_in_dim at "
-    "jaxaccum/_parallel/unreduced.py:284 (all_reduce); under jax.jit the same "
-    "call is exact, and so is plain jit with value_checks=True",
-  ),
-  Bug(
-    "explicit+clip+rng",
-    lambda c: c.parallel in ("jit", "global") and c.clip != "none" and c.rng,
-    ValueError,
-    "clip_per_example with rng_argnum under plain jit (or view='global') on an "
-    "Explicit mesh does not trace: the rows' keys fold_in(key, j) are made "
-    "replicated (jaxaccum/_privacy/clipping.py, _RowArgs.__call__) beside rows "
-    "sharded over 'data', and vmap raises 'Mapped away dimension of inputs "
-    "passed to vmap should be sharded the same. Got inconsistent axis specs: "
-    "data vs None' (vmap and ghost); the same step with view='device', or with "
-    "view='global' on an Auto mesh, is exact",
-  ),
-  Bug(
-    "device+ghost+rng",
-    lambda c: c.parallel == "device" and c.clip == "ghost" and c.rng,
-    ValueError,
-    "clip_method='ghost' with rng_argnum under mesh= (view='device') on an "
-    "Explicit mesh does not trace: jaxaccum/_privacy/ghost.py (_run_top, "
-    "line 557, evaluating fun's jaxpr under vmap) raises 'Resource axis: data "
-    "of P('data', None) is not found in mesh: ()' at the pjit of "
-    "jax.random.bernoulli; clip_method='vmap' there, and ghost on an Auto "
-    "mesh, are exact",
-  ),
-  Bug(
-    "global+once",
-    lambda c: c.parallel == "global" and c.fsdp == "once",
-    ValueError,
-    "mesh= with view='global' on an Explicit mesh refuses fsdp_gather='once' "
-    "('needs view=device'), where DESIGN.md says it is the plain-jit path, "
-    "whose FSDP leaves keep their modes: plain jit on the same mesh with "
-    "fsdp_gather='once' is accepted and exact (its all-gather and all-reduce "
-    "run once, after the loop)",
-  ),
-  Bug(
-    "jit+cast_once+clip_or_noise",
-    lambda c: (
-      c.parallel == "jit"
-      and c.fsdp == "cast_once"
-      and (c.clip != "none" or c.noise_stats)
-    ),
-    AssertionError,
-    "plain jit on an Explicit mesh with fsdp_gather='cast_once', "
-    "gather_dtype=bfloat16 and clip_per_example (vmap or ghost) or "
-    "noise_stats=True silently drops the cast: the value is 1.333663, the "
-    "float32 weights' (the cast's reference, the weights rounded to bfloat16, "
-    "gives 1.335031, as plain jit without them and view='global' do), so the "
-    "mode the user chose (one gather in bfloat16) is not the one run and the "
-    "result differs from the same step without clipping or noise statistics "
-    "by the rounding",
-  ),
-)
+BUGS: tuple[Bug, ...] = ()
 
 
 def refusal_of(case: Case) -> Refusal | None:

@@ -692,7 +692,10 @@ def test_the_global_view_needs_a_mesh_and_refuses_gathering_once():
   with pytest.raises(ValueError) as caught, jax.set_mesh(mesh):
     jax.jit(fun)(params, batch)
   assert str(caught.value) == (
-    "fsdp_gather='once' keeps a gradient per device until after the loop, which "
-    "needs view='device' (fun on one device's rows); with view='global' choose "
+    "fsdp_gather='once' keeps a gradient per device until after the loop: "
+    "view='global' has it on Explicit data axes that the batch is sharded "
+    "over, for a step that needs no statistic of a micro-batch's whole "
+    "gradient (no clip_per_example or noise_stats), and view='device' "
+    "(fun on one device's rows) always; otherwise choose "
     "fsdp_gather='per_micro_batch' or 'cast_once'."
   )

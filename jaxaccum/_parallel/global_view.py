@@ -27,17 +27,22 @@ def runner(
   engine: Engine, placements: Sequence[Placement]
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], _engine.Result]:
   """``run(args, kwargs)``: the :class:`GlobalStep` of these arguments,
-  planned for the global batch. ``fsdp_gather="once"`` is refused here:
-  it needs a gradient per device."""
-  if engine.options.fsdp_gather == "once":
-    raise ValueError(
-      "fsdp_gather='once' keeps a gradient per device until after the loop, "
-      "which needs view='device' (fun on one device's rows); with "
-      "view='global' choose fsdp_gather='per_micro_batch' or 'cast_once'."
-    )
+  planned for the global batch. ``fsdp_gather="once"`` over two
+  micro-batches or more is refused here, when the step is run (plain
+  ``jit``'s step, which ``view="global"`` takes on Explicit data axes, has
+  it): it needs a gradient per device."""
 
   def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _engine.Result:
     split = engine.plan(args)
+    if engine.options.fsdp_gather == "once" and split.num_micro_batches > 1:
+      raise ValueError(
+        "fsdp_gather='once' keeps a gradient per device until after the loop: "
+        "view='global' has it on Explicit data axes that the batch is sharded "
+        "over, for a step that needs no statistic of a micro-batch's whole "
+        "gradient (no clip_per_example or noise_stats), and view='device' "
+        "(fun on one device's rows) always; otherwise choose "
+        "fsdp_gather='per_micro_batch' or 'cast_once'."
+      )
     _engine.check_noise_estimable(engine.options, split.num_micro_batches)
     return GlobalStep(engine, placements, split)(args, kwargs)
 

@@ -145,11 +145,11 @@ def on_types(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Place
   if fsdp and mode == "per_micro_batch":
     # HSDP's replica axes stay with the partitioner too (module docstring).
     return Placement(spec, _ordered(own.reduced), "as_is", P(*own.partitions), True)
+  if before == "cast_gather":  # reduce-scattered into a sharded sum
+    return Placement(spec, axes if reducible else (), before, P(*own.partitions))
   inside = spec.other_spec()
   if not reducible:  # the partitioner reduces each micro-batch's gradient
     return Placement(spec, (), before, P(*inside.partitions))
-  if before == "cast_gather":  # reduce-scattered into a sharded sum
-    return Placement(spec, axes, before, P(*own.partitions))
   copies = (*axes, *_ordered(set(own.reduced) - set(axes)))
   return Placement(spec, copies, before, _specs.typed(inside, unreduced=axes))
 

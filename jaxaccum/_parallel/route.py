@@ -37,7 +37,9 @@ def route(
     (:func:`jaxaccum._parallel.unreduced.applies`),
     :mod:`jaxaccum._parallel.unreduced` (parameters ``reduced``,
     accumulators ``unreduced``, one reduction after the loop); otherwise
-    the engine's own step, whose reductions the partitioner places.
+    the engine's own step, whose reductions the partitioner places, its
+    FSDP leaves entering as ``fsdp_gather`` says
+    (:func:`jaxaccum._parallel.unreduced.partitioned`).
   - ``mesh=`` with ``view="global"``: on Explicit data axes that the batch
     is sharded over (all of them, and no other), where it applies, the same
     :mod:`jaxaccum._parallel.unreduced` step (``mesh=`` only names the data
@@ -57,10 +59,11 @@ def route(
       return engine.local(args, kwargs)
     engine.check_args(args)
     split = engine.plan(args)
+    partitioned = _unreduced.partitioned(engine, axes, split)
     if not _unreduced.applies(o, split.num_micro_batches):
-      return engine.local(args, kwargs)
+      return partitioned(args, kwargs)
     return _unreduced.run_or_fall_back(
-      engine, axes, args, kwargs, split, fallback=engine.local
+      engine, axes, args, kwargs, split, fallback=partitioned
     )
   assert layout is not None and o.data_axes is not None
   devices = _devices.Devices(o.mesh, o.data_axes)

@@ -178,7 +178,10 @@ class UnreducedStep(Step):
     """The losses' one sum, where they are ``unreduced``, then each
     gradient's (:meth:`after_loop`)."""
     if jax.typeof(sums.loss).sharding.spec.unreduced:
-      sums = sums._replace(loss=all_reduce(sums.loss), losses=all_reduce(sums.losses))
+      checked = self.options.value_checks
+      sums = sums._replace(
+        loss=all_reduce(sums.loss, checked), losses=all_reduce(sums.losses, checked)
+      )
     return super().reduce(sums, args)
 
   def after_loop(self, acc: jax.Array, x: jax.Array, p: Placement) -> jax.Array:
@@ -191,7 +194,7 @@ class UnreducedStep(Step):
       return acc
     spec = jax.typeof(acc).sharding.spec
     if spec.unreduced and spec.partitions == own.partitions:
-      return all_reduce(acc)
+      return all_reduce(acc, self.options.value_checks)
     return _types.reshard(acc, own)
 
 
@@ -212,12 +215,17 @@ def enter(x: jax.Array, p: Placement, gather_dtype: Any) -> jax.Array:
   return _types.reshard(x, _specs.typed(spec, reduced=p.copies))
 
 
-def all_reduce(x: jax.Array) -> jax.Array:
+def all_reduce(x: jax.Array, checked: bool = False) -> jax.Array:
   """``x``, ``unreduced`` over some axes, summed over them: one all-reduce
   over all of them together (a reshard, on jax 0.12, reduces over one axis
-  after the other, each time the whole array)."""
+  after the other, each time the whole array). Under ``checkify``
+  (``checked``, ``value_checks=True``) a reshard: checkify's ``shard_map``
+  rule builds its error flags in the Explicit context mesh, which JAX
+  refuses inside the Manual region."""
   sharding = jax.typeof(x).sharding
   spec = sharding.spec
+  if checked:
+    return _types.reshard(x, P(*spec.partitions))
   axes = tuple(a for a in sharding.mesh.axis_names if a in spec.unreduced)
   return jax.shard_map(
     lambda local: jax.lax.psum(local, axes),
@@ -225,6 +233,30 @@ def all_reduce(x: jax.Array) -> jax.Array:
     in_specs=spec,
     out_specs=P(*spec.partitions),
   )(x)
+
+
+def partitioned(
+  engine: Engine, axes: tuple[str, ...], split: _split.MicroBatching
+) -> Callable[[tuple[Any, ...], dict[str, Any]], _engine.Result]:
+  """``run(args, kwargs)``: plain ``jit``'s step where the partitioner places
+  every reduction (:func:`applies` is false, or JAX refused a type): the
+  engine's own loop, each FSDP leaf entering it as ``fsdp_gather`` says
+  (``"cast_once"``'s cast to ``gather_dtype`` and gathered before the
+  loop, as on this path's other steps) and its gradient then in the
+  parameter's sharding. With no FSDP cast, the engine's own step."""
+  o = engine.options
+  if o.fsdp_gather != "cast_once":
+    return engine.local
+
+  def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _engine.Result:
+    _engine.check_noise_estimable(o, split.num_micro_batches)
+    placements = [
+      _placement.on_types(x, axes, o.fsdp_gather, False)
+      for x in jax.tree.leaves(tuple(args[n] for n in o.argnums))
+    ]
+    return UnreducedStep(engine, placements, split)(args, kwargs)
+
+  return run
 
 
 def run_or_fall_back(

@@ -248,9 +248,11 @@ class _RowArgs:
       mask, args[self.mask_argnum] = args[self.mask_argnum], None
     if self.rng_argnum is not None:
       key = args[self.rng_argnum]
-      args[self.rng_argnum] = jax.vmap(lambda j: jax.random.fold_in(key, j))(
+      keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(
         jnp.arange(rows, dtype=jnp.int32)
       )
+      first = jax.tree.leaves([args[n] for n in sorted(mapped)])[0]
+      args[self.rng_argnum] = _rows_placed_as(keys, first)
       in_axes[self.rng_argnum] = 0
     state = None if self.state_argnum is None else args[self.state_argnum]
     rows_over = _row_axes([args[n] for n in sorted(mapped)])
@@ -386,6 +388,15 @@ def _rows_like(x: jax.Array, like: jax.Array) -> jax.Array:
   if spec is None or _compat.explicit_spec(x) == spec:
     return x
   return jax.sharding.reshard(x, spec)
+
+
+def _rows_placed_as(keys: jax.Array, rows: jax.Array) -> jax.Array:
+  """The rows' ``keys`` sharded over the Explicit axes ``rows``' leading
+  dimension is (``vmap`` maps operands sharded alike)."""
+  spec = _compat.explicit_spec(rows)
+  if spec is None or not len(spec) or spec[0] is None:
+    return keys
+  return jax.sharding.reshard(keys, jax.sharding.PartitionSpec(spec[0]))
 
 
 def _unsharded(x: Any, axes: set[str]) -> Any:

@@ -234,7 +234,7 @@ def weighted_loss(
       call[n] = a
     return loss_fn(*call)
 
-  example = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in batch_leaves]
+  example = [_one_row(x) for x in batch_leaves]
   traced = _trace(per_example, leaves, example, shared, closed_over)
   _refuse_nested_convolutions(traced, diff)
   _warn_fallbacks(traced, diff)
@@ -422,6 +422,18 @@ def _rows_like_batch(x: jax.Array, batch_leaves: list[Any]) -> jax.Array:
       row = jax.sharding.PartitionSpec(spec[0], *([None] * (x.ndim - 1)))
       return jax.sharding.reshard(x, row)
   return x
+
+
+def _one_row(x: jax.Array) -> jax.ShapeDtypeStruct:
+  """The type of one of ``x``'s rows: its sharding along the other
+  dimensions kept (the rows' axes are ``vmap``'s), as ``vmap`` types it."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  if _compat.explicit_spec(x) is not None:
+    spec = sharding.spec
+    sharding = sharding.update(spec=spec.update(partitions=tuple(spec)[1:]))
+  else:
+    sharding = None
+  return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
 
 
 def _forward(traced: _Traced) -> Callable[..., Any]:
