@@ -526,6 +526,7 @@ def verify_equivalence(
   wrt: Any = flax_nnx.Param,
   fun_kwargs: dict[str, Any] | None = None,
   rtol: float | None = None,
+  atol: float = 0.0,
   **options: Any,
 ) -> _equivalence.Deviation:
   """Checks that accumulation over micro-batches equals the full batch, for
@@ -555,7 +556,9 @@ def verify_equivalence(
     num_micro_batches: in the older form, ``k``; otherwise left out.
     wrt: the nnx filter of the variables to differentiate.
     fun_kwargs: keyword arguments of ``fun`` for both calls.
-    rtol: the tolerance, as in :func:`jaxaccum.verify_equivalence`.
+    rtol: the tolerance relative to the whole gradient's largest magnitude,
+      as in :func:`jaxaccum.verify_equivalence`.
+    atol: an absolute tolerance added to it (default 0).
     **options: further options of :func:`jaxaccum.value_and_grad`
       (``batch_argnums``, ``has_aux``, ``normalize``, ``mesh``,
       ``data_axis``, ...).
@@ -564,8 +567,9 @@ def verify_equivalence(
     The largest deviations, as a :class:`jaxaccum.Deviation`.
 
   Raises:
-    AssertionError: naming the leaf with the largest deviation, if any leaf
-      differs by more than the tolerance.
+    AssertionError: if the value or any gradient leaf differs by more than
+      the tolerance, naming both deviations, the leaf with the largest one
+      and the likely cause.
     TypeError: for ``argnums``, ``state_argnum`` or ``rng_argnum``.
     ValueError: if ``fun`` changes variables other than ``wrt``'s.
 
@@ -609,6 +613,7 @@ def verify_equivalence(
     num_micro_batches,
     fun_kwargs=fun_kwargs,
     rtol=rtol,
+    atol=atol,
     shared_argnums=shared,
     **options,
   )
