@@ -34,10 +34,11 @@ The public surface:
   batches at one padded size; :func:`dp_epsilon` accounts with
   ``dp-accounting``.
 - :mod:`jaxaccum.testing`: reading collectives out of compiled HLO, to check
-  that a step communicates what it should.
+  that a step communicates what it should; ``import jaxaccum`` imports it.
 """
 
 from jaxaccum import nnx as nnx
+from jaxaccum import testing as testing
 from jaxaccum._aux import merge_micro_batches as merge_micro_batches
 from jaxaccum._checks import SharedArgumentWarning as SharedArgumentWarning
 from jaxaccum._inspect.equivalence import Deviation as Deviation
