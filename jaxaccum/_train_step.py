@@ -312,6 +312,7 @@ def _partitioning(step: Any, plain: _value_and_grad.Step) -> Any:
 
   def split(params, args, kwargs):
     plain.validate((params, *args))
+    plain.check_differentiable((params, *args))
     diff, rest = _static.partition(params)
     if rest is not None:
       kwargs = {**kwargs, _static.KEYWORD: {0: rest}}

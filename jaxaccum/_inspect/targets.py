@@ -45,7 +45,9 @@ _EXTRA = 'pip install "jaxaccum[targets]"'
 
 @functools.cache
 def _catalog() -> dict[str, dict[str, Any]]:
-  text = (importlib.resources.files("jaxaccum._inspect") / _DATA / "targets.json").read_text()
+  text = (
+    importlib.resources.files("jaxaccum._inspect") / _DATA / "targets.json"
+  ).read_text()
   return json.loads(text)
 
 
