@@ -863,8 +863,7 @@ def classify(w, batch):
 
 def test_a_list_of_rows_with_array_labels_is_told_to_stack_them():
   """Each row a leaf of its own, with leading size 16 against the labels'
-  64: the message listed all 65 leaves (1,361 characters here, 2,551 for
-  a batch of 128)."""
+  64: the message listed all 65 leaves (1,361 characters)."""
   w = jnp.zeros((16, 10))
   with pytest.raises(ValueError) as error:
     jaxaccum.value_and_grad(classify, 4)(w, (ROWS, LABELS))
