@@ -22,7 +22,8 @@ The public surface:
   also for an accelerator you do not have (:func:`compile_target`).
 - :func:`scale_lr_linear`, :func:`scale_adam_sqrt`, :func:`warmup`:
   hyperparameters for a larger effective batch; :func:`micro_batch_momentum`:
-  BatchNorm's per-step momentum kept over micro-batches.
+  BatchNorm's per-step momentum kept over micro-batches
+  (:class:`RunningAverageWarning` where a train step may need it).
 - :class:`GradientNoise`, :func:`noise_scale_update`,
   :func:`critical_batch_size`: is the larger effective batch worth it?
 - :func:`dynamic_loss_scale`: float16 loss scaling, adjusted per window.
@@ -64,6 +65,7 @@ from jaxaccum._optim.opt_state import has_updated as has_updated
 from jaxaccum._optim.opt_state import inner_step as inner_step
 from jaxaccum._optim.opt_state import window_size as window_size
 from jaxaccum._optim.scaling import AdamHyperparams as AdamHyperparams
+from jaxaccum._optim.scaling import RunningAverageWarning as RunningAverageWarning
 from jaxaccum._optim.scaling import kappa as kappa
 from jaxaccum._optim.scaling import micro_batch_momentum as micro_batch_momentum
 from jaxaccum._optim.scaling import scale_adam_sqrt as scale_adam_sqrt
@@ -97,6 +99,7 @@ __all__ = [
   "MicroBatchPlan",
   "NoiseScaleState",
   "PoissonSampler",
+  "RunningAverageWarning",
   "SharedArgumentWarning",
   "accumulate",
   "auto_k",

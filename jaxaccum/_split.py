@@ -139,14 +139,11 @@ def _is_rows(x: Any) -> bool:
   if not isinstance(x, list) or len(x) < 2:
     return False
   shapes = lambda e: [getattr(a, "shape", None) for a in jax.tree.leaves(e)]  # noqa: E731
-  first = shapes(x[0])
+  first, structure = shapes(x[0]), str(jax.tree.structure(x[0]))
   return (
     bool(first)
     and None not in first
-    and all(
-      jax.tree.structure(e) == jax.tree.structure(x[0]) and shapes(e) == first
-      for e in x
-    )
+    and all(str(jax.tree.structure(e)) == structure and shapes(e) == first for e in x)
   )
 
 
@@ -172,7 +169,7 @@ def refuse_rows(batch: dict[str, PyTree], num_micro_batches: int | None = None) 
   others = {
     x.shape[0]
     for x in jax.tree.leaves(list(batch.values()), is_leaf=_is_rows)
-    if not _is_rows(x) and getattr(x, "shape", ())
+    if not _is_rows(x) and len(getattr(x, "shape", ())) > 0
   }
   for where, rows in lists:
     n = len(rows)

@@ -39,6 +39,7 @@ from jaxaccum import (
 )
 from jaxaccum._inspect import equivalence as _equivalence
 from jaxaccum._optim import opt_state as _opt_state
+from jaxaccum._optim import scaling as _scaling
 
 __all__ = ["grad", "make_train_step", "value_and_grad", "verify_equivalence"]
 
@@ -224,6 +225,13 @@ def _accumulated_results(
     _write_back(args, layout, new_threaded)
     return result._replace(aux=aux, grads=tuple(result.grads[0])), user
 
+  def micro_batches(*args) -> int:
+    """``k``, as ``run`` splits these arguments."""
+    user = options.resolve(len(args))
+    layout, diff_states, threaded, plain = _split_args(args, user, wrt)
+    return step_for(user, layout).micro_batches((tuple(diff_states), threaded, *plain))
+
+  run.micro_batches = micro_batches  # type: ignore[attr-defined]
   return run
 
 
@@ -403,7 +411,10 @@ def make_train_step(
   (``nnx.BatchNorm``'s ``mean`` and ``var``): with momentum ``μ`` they decay
   by ``μ^k`` per step, not the full batch's ``μ`` (0.9 at ``k = 4`` acts as
   0.66). ``nnx.BatchNorm(..., momentum=jaxaccum.micro_batch_momentum(μ, k))``
-  keeps the full batch's per-step momentum.
+  keeps the full batch's per-step momentum. For a model with
+  ``nnx.BatchStat`` variables and ``k > 1`` the step warns once
+  (:class:`jaxaccum.RunningAverageWarning`) unless
+  ``micro_batch_momentum`` was asked for its ``k``.
 
   DP-SGD: with ``clip_per_example=C`` and :func:`jaxaccum.dp_noise` first in
   the optimizer's chain, the step passes the noise what the clipped sum was
@@ -477,9 +488,15 @@ def make_train_step(
   run = _accumulated_results(loss_fn, options, wrt)
   both_update = isinstance(optimizer, flax_nnx.ModelAndOptimizer)
 
+  warned: list[bool] = []
+
   def pure(graphdef, rngs, rest, /, *args, **call_kwargs):
     model, opt = flax_nnx.merge(graphdef, rngs, rest, copy=True)
     result, _ = run(model, *args, **call_kwargs)
+    if not warned and _updates_batch_stats(model):
+      warned.append(True)  # once per step: k > 1 moves the averages k times
+      k = run.micro_batches(model, *args)  # type: ignore[attr-defined]
+      _scaling.warn_running_average(k, "the model's nnx.BatchStat")
     grads = result.grads[0]
     noise = _privacy.find_noise(opt.opt_state)
     extra: dict[str, Any] = {}
@@ -515,6 +532,18 @@ def make_train_step(
     return value
 
   return functools.wraps(loss_fn)(step)
+
+
+def _updates_batch_stats(model: Any) -> bool:
+  """Whether a module of ``model`` holds ``nnx.BatchStat`` variables that a
+  training call may update: any such module but an ``nnx.BatchNorm`` (or
+  a module like it) in eval mode, ``use_running_average=True``."""
+  for _, module in flax_nnx.iter_modules(model):
+    if getattr(module, "use_running_average", False) is True:
+      continue
+    if any(isinstance(v, flax_nnx.BatchStat) for v in vars(module).values()):
+      return True
+  return False
 
 
 def verify_equivalence(
