@@ -292,6 +292,9 @@ class DataParallel:
     sharded over, plain ``jit``'s step on JAX's types (:mod:`_unreduced`),
     for which ``mesh=`` only names the data axes; else :class:`_GlobalStep`."""
     o = engine.options
+    _compat.refuse_jax_bugs(
+      engine.fun, o, args, kwargs, data_axes=self.axes, mesh=self.mesh
+    )
     if self.explicit and set(_unreduced.data_axes(o, args)) == set(self.axes):
       split = engine.plan(args)
       if _unreduced.applies(o, split.num_micro_batches):

@@ -356,6 +356,7 @@ def local(
   the step of the module docstring where it :func:`applies`, else the
   engine's own, whose reductions the partitioner places."""
   axes = data_axes(engine.options, args)
+  _compat.refuse_jax_bugs(engine.fun, engine.options, args, kwargs, data_axes=axes)
   if not axes:
     return engine.local(args, kwargs)
   engine.check_args(args)
