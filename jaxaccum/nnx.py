@@ -488,15 +488,12 @@ def make_train_step(
   run = _accumulated_results(loss_fn, options, wrt)
   both_update = isinstance(optimizer, flax_nnx.ModelAndOptimizer)
 
-  warned: list[bool] = []
+  warn_once = _running_average_warning(run)
 
   def pure(graphdef, rngs, rest, /, *args, **call_kwargs):
     model, opt = flax_nnx.merge(graphdef, rngs, rest, copy=True)
     result, _ = run(model, *args, **call_kwargs)
-    if not warned and _updates_batch_stats(model):
-      warned.append(True)  # once per step: k > 1 moves the averages k times
-      k = run.micro_batches(model, *args)  # type: ignore[attr-defined]
-      _scaling.warn_running_average(k, "the model's nnx.BatchStat")
+    warn_once(model, args)
     grads = result.grads[0]
     noise = _privacy.find_noise(opt.opt_state)
     extra: dict[str, Any] = {}
@@ -532,6 +529,22 @@ def make_train_step(
     return value
 
   return functools.wraps(loss_fn)(step)
+
+
+def _running_average_warning(run: Any) -> Callable[[Any, tuple[Any, ...]], None]:
+  """``warn(model, args)``: the :class:`jaxaccum.RunningAverageWarning` of a
+  step whose model updates ``nnx.BatchStat``, at its first trace with
+  ``k > 1``."""
+  warned: list[bool] = []
+
+  def warn(model: Any, args: tuple[Any, ...]) -> None:
+    if warned or not _updates_batch_stats(model):
+      return
+    warned.append(True)
+    k = run.micro_batches(model, *args)
+    _scaling.warn_running_average(k, "the model's nnx.BatchStat")
+
+  return warn
 
 
 def _updates_batch_stats(model: Any) -> bool:
