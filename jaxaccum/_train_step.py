@@ -95,9 +95,9 @@ def make_train_step(
       (:class:`jaxaccum.RunningAverageWarning`) unless that was asked for
       its ``k``. With ``clip_per_example`` the step takes
       ``example_mask=``; put :func:`jaxaccum.dp_noise` first in ``tx``: the
-      step passes it the
-      :class:`jaxaccum.ClipRecord` of the gradient, and the noise refuses any
-      other place in the chain and any other ``clip_norm``.
+      step passes it the :class:`jaxaccum.ClipRecord` of the gradient, and
+      the noise refuses any other place in the chain and any other
+      ``clip_norm``.
 
   Returns:
     The jitted step. It is ``jax.jit``-like (``.lower(...)`` works on it),
