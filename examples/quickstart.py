@@ -124,6 +124,7 @@ if __name__ == "__main__":
 import math
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -383,6 +384,14 @@ def make_comparison(num_micro_batches: int, rtol: float = 1e-5):
   def three_ways(model, batch):
     return accumulated(model, batch), naive(model, batch), full(model, batch)
 
+  def lower(model, batch):
+    """The check's program, traced and lowered as ``compare`` calls it."""
+    model.eval()
+    try:
+      return three_ways.lower(model, batch)
+    finally:
+      model.train()
+
   def compare(model, batch):
     model.eval()
     outputs = three_ways(model, batch)
@@ -424,7 +433,16 @@ def make_comparison(num_micro_batches: int, rtol: float = 1e-5):
       "naive_grad_error": float(np.linalg.norm(g_naive - g) / np.linalg.norm(g)),
     }
 
+  compare.lower = lower
   return compare
+
+
+def compile_side_by_side(*lowered) -> None:
+  """Compiles lowered programs at once, one thread each: XLA compiles a
+  program on one core, so two cores compile two at a time. JAX keeps what
+  it compiled, and the first call of each program finds it there."""
+  with ThreadPoolExecutor(len(lowered)) as pool:
+    list(pool.map(lambda program: program.compile(), lowered))
 
 
 def by_length(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -469,22 +487,27 @@ def generate(
   seed: int = 0,
 ) -> str:
   """``prompt`` and ``length`` characters sampled after it, dropout off."""
+  model.eval()
+  # The model as a graph and its arrays: a plain jax.jit of the arrays
+  # dispatches one character in microseconds (nnx.jit would walk the model
+  # at every call).
+  graphdef, state = nnx.split(model)
+  model.train()
 
-  @nnx.jit
-  def next_token(model, window, position, key):
+  @jax.jit
+  def next_token(state, window, position, key):
+    model = nnx.merge(graphdef, state)
     logits = model(window)[0, position]  # the logits after the last real token
     logits = jnp.where(jnp.arange(logits.shape[0]) == PAD, -jnp.inf, logits)
     return jax.random.categorical(key, logits / temperature)
 
-  model.eval()
   ids = data.encode(prompt)
   key = jax.random.key(seed)
   for _ in range(length):
     context = ids[-seq_len:]  # a sliding window of the last seq_len characters
-    window = jnp.asarray([context + [PAD] * (seq_len - len(context))], jnp.int32)
+    window = np.asarray([context + [PAD] * (seq_len - len(context))], np.int32)
     key, sample_key = jax.random.split(key)
-    ids.append(int(next_token(model, window, len(context) - 1, sample_key)))
-  model.train()
+    ids.append(int(next_token(state, window, len(context) - 1, sample_key)))
   return data.decode(ids)
 
 
@@ -590,10 +613,22 @@ def main(
     f"{tokens_per_micro_batch(by_length(batch), k)} (by length)"
   )
 
+  # Three programs to compile before training: the check's (1.) and one
+  # training step each way (2.; the accumulated one is also the training
+  # loop's). Traced here, they compile side by side, one per core; the calls
+  # below then find them compiled.
+  compare = make_comparison(k)
+  accumulated_step, full_batch_step = make_train_steps(k)
+  train_step, full_step = nnx.jit(accumulated_step), nnx.jit(full_batch_step)
+  compile_side_by_side(
+    compare.lower(model, batch),
+    train_step.lower(model, optimizer, batch),
+    full_step.lower(model, optimizer, batch),
+  )
+
   # 1. One batch: jaxaccum vs. the full batch, with dropout off.
   # Raises if jaxaccum's value or any gradient entry is off by more than float32
   # rounding. The naive mean of micro-batch means is shown for contrast.
-  compare = make_comparison(k)
   check_batches = {"shuffled rows": batch, "rows by length": by_length(batch)}
   comparisons = {
     f"{name}, untrained": compare(model, rows) for name, rows in check_batches.items()
@@ -602,17 +637,12 @@ def main(
   print_comparison(comparisons)
 
   # 2. Compile-time memory: same model, same batch, one training step each.
-  # `compiled_memory` lowers and compiles the step, and asks XLA for its buffer
-  # assignment; nothing runs. The accumulated step's compilation is cached and
-  # reused by the training loop below.
-  accumulated_step, full_batch_step = make_train_steps(k)
-  train_step = nnx.jit(accumulated_step)
+  # `compiled_memory` lowers and compiles the step (here: finds it compiled),
+  # and asks XLA for its buffer assignment; nothing runs.
   peak_accumulated = jaxaccum.compiled_memory(
     train_step, model, optimizer, batch
   ).peak_bytes
-  peak_full = jaxaccum.compiled_memory(
-    nnx.jit(full_batch_step), model, optimizer, batch
-  ).peak_bytes
+  peak_full = jaxaccum.compiled_memory(full_step, model, optimizer, batch).peak_bytes
   print("\n2. XLA peak memory of one training step (compiled, not run)")
   print(f"   full batch of {batch_size}{'':21}{peak_full / 2**20:>6.1f} MiB")
   print(
@@ -624,9 +654,12 @@ def main(
   print(f"\n3. Training: {steps} steps of {batch_size} sequences, AdamW, dropout on")
   losses = []
   start, timed_tokens = 0.0, 0
+  # The step with its model and optimizer bound: nnx.cached_partial walks
+  # their graph once, not at every call (milliseconds a step).
+  bound_step = nnx.cached_partial(train_step, model, optimizer)
   bar = tqdm(range(steps), disable=not progress, ncols=80, desc="   train")
   for step in bar:
-    loss = train_step(model, optimizer, batch)
+    loss = bound_step(batch)
     losses.append(loss)  # a device array: no sync, the next step is queued
     if step == 0:  # the first call compiles; time the steps after it
       jax.block_until_ready(loss)

@@ -22,7 +22,8 @@ The public surface:
   also for an accelerator you do not have (:func:`compile_target`).
 - :func:`scale_lr_linear`, :func:`scale_adam_sqrt`, :func:`warmup`:
   hyperparameters for a larger effective batch; :func:`micro_batch_momentum`:
-  BatchNorm's per-step momentum kept over micro-batches.
+  BatchNorm's per-step momentum kept over micro-batches
+  (:class:`RunningAverageWarning` where a train step may need it).
 - :class:`GradientNoise`, :func:`noise_scale_update`,
   :func:`critical_batch_size`: is the larger effective batch worth it?
 - :func:`dynamic_loss_scale`: float16 loss scaling, adjusted per window.
@@ -34,10 +35,11 @@ The public surface:
   batches at one padded size; :func:`dp_epsilon` accounts with
   ``dp-accounting``.
 - :mod:`jaxaccum.testing`: reading collectives out of compiled HLO, to check
-  that a step communicates what it should.
+  that a step communicates what it should; ``import jaxaccum`` imports it.
 """
 
 from jaxaccum import nnx as nnx
+from jaxaccum import testing as testing
 from jaxaccum._aux import merge_micro_batches as merge_micro_batches
 from jaxaccum._checks import SharedArgumentWarning as SharedArgumentWarning
 from jaxaccum._inspect.equivalence import Deviation as Deviation
@@ -63,6 +65,7 @@ from jaxaccum._optim.opt_state import has_updated as has_updated
 from jaxaccum._optim.opt_state import inner_step as inner_step
 from jaxaccum._optim.opt_state import window_size as window_size
 from jaxaccum._optim.scaling import AdamHyperparams as AdamHyperparams
+from jaxaccum._optim.scaling import RunningAverageWarning as RunningAverageWarning
 from jaxaccum._optim.scaling import kappa as kappa
 from jaxaccum._optim.scaling import micro_batch_momentum as micro_batch_momentum
 from jaxaccum._optim.scaling import scale_adam_sqrt as scale_adam_sqrt
@@ -102,6 +105,7 @@ __all__ = [
   "MicroBatchPlan",
   "NoiseScaleState",
   "PoissonSampler",
+  "RunningAverageWarning",
   "SharedArgumentWarning",
   "accumulate",
   "auto_k",

@@ -29,7 +29,11 @@ of behaviour elsewhere:
 - :func:`spmd_vmap_axes`: the mesh axes of the ``vmap``s (with
   ``spmd_axis_name``) that map a value, which a ``shard_map`` inside them
   must count among its manual axes (jaxaccum's ``mesh=`` path runs the loss
-  in one; :func:`jaxaccum.pipeline` runs a ``shard_map`` inside it).
+  in one; :func:`jaxaccum.pipeline` runs a ``shard_map`` inside it);
+- :data:`JAX_BUGS`: bugs of JAX releases that compute a step wrong,
+  silently, each with the releases it affects, the one that fixed it and how
+  :func:`refuse_jax_bugs` sees that a step would meet it; jaxaccum raises
+  there instead of passing the wrong numbers on.
 
 Compile-only GPUs: XLA's compile-only GPU devices
 (``jax.experimental.topologies`` with the CUDA plugin) have no memory kinds,
@@ -48,11 +52,12 @@ with jaxlib's ``xla_client.CompileOptions``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 import numpy as np
 from jaxlib import xla_client
 
@@ -348,3 +353,162 @@ def compile_lowered(
     compile_options=options,
   )
   return CompiledForTarget(executable)
+
+
+# -- JAX bugs that jaxaccum refuses to pass on ----------------------------------
+
+
+class JaxBug(NamedTuple):
+  """A bug of some JAX releases that computes a step wrong, silently.
+
+  Attributes:
+    what: what comes out wrong, and where.
+    affected: the releases checked and found wrong.
+    fixed: the first release checked and found right, as a version tuple of
+      jaxlib (XLA), which each jax release pins.
+    detected: how :func:`refuse_jax_bugs` sees that a step would meet it.
+    test: the test that holds the entry on every version CI covers (the
+      error where the bug is, exactness against the full batch where not).
+  """
+
+  what: str
+  affected: tuple[str, ...]
+  fixed: tuple[int, ...]
+  detected: str
+  test: str
+
+  def present(self, version: tuple[int, ...] | None = None) -> bool:
+    """Whether the installed jaxlib (or ``version``) has the bug.
+
+    >>> GROUPED_CONV_KERNEL.present((0, 10, 2)), GROUPED_CONV_KERNEL.present((0, 12, 1))
+    (True, False)
+    """
+    return (version or jaxlib.version.__version_info__) < self.fixed
+
+
+GROUPED_CONV_KERNEL = JaxBug(
+  what="a grouped or depthwise convolution's kernel gradient "
+  "(feature_group_count > 1) is multiplied by the size of the mesh axes the "
+  "batch is not sharded over, silently (x2 on a (4, 2) mesh with the batch "
+  "on the first axis; plain jax.grad too: XLA's SPMD partitioner)",
+  affected=("0.10.2", "0.11.0", "0.12.0", "0.12.0.1"),
+  fixed=(0, 12, 1),
+  detected="the gradient's jaxpr holds a convolution with batch_group_count "
+  "> 1, JAX's form of a feature-grouped convolution's kernel gradient, on a "
+  "mesh with an axis of size > 1 that the batch is not sharded over (with "
+  "the batch on Auto axes, whose sharding a traced step cannot read, any "
+  "two axes of size > 1)",
+  test="tests/test_compat.py::test_a_grouped_convolutions_kernel_gradient_on_a_mesh",
+)
+
+#: Every bug that :func:`refuse_jax_bugs` refuses, newest last.
+JAX_BUGS: tuple[JaxBug, ...] = (GROUPED_CONV_KERNEL,)
+
+
+def refuse_jax_bugs(
+  fun: Callable[..., Any],
+  options: Any,
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  *,
+  data_axes: tuple[str, ...],
+  mesh: Any = None,
+) -> None:
+  """Raises a ``ValueError`` where this JAX would compute the gradient of
+  ``fun(*args, **kwargs)`` wrong (:data:`JAX_BUGS`), naming the release that
+  fixed it; returns at once on a release without the bug.
+
+  Args:
+    fun: the loss; ``options.argnums`` are differentiated and
+      ``options.batch_argnums`` are the batch.
+    args, kwargs: its arguments (traced or not).
+    data_axes: the mesh axes the batch is known to be sharded over; ``()``
+      for a batch on Auto axes, where a traced step cannot see it.
+    mesh: the mesh; by default the batch's (None: on one device).
+  """
+  bug = GROUPED_CONV_KERNEL
+  if not bug.present():
+    return
+  if mesh is None:
+    mesh = _batch_mesh(tuple(args[n] for n in options.batch_argnums))
+  others = _axes_besides(mesh, data_axes) if mesh is not None else ()
+  if not others or not _kernel_gradient_of_grouped_conv(fun, options, args, kwargs):
+    return
+  fixed = ".".join(map(str, bug.fixed))
+  unseen = "" if data_axes else ", the batch's axes unseen on Auto axes"
+  raise ValueError(
+    f"jax {jax.__version__}: {bug.what}. Here "
+    f"{', '.join(f'{a}={mesh.shape[a]}' for a in others)}{unseen}. Upgrade to "
+    f"jax>={fixed}, where it is right; on this jax, mesh=, data_axis= on an "
+    "Auto mesh (view='device') computes it right."
+  )
+
+
+def _batch_mesh(batch: Any) -> Any:
+  """The mesh of the batch's first leaf placed on one (None on one device)."""
+  for x in jax.tree.leaves(batch):
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty and mesh.size > 1:
+      return mesh
+  return None
+
+
+def _axes_besides(mesh: Any, data_axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The mesh axes of size > 1 that the batch is not sharded over, when it
+  is sharded over some: given ``data_axes``, the others; with none given on
+  a mesh without Explicit axes (Auto: not visible), all of them if two or
+  more (the batch may be on some of them)."""
+  sized = tuple(a for a, n in mesh.shape.items() if n > 1)
+  if data_axes:
+    return tuple(a for a in sized if a not in data_axes)
+  if jax.sharding.AxisType.Explicit in mesh.axis_types or len(sized) < 2:
+    return ()  # on Explicit axes the batch is known replicated: right
+  return sized
+
+
+def _kernel_gradient_of_grouped_conv(
+  fun: Callable[..., Any], options: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+  """Whether the gradient of ``fun``'s floating-point outputs with respect to
+  ``options.argnums`` takes a feature-grouped convolution's kernel gradient
+  (a convolution with ``batch_group_count > 1`` in its jaxpr, at any
+  depth). Only traced, never run."""
+  argnums = tuple(options.argnums)
+
+  def total(*diff: Any) -> jax.Array:
+    full = list(args)
+    for n, d in zip(argnums, diff, strict=True):
+      full[n] = d
+    outs = jax.tree.leaves(fun(*full, **kwargs))
+    floats = [
+      jnp.sum(x)
+      for x in outs
+      if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return sum(floats, jnp.float32(0.0))
+
+  diff = tuple(args[n] for n in argnums)
+  gradient = jax.make_jaxpr(jax.grad(total, argnums=tuple(range(len(argnums)))))
+  try:  # a fun that takes one example (clip_per_example), not the batch
+    jaxpr = gradient(*diff).jaxpr
+  except Exception:  # not traceable so: the step says why
+    return False
+  return _has_kernel_gradient(jaxpr)
+
+
+def _has_kernel_gradient(jaxpr: Any) -> bool:
+  """A convolution with ``batch_group_count > 1`` in ``jaxpr`` or any jaxpr
+  in its equations' parameters (``jit``, ``scan``, ``cond``, ``remat``,
+  custom derivatives)."""
+  for eqn in jaxpr.eqns:
+    if (
+      eqn.primitive.name == "conv_general_dilated"
+      and eqn.params["batch_group_count"] > 1
+    ):
+      return True
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(item, "jaxpr", item)
+        if hasattr(inner, "eqns") and _has_kernel_gradient(inner):
+          return True
+  return False

@@ -193,13 +193,18 @@ class Engine:
     leaf = _split.first_leaf(batch)
     if devices is None:
       shards = _split.batch_devices(list(batch.values()))
-      split = _split.plan_split(
-        size, o.num_micro_batches, o.micro_batch_size, shards, leaf=leaf
-      )
+      try:
+        split = _split.plan_split(
+          size, o.num_micro_batches, o.micro_batch_size, shards, leaf=leaf
+        )
+      except ValueError:
+        _split.refuse_rows(batch, o.num_micro_batches)  # a list of rows: say so
+        raise
       _checks.warn_shared_args(o, args, size, split.num_micro_batches)
       return split
     where = f"the {devices} devices of data axes {o.data_axes}"
     if size % devices:
+      _split.refuse_rows(batch)
       raise ValueError(f"The global batch_size={size} is not divisible by {where}.")
     try:
       local = _split.plan_split(
@@ -210,6 +215,7 @@ class Engine:
         devices=devices,
       )
     except ValueError as error:
+      _split.refuse_rows(batch, o.num_micro_batches)
       raise ValueError(
         f"The global batch_size={size} on {where} is {size // devices} rows per "
         f"device, and per device: {error}"

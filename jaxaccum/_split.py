@@ -99,6 +99,7 @@ def leading_batch_size(batch: dict[str, PyTree]) -> int:
           "reach every micro-batch unchanged."
         )
       if len(shape) == 0:
+        refuse_rows(batch)
         raise ValueError(
           f"Batch leaf {where} is a scalar (shape=()); every batch leaf "
           "needs a leading batch axis."
@@ -107,12 +108,84 @@ def leading_batch_size(batch: dict[str, PyTree]) -> int:
   if not sizes:
     raise ValueError(f"The batch arguments {list(batch)} hold no arrays to split.")
   if len(set(sizes.values())) > 1:
-    listing = ", ".join(f"{where}: {size}" for where, size in sizes.items())
+    refuse_rows(batch)
     raise ValueError(
-      f"Batch leaves have different leading sizes ({listing}); they must "
-      "share one batch axis."
+      f"Batch leaves have different leading sizes ({_by_size(sizes)}); they "
+      "must share one batch axis."
     )
   return next(iter(sizes.values()))
+
+
+def _by_size(sizes: dict[str, int]) -> str:
+  """The leaves by leading size, each size with its first leaf and a count
+  of the others, at most four sizes.
+
+  >>> _by_size({"a[0]": 16, "a[1]": 16, "a[2]": 16, "b": 64})
+  'a[0] and 2 more: 16, b: 64'
+  """
+  first: dict[int, list[str]] = {}
+  for where, size in sizes.items():
+    first.setdefault(size, []).append(where)
+  shown = [
+    f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}: {size}"
+    for size, names in list(first.items())[:4]
+  ]
+  return ", ".join(shown) + (", ..." if len(first) > 4 else "")
+
+
+def _is_rows(x: Any) -> bool:
+  """A Python list of two or more arrays (or trees of them) of one structure
+  and shapes: rows, one per example, where a batch leaf was meant."""
+  if not isinstance(x, list) or len(x) < 2:
+    return False
+  shapes = lambda e: [getattr(a, "shape", None) for a in jax.tree.leaves(e)]  # noqa: E731
+  first, structure = shapes(x[0]), str(jax.tree.structure(x[0]))
+  return (
+    bool(first)
+    and None not in first
+    and all(str(jax.tree.structure(e)) == structure and shapes(e) == first for e in x)
+  )
+
+
+def refuse_rows(batch: dict[str, PyTree], num_micro_batches: int | None = None) -> None:
+  """Raises, saying how to stack them, if a batch argument holds a Python list
+  of rows (``[row0, row1, ...]``): each row is a leaf of its own, split along
+  its own first axis. Called where the batch's sizes fail a check. A list of
+  equal arrays can also be meant (crops of one batch), so a list counts as
+  rows only where stacking it gives a batch that fits: as many rows as the
+  other leaves have, and divisible by ``num_micro_batches`` if given.
+
+  >>> refuse_rows({"args[1]": [jnp.ones(16)] * 64})
+  Traceback (most recent call last):
+  ValueError: Batch args[1] is a Python list of 64 arrays of shape (16,), one per example? Each is a batch leaf of its own, split along its own first axis. Stack them into one array with a leading batch axis: jnp.stack(rows), of shape (64, 16).
+  >>> refuse_rows({"args[1]": ([jnp.ones(16)] * 64, jnp.ones(10))})  # not rows
+  """
+  lists = [
+    (name + jax.tree_util.keystr(path), rows)
+    for name, tree in batch.items()
+    for path, rows in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_rows)
+    if _is_rows(rows)
+  ]
+  others = {
+    x.shape[0]
+    for x in jax.tree.leaves(list(batch.values()), is_leaf=_is_rows)
+    if not _is_rows(x) and len(getattr(x, "shape", ())) > 0
+  }
+  for where, rows in lists:
+    n = len(rows)
+    if others - {n} or (num_micro_batches and n % num_micro_batches):
+      continue
+    if hasattr(rows[0], "shape"):
+      what = f"arrays of shape {tuple(rows[0].shape)}"
+      fix = f"jnp.stack(rows), of shape {(n, *rows[0].shape)}"
+    else:
+      what = f"{type(rows[0]).__name__}s of arrays"
+      fix = "jax.tree.map(lambda *xs: jnp.stack(xs), *rows)"
+    raise ValueError(
+      f"Batch {where} is a Python list of {n} {what}, one per example? Each is "
+      "a batch leaf of its own, split along its own first axis. Stack them "
+      f"into one array with a leading batch axis: {fix}."
+    )
 
 
 def _is_number_list(x: Any) -> bool:

@@ -103,6 +103,49 @@ def combine(diff: PyTree, rest: PyTree) -> PyTree:
   )
 
 
+def _leaves(tree: PyTree) -> str:
+  """The first leaves of ``tree`` as ``int32[8, 5]``, for a message."""
+  leaves = jax.tree.leaves(tree)
+  shown = [
+    f"{jnp.dtype(x.dtype).name}{list(x.shape)}" if hasattr(x, "dtype") else repr(x)
+    for x in leaves[:3]
+  ]
+  return ", ".join(shown) + (", ..." if len(leaves) > 3 else "")
+
+
+def check_differentiable(
+  args: Sequence[Any],
+  argnums: Sequence[int],
+  batch_argnums: Sequence[int],
+  names: Callable[[int], str] = "args[{}]".format,
+) -> None:
+  """Refuses differentiated arguments with leaves of which none is
+  differentiated (integer arrays only, as the batch of tokens is when
+  ``fun(params, batch)`` is called ``(batch, params)``): ``jax.grad`` refuses
+  an integer array, and partitioned as Equinox does it would give no
+  gradient at all, silently.
+
+  >>> check_differentiable((jnp.ones(2), jnp.arange(4)), (0,), (1,))
+  >>> check_differentiable((jnp.arange(4), jnp.ones((4, 2))), (0,), (1,))
+  Traceback (most recent call last):
+  ValueError: argnums=0 differentiates args[0], which holds no floating-point array: int32[4]; there is no gradient to take (jax.grad refuses integers). Are the parameters and the batch swapped? The batch, split along its leading axis, is args[1] (batch_argnums=1): float32[4, 2]. Pass (params, batch), or set argnums= and batch_argnums=.
+  """
+  trees = [args[n] for n in argnums]
+  if not jax.tree.leaves(trees) or jax.tree.leaves([partition(t)[0] for t in trees]):
+    return
+  name = lambda ns: ns[0] if len(ns) == 1 else tuple(ns)  # noqa: E731
+  where = lambda ns: ", ".join(map(names, ns))  # noqa: E731
+  raise ValueError(
+    f"argnums={name(argnums)} differentiates {where(argnums)}, which holds no "
+    f"floating-point array: {_leaves(trees)}; there is no gradient to take "
+    "(jax.grad refuses integers). Are the parameters and the batch swapped? "
+    f"The batch, split along its leading axis, is {where(batch_argnums)} "
+    f"(batch_argnums={name(batch_argnums)}): "
+    f"{_leaves([args[n] for n in batch_argnums])}. Pass (params, batch), or "
+    "set argnums= and batch_argnums=."
+  )
+
+
 def partition_args(
   args: Sequence[Any], argnums: Sequence[int], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:

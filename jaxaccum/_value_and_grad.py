@@ -349,8 +349,15 @@ class Step:
   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with each differentiated one partitioned into
     what is differentiated and what is static (:mod:`jaxaccum._static`)."""
+    self.check_differentiable(args)
     argnums = self.engine(len(args)).options.argnums
     return _static.partition_args(args, argnums, kwargs)
+
+  def check_differentiable(self, args: tuple[Any, ...]) -> None:
+    """Refuses differentiated arguments with nothing to differentiate in them
+    (:func:`jaxaccum._static.check_differentiable`): swapped arguments."""
+    o = self.engine(len(args)).options
+    _static.check_differentiable(args, o.argnums, o.batch_argnums, o.names)
 
   def __call__(self, *args: Any, **kwargs: Any) -> _engine.Result:
     args, kwargs = self.partitioned(args, kwargs)

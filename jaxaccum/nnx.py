@@ -40,6 +40,7 @@ from jaxaccum import (
 )
 from jaxaccum._inspect import equivalence as _equivalence
 from jaxaccum._optim import opt_state as _opt_state
+from jaxaccum._optim import scaling as _scaling
 
 __all__ = ["grad", "make_train_step", "value_and_grad", "verify_equivalence"]
 
@@ -239,6 +240,13 @@ def _accumulated_results(
       sums=None if sums is None else tuple(sums[0]),
     ), user
 
+  def micro_batches(*args) -> int:
+    """``k``, as ``run`` splits these arguments."""
+    user = options.resolve(len(args))
+    layout, diff_states, threaded, plain = _split_args(args, user, wrt)
+    return step_for(user, layout).micro_batches((tuple(diff_states), threaded, *plain))
+
+  run.micro_batches = micro_batches  # type: ignore[attr-defined]
   return run
 
 
@@ -418,7 +426,10 @@ def make_train_step(
   (``nnx.BatchNorm``'s ``mean`` and ``var``): with momentum ``μ`` they decay
   by ``μ^k`` per step, not the full batch's ``μ`` (0.9 at ``k = 4`` acts as
   0.66). ``nnx.BatchNorm(..., momentum=jaxaccum.micro_batch_momentum(μ, k))``
-  keeps the full batch's per-step momentum.
+  keeps the full batch's per-step momentum. For a model with
+  ``nnx.BatchStat`` variables and ``k > 1`` the step warns once
+  (:class:`jaxaccum.RunningAverageWarning`) unless
+  ``micro_batch_momentum`` was asked for its ``k``.
 
   DP-SGD: with ``clip_per_example=C`` and :func:`jaxaccum.dp_noise` first in
   the optimizer's chain, the step passes the noise what the clipped sum was
@@ -493,9 +504,12 @@ def make_train_step(
   check_noise = _train_step.NoiseCheck(options)
   both_update = isinstance(optimizer, flax_nnx.ModelAndOptimizer)
 
+  warn_once = _running_average_warning(run)
+
   def pure(graphdef, rngs, rest, /, *args, **call_kwargs):
     model, opt = flax_nnx.merge(graphdef, rngs, rest, copy=True)
     result, _ = run(model, *args, **call_kwargs)
+    warn_once(model, args)
     grads = result.grads[0]
     noise = check_noise(opt.opt_state)
     extra: dict[str, Any] = {}
@@ -533,6 +547,34 @@ def make_train_step(
   return functools.wraps(loss_fn)(step)
 
 
+def _running_average_warning(run: Any) -> Callable[[Any, tuple[Any, ...]], None]:
+  """``warn(model, args)``: the :class:`jaxaccum.RunningAverageWarning` of a
+  step whose model updates ``nnx.BatchStat``, at its first trace with
+  ``k > 1``."""
+  warned: list[bool] = []
+
+  def warn(model: Any, args: tuple[Any, ...]) -> None:
+    if warned or not _updates_batch_stats(model):
+      return
+    warned.append(True)
+    k = run.micro_batches(model, *args)
+    _scaling.warn_running_average(k, "the model's nnx.BatchStat")
+
+  return warn
+
+
+def _updates_batch_stats(model: Any) -> bool:
+  """Whether a module of ``model`` holds ``nnx.BatchStat`` variables that a
+  training call may update: any such module but an ``nnx.BatchNorm`` (or
+  a module like it) in eval mode, ``use_running_average=True``."""
+  for _, module in flax_nnx.iter_modules(model):
+    if getattr(module, "use_running_average", False) is True:
+      continue
+    if any(isinstance(v, flax_nnx.BatchStat) for v in vars(module).values()):
+      return True
+  return False
+
+
 def verify_equivalence(
   fun: Callable[..., Any],
   model: Any,
@@ -542,6 +584,7 @@ def verify_equivalence(
   wrt: Any = flax_nnx.Param,
   fun_kwargs: dict[str, Any] | None = None,
   rtol: float | None = None,
+  atol: float = 0.0,
   **options: Any,
 ) -> _equivalence.Deviation:
   """Checks that accumulation over micro-batches equals the full batch, for
@@ -571,7 +614,9 @@ def verify_equivalence(
     num_micro_batches: in the older form, ``k``; otherwise left out.
     wrt: the nnx filter of the variables to differentiate.
     fun_kwargs: keyword arguments of ``fun`` for both calls.
-    rtol: the tolerance, as in :func:`jaxaccum.verify_equivalence`.
+    rtol: the tolerance relative to the whole gradient's largest magnitude,
+      as in :func:`jaxaccum.verify_equivalence`.
+    atol: an absolute tolerance added to it (default 0).
     **options: further options of :func:`jaxaccum.value_and_grad`
       (``batch_argnums``, ``has_aux``, ``normalize``, ``mesh``,
       ``data_axis``, ...).
@@ -580,8 +625,9 @@ def verify_equivalence(
     The largest deviations, as a :class:`jaxaccum.Deviation`.
 
   Raises:
-    AssertionError: naming the leaf with the largest deviation, if any leaf
-      differs by more than the tolerance.
+    AssertionError: if the value or any gradient leaf differs by more than
+      the tolerance, naming both deviations, the leaf with the largest one
+      and the likely cause.
     TypeError: for ``argnums``, ``state_argnum`` or ``rng_argnum``.
     ValueError: if ``fun`` changes variables other than ``wrt``'s.
 
@@ -625,6 +671,7 @@ def verify_equivalence(
     num_micro_batches,
     fun_kwargs=fun_kwargs,
     rtol=rtol,
+    atol=atol,
     shared_argnums=shared,
     **options,
   )

@@ -10,6 +10,8 @@ Flax Linen (``state_argnum``), Flax NNX (``jaxaccum.nnx.make_train_step``)
 and Equinox (``eqx.nn.State`` through ``state_argnum``).
 """
 
+import warnings
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -24,15 +26,15 @@ import jaxaccum
 K, M, FEATURES, STEPS, MU = 4, 8, 3, 5, 0.9
 
 
-def batches(seed=0):
-  """Per step, ``K`` shuffles of the same ``M`` rows (shifted and scaled, so
-  that the statistics move), as one batch of ``K * M`` rows."""
+def batches(seed=0, k=K):
+  """Per step, ``k`` shuffles of the same ``M`` rows (shifted and scaled, so
+  that the statistics move), as one batch of ``k * M`` rows."""
   out = []
   for step in range(STEPS):
     key = jax.random.fold_in(jax.random.key(seed), step)
     rows = 2.0 + 3.0 * jax.random.normal(key, (M, FEATURES))
     shuffles = [
-      rows[jax.random.permutation(jax.random.fold_in(key, i + 1), M)] for i in range(K)
+      rows[jax.random.permutation(jax.random.fold_in(key, i + 1), M)] for i in range(k)
     ]
     out.append(jnp.concatenate(shuffles))
   return out
@@ -147,3 +149,104 @@ def test_eqx_batchnorm_with_micro_batch_momentum_normalizes_as_the_full_batch(mo
     np.testing.assert_allclose(
       normalized(model, state), normalized(full, full_state), rtol=1e-5, atol=1e-5
     )
+
+
+# -- The warning: a train step that threads state through k > 1 micro-batches
+
+
+@pytest.fixture
+def nothing_adjusted(monkeypatch):
+  """No micro_batch_momentum asked for yet in this process (other tests ask
+  for K's)."""
+  from jaxaccum._optim import scaling  # noqa: PLC0415
+
+  monkeypatch.setattr(scaling, "_ADJUSTED", set())
+
+
+def linen_step(k, momentum=MU):
+  bn, loss = linen_loss(momentum)
+  variables = bn.init(jax.random.key(0), jnp.ones((1, FEATURES)))
+  tx = optax.sgd(0.0)
+  step = jaxaccum.make_train_step(
+    loss, tx, k, has_aux=True, state_argnum=1, batch_argnums=2
+  )
+  params, stats = variables["params"], variables["batch_stats"]
+  return step, params, tx.init(params), stats
+
+
+def running_average_warnings(caught):
+  return [w for w in caught if issubclass(w.category, jaxaccum.RunningAverageWarning)]
+
+
+def test_make_train_step_with_state_warns_once_with_the_factor_it_measures(
+  nothing_adjusted,
+):
+  """At k = 8 the running mean's first step moves 5.7 times as far as the full
+  batch's: the warning says so, once per step function, however often it
+  runs."""
+  step, params, opt_state, stats = linen_step(8)
+  x = batches(k=8)[0]  # every micro-batch with the full batch's statistics
+  with pytest.warns(jaxaccum.RunningAverageWarning) as caught:
+    params, opt_state, (_, (_, moved)) = step(params, opt_state, stats, x)
+    params, opt_state, _ = step(params, opt_state, moved, x)
+  (warning,) = running_average_warnings(caught)
+  assert str(warning.message) == (
+    "jaxaccum: state_argnum=1's state passes through k=8 micro-batches per "
+    "step, so a running average in it (BatchNorm's statistics) moves 8 times: "
+    "momentum 0.9 acts as 0.43 per step, 5.7x as far as the full batch's. Build "
+    "the layers with momentum=jaxaccum.micro_batch_momentum(μ, 8); silence with "
+    "warnings.filterwarnings('ignore', "
+    "category=jaxaccum.RunningAverageWarning)."
+  )
+  _, (_, full) = linen_loss(MU)[1](params, stats, x)
+  ratio = moved["mean"] / full["mean"]  # both from zero means
+  np.testing.assert_allclose(ratio, (1 - MU**8) / (1 - MU), rtol=1e-5)
+  assert f"{float(ratio[0]):.1f}x" in str(warning.message)
+
+
+def test_no_warning_at_k_1_or_after_micro_batch_momentum_or_when_silenced(
+  nothing_adjusted,
+):
+  x = batches()[0]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step, params, opt_state, stats = linen_step(1)
+    step(params, opt_state, stats, x)
+    step, params, opt_state, stats = linen_step(8, jaxaccum.micro_batch_momentum(MU, 8))
+    step(params, opt_state, stats, x)
+    warnings.filterwarnings("ignore", category=jaxaccum.RunningAverageWarning)
+    step, params, opt_state, stats = linen_step(2)
+    step(params, opt_state, stats, x)
+  assert not running_average_warnings(caught)
+  with pytest.warns(jaxaccum.RunningAverageWarning, match="k=2 micro-batches"):
+    step, params, opt_state, stats = linen_step(2)  # 8 was asked for, not 2
+    step(params, opt_state, stats, x)
+
+
+def test_nnx_make_train_step_warns_for_batch_stats_a_training_step_updates(
+  nothing_adjusted,
+):
+  def nnx_step(model):
+    optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+    return jaxaccum.nnx.make_train_step(
+      lambda model, x: jnp.mean(model(x) ** 2), optimizer, K
+    )
+
+  x = batches()[0]
+  model = NNXNet(MU, nnx.Rngs(0))
+  step = nnx_step(model)
+  with pytest.warns(jaxaccum.RunningAverageWarning) as caught:
+    step(model, x)
+    step(model, x)
+  (warning,) = running_average_warnings(caught)
+  assert str(warning.message).startswith(
+    "jaxaccum: the model's nnx.BatchStat passes through k=4 micro-batches per step"
+  )
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    frozen = NNXNet(MU, nnx.Rngs(0))
+    frozen.eval()  # use_running_average=True: nothing moves
+    nnx_step(frozen)(frozen, x)
+    plain = nnx.Linear(FEATURES, 1, rngs=nnx.Rngs(0))  # no BatchStat
+    nnx_step(plain)(plain, x)
+  assert not running_average_warnings(caught)

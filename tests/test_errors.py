@@ -783,3 +783,146 @@ def test_a_new_state_of_another_structure_says_what_fun_returns():
     "Under state_argnum fun returns (value, (aux, new_state)), new_state like "
     "the state it got."
   )
+
+
+# -- Swapped arguments and lists of rows -------------------------------------
+
+V, D = 16, 4
+EMBED = jax.random.normal(jax.random.key(0), (V, D))
+TOKENS = jax.random.randint(jax.random.key(1), (8, 5), 0, V)
+
+
+def tied_lm(batch, embed):
+  """An LM whose only parameter is its (tied) embedding table, written
+  batch first: ``fun(batch, params)``."""
+  logits = embed[batch] @ embed.T
+  picked = jnp.take_along_axis(logits, batch[..., None], -1)[..., 0]
+  return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
+
+
+SWAPPED = (
+  "argnums=0 differentiates args[0], which holds no floating-point array: "
+  "int32[8, 5]; there is no gradient to take (jax.grad refuses integers). Are "
+  "the parameters and the batch swapped? The batch, split along its leading "
+  "axis, is args[1] (batch_argnums=1): float32[16, 4]. Pass (params, batch), "
+  "or set argnums= and batch_argnums=."
+)
+
+
+def test_swapped_params_and_batch_are_refused_where_jax_refuses_them():
+  """fun(batch, params) with the defaults differentiates the tokens and
+  splits the embedding table's rows as the batch. jax.grad refuses the
+  integer tokens; jaxaccum, partitioning the argument as Equinox does, made
+  them static and returned (nan, None): no gradient, silently."""
+  with pytest.raises(TypeError, match="grad requires real- or complex-valued"):
+    jax.value_and_grad(tied_lm)(TOKENS, EMBED)
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(tied_lm, 4)(TOKENS, EMBED)
+  assert str(error.value) == SWAPPED
+  with pytest.raises(ValueError) as error:
+    jax.jit(jaxaccum.value_and_grad(tied_lm, 4))(TOKENS, EMBED)
+  assert str(error.value) == SWAPPED
+  step = jaxaccum.make_train_step(tied_lm, optax.sgd(0.1), 4)
+  with pytest.raises(ValueError) as error:
+    step(TOKENS, optax.sgd(0.1).init(TOKENS), EMBED)
+  assert str(error.value) == SWAPPED
+  # The fix the message names: the full batch's gradient.
+  got = jaxaccum.value_and_grad(tied_lm, 4, argnums=1, batch_argnums=0)(TOKENS, EMBED)
+  chex.assert_trees_all_close(
+    got, jax.value_and_grad(tied_lm, argnums=1)(TOKENS, EMBED), rtol=1e-5, atol=1e-7
+  )
+
+
+def test_what_jax_takes_is_not_called_swapped():
+  """No false alarm: an argument with no leaves (jax.grad gives {}), one
+  with a float leaf beside an integer one (partitioned, as Equinox does),
+  and Python floats (jax.grad takes them)."""
+  x = jnp.ones((8, 3))
+  value, grads = jaxaccum.value_and_grad(lambda p, x: jnp.mean(x), 2)({}, x)
+  assert grads == {} and float(value) == 1.0
+  params = {"w": jnp.ones(3), "step": jnp.int32(3)}
+  grads = jaxaccum.grad(lambda p, x: jnp.mean(x @ p["w"]), 2)(params, x)
+  assert grads["step"] is None
+  assert float(jaxaccum.grad(lambda s, x: s * jnp.mean(x), 2)(2.0, x)) == 1.0
+
+
+ROWS = [jax.random.normal(jax.random.key(i), (16,)) for i in range(64)]
+LABELS = jnp.arange(64) % 10
+STACK_ROWS = (
+  "Batch args[1][0] is a Python list of 64 arrays of shape (16,), one per "
+  "example? Each is a batch leaf of its own, split along its own first axis. "
+  "Stack them into one array with a leading batch axis: jnp.stack(rows), of "
+  "shape (64, 16)."
+)
+
+
+def classify(w, batch):
+  x, y = batch
+  return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
+
+
+def test_a_list_of_rows_with_array_labels_is_told_to_stack_them():
+  """Each row a leaf of its own, with leading size 16 against the labels'
+  64: the message listed all 65 leaves (1,361 characters)."""
+  w = jnp.zeros((16, 10))
+  with pytest.raises(ValueError) as error:
+    jaxaccum.value_and_grad(classify, 4)(w, (ROWS, LABELS))
+  assert str(error.value) == STACK_ROWS and len(STACK_ROWS) < 300
+  step = jaxaccum.make_train_step(classify, optax.sgd(0.1), 4)
+  with pytest.raises(ValueError) as error:
+    step(w, optax.sgd(0.1).init(w), (ROWS, LABELS))
+  assert str(error.value) == STACK_ROWS
+  # The fix: the full batch's gradient.
+  got = jaxaccum.value_and_grad(classify, 4)(w, (jnp.stack(ROWS), LABELS))
+  want = jax.value_and_grad(classify)(w, (jnp.stack(ROWS), LABELS))
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+  ("batch", "message"),
+  [
+    (  # rows alone, 3 features for 4 micro-batches
+      [jnp.ones(3)] * 8,
+      "Batch args[1] is a Python list of 8 arrays of shape (3,), one per "
+      "example? Each is a batch leaf of its own, split along its own first "
+      "axis. Stack them into one array with a leading batch axis: "
+      "jnp.stack(rows), of shape (8, 3).",
+    ),
+    (  # (x, y) pairs, y a scalar
+      [(jnp.ones(3), jnp.float32(1.0))] * 8,
+      "Batch args[1] is a Python list of 8 tuples of arrays, one per example? "
+      "Each is a batch leaf of its own, split along its own first axis. Stack "
+      "them into one array with a leading batch axis: "
+      "jax.tree.map(lambda *xs: jnp.stack(xs), *rows).",
+    ),
+    (  # scalar labels
+      (jnp.ones((8, 3)), [jnp.float32(1.0)] * 8),
+      "Batch args[1][1] is a Python list of 8 arrays of shape (), one per "
+      "example? Each is a batch leaf of its own, split along its own first "
+      "axis. Stack them into one array with a leading batch axis: "
+      "jnp.stack(rows), of shape (8,).",
+    ),
+  ],
+  ids=["rows", "pairs", "scalars"],
+)
+def test_every_list_of_rows_is_told_to_stack_them(batch, message):
+  with pytest.raises(ValueError) as error:
+    trace(jaxaccum.value_and_grad(lambda w, b: jnp.float32(0.0), 4), W, batch)
+  assert str(error.value) == message
+
+
+def test_leaves_of_different_sizes_are_listed_by_size():
+  """A list of equal arrays is a batch as any tuple (crops of one batch):
+  only the sizes that differ, each size once with a count."""
+  batch = ([jnp.ones((12, 3))] * 5, jnp.ones(10))
+  with pytest.raises(ValueError) as error:
+    trace(jaxaccum.value_and_grad(lambda w, b: jnp.float32(0.0), 2), W, batch)
+  assert str(error.value) == (
+    "Batch leaves have different leading sizes (args[1][0][0] and 4 more: 12, "
+    "args[1][1]: 10); they must share one batch axis."
+  )
+  crops = [jnp.ones((12, 3))] * 5
+  _, grads = jaxaccum.value_and_grad(lambda w, b: jnp.mean(sum(c @ w for c in b)), 2)(
+    W, crops
+  )
+  assert grads.shape == (3,)

@@ -228,15 +228,16 @@ def test_a_step_checks_and_partitions_once_per_configuration(monkeypatch):
   step = jaxaccum.make_train_step(mse, tx, K)
   opt_state = tx.init(w)
   w, opt_state, _ = step(w, opt_state, batch)
-  # The checks and the partition, then the trace's own partition (once, in
-  # jit, where value_and_grad's step partitions its arguments).
-  assert calls == ["validate", "partition", "partition"]
+  # The checks (the swapped-arguments check partitions the parameters) and
+  # the partition, then the trace's own check and partition (once, in jit,
+  # where value_and_grad's step partitions its arguments).
+  assert calls == ["validate", *["partition"] * 4]
   for _ in range(2):
     w, opt_state, _ = step(w, opt_state, batch)
-  assert len(calls) == 3
+  assert len(calls) == 5
   x, y = batch
   w, opt_state, _ = step(w, opt_state, (x, y.astype(jnp.bfloat16)))
-  assert calls[3:5] == ["validate", "partition"]
+  assert calls[5:7] == ["validate", "partition"]
   n = len(calls)
   w, opt_state, _ = step(w, opt_state, (x, y.astype(jnp.bfloat16)))
   assert len(calls) == n

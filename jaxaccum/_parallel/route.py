@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jaxaccum import _engine
+from jaxaccum import _compat, _engine
 from jaxaccum._engine import Engine
 from jaxaccum._parallel import device_view as _device_view
 from jaxaccum._parallel import devices as _devices
@@ -55,6 +55,7 @@ def route(
   o = engine.options
   if o.mesh is None:
     axes = _unreduced.data_axes(o, args)
+    _compat.refuse_jax_bugs(engine.fun, o, args, kwargs, data_axes=axes)
     if not axes:
       return engine.local(args, kwargs)
     engine.check_args(args)
@@ -73,6 +74,9 @@ def route(
     placements = _placement.for_mesh(o, layout)
     if o.view == "device":
       return _device_view.step(devices, engine, placements, args)(args, kwargs)
+    _compat.refuse_jax_bugs(
+      engine.fun, o, args, kwargs, data_axes=devices.axes, mesh=o.mesh
+    )
     if devices.explicit and set(_unreduced.data_axes(o, args)) == set(devices.axes):
       split = engine.plan(args)
       if _unreduced.applies(o, split.num_micro_batches):
