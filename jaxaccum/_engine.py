@@ -31,7 +31,16 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _aux, _checks, _exact, _noise_scale, _normalize, _split, _tree
+from jaxaccum import (
+  _aux,
+  _checks,
+  _compat,
+  _exact,
+  _noise_scale,
+  _normalize,
+  _split,
+  _tree,
+)
 from jaxaccum._accumulator import Accumulator
 from jaxaccum._accumulator import accumulator as new_accumulator
 from jaxaccum._options import Options
@@ -176,6 +185,9 @@ class Engine:
   #: function of sums over rows (``normalize="mean"``): ``fun``'s loss is
   #: then differentiated as the full batch's share of it.
   exact: Any = None
+  #: Whether the loss was read (:meth:`made_exact`): a path that rewrites
+  #: ``fun`` afterwards (plain ``jit``'s ``reduced`` leaves) reads it once.
+  read: bool = False
 
   def check_args(self, args: tuple[Any, ...]) -> None:
     """Trace-time checks of the call's positional arguments."""
@@ -515,8 +527,15 @@ class Engine:
   ) -> Engine:
     """This engine with its :class:`jaxaccum._exact.Plan` where the step's
     loss is read as a function of sums over its rows, else itself."""
-    found = _exact.for_step(self, args, kwargs, split)
-    return self if found is None else dataclasses.replace(self, exact=found)
+    if self.read:
+      return self
+    try:
+      found = _exact.for_step(self, args, kwargs, split)
+    except _compat.SHARDING_TYPE_ERRORS:
+      # fun refused on these types: not read; the step's own trace raises
+      # the error, explained where jaxaccum can explain it
+      found = None
+    return dataclasses.replace(self, exact=found, read=True)
 
 
 def noise_terms(

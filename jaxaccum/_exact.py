@@ -25,6 +25,7 @@ masked or token-weighted mean: a pass over the mask alone), or every sum
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -484,10 +485,8 @@ class Plan:
         outs, sums = _evaluated(loss_fn, flat, self.batch)
       if len(sums) != len(self.coefficients):
         raise AssertionError("the micro-batch's program has other sums")
-      total = sum(
-        jnp.vdot(c.astype(s.dtype), s)
-        for c, s in zip(self.coefficients, sums, strict=True)
-      )
+      terms = [_dot(c, s) for c, s in zip(self.coefficients, sums, strict=True)]
+      total = functools.reduce(jnp.add, terms)
       _, (weight, aux, new_state) = outs
       return total, (weight, (aux, sums), new_state)
 
@@ -524,8 +523,9 @@ class Plan:
   ) -> tuple[Any, tuple[Any, ...]]:
     """The step's value and gradients from the loop: the sums stacked over
     its micro-batches (``parts``), the accumulated gradients of the
-    objectives, and the call's arguments for the rest of the loss."""
-    totals = [jnp.sum(p, axis=0) for p in parts]
+    objectives, and the call's arguments for the rest of the loss. Sums
+    left ``unreduced`` by the loop are reduced here, once."""
+    totals = [_reduced(jnp.sum(p, axis=0)) for p in parts]
     value, direct = self.value_and_direct(totals, args)
     summed = jax.tree.map(
       lambda g, d, p: g + d.astype(g.dtype),
@@ -555,9 +555,13 @@ def _evaluated(
   sums = _loss_sums(closed.jaxpr, nodes, _rest(closed.jaxpr, nodes))
   env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
   env.update(zip(closed.jaxpr.invars, values, strict=True))
-  for eqn in closed.jaxpr.eqns:
+  # The loss's value (its first output) is left out: the objective is
+  # built from the sums, and ``F`` on a device's share of them (``unreduced``
+  # under plain jit) is neither needed nor always typed.
+  kept = [v for v in closed.jaxpr.outvars[1:] if not isinstance(v, jex_core.Literal)]
+  for eqn in _needed(closed.jaxpr, [*sums, *kept]):
     _run(eqn, env)
-  outs = [_read(env, v) for v in closed.jaxpr.outvars]
+  outs = [None, *(_read(env, v) for v in closed.jaxpr.outvars[1:])]
   return jax.tree.unflatten(outs_tree[0], outs), [env[v] for v in sums]
 
 
@@ -630,10 +634,33 @@ def _totals(
     sums = (
       got.counted(values) if got.coefficients == "counts" else got.evaluate(values)[1]
     )
-    return [t + s for t, s in zip(totals, sums, strict=True)], None
+    return [t + _reduced(s) for t, s in zip(totals, sums, strict=True)], None
 
   totals, _ = jax.lax.scan(body, zeros, jnp.arange(k, dtype=jnp.int32))
   return totals
+
+
+def _dot(c: Any, s: Any) -> Any:
+  """``<c, s>``; where ``s`` is ``unreduced`` (a micro-batch's sum over
+  rows sharded over Explicit data axes, under plain ``jit``), ``c`` typed
+  ``reduced`` over the same axes, so that the product stays ``unreduced``
+  until the step's one reduction after the loop."""
+  c = c.astype(s.dtype)
+  spec = _compat.explicit_spec(s)
+  if spec is None or not spec.unreduced:
+    return jnp.vdot(c, s)
+  typed = jax.sharding.PartitionSpec(*spec.partitions, reduced=set(spec.unreduced))
+  return jnp.sum(jax.sharding.reshard(c, typed) * s)
+
+
+def _reduced(x: Any) -> Any:
+  """``x`` summed over the axes its type leaves ``unreduced`` (a count of
+  rows sharded over Explicit data axes, under plain ``jit``): the totals
+  the coefficients are taken at are the whole batch's."""
+  spec = _compat.explicit_spec(x)
+  if spec is None or not spec.unreduced:
+    return x
+  return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec.partitions))
 
 
 def for_step(

@@ -72,8 +72,10 @@ def value_and_grad(
   ratio of sums, a mean plus a penalty on the weights) is read from its
   jaxpr and made exact: each micro-batch's backward pass gets the full
   batch's cotangents, and the rest of the loss is applied once, to the
-  totals (``docs/guide.md``, "Exact by default"). Another loss (a batch
-  statistic used per row) is the mean of the micro-batches' losses.
+  totals (``docs/guide.md``, "Exact by default"), on one device, under
+  ``mesh=`` and under plain ``jit`` on a sharded batch alike. Another loss
+  (a batch statistic used per row) is the mean of the micro-batches'
+  losses.
 
   **Several devices.** Under plain ``jit`` on an Explicit mesh, the axes the
   batch's rows are sharded over are the data axes: parameters replicated

@@ -257,23 +257,28 @@ def test_the_loss_stays_a_sum_through_linear_operations(mesh, head):
 
 
 @pytest.mark.parametrize(
-  "head",
+  ("head", "in_loop"),
   [
-    pytest.param(lambda m, p: jnp.log(m), marks=pytest.mark.slow),
-    lambda m, p: m + 1e-3 * jnp.sum(p["out"] ** 2),
+    pytest.param(lambda m, p: jnp.log(m), [4], marks=pytest.mark.slow),
+    (lambda m, p: m + 1e-3 * jnp.sum(p["out"] ** 2), []),
     pytest.param(
-      lambda m, p: m.astype(jnp.bfloat16).astype(jnp.float32), marks=pytest.mark.slow
+      lambda m, p: m.astype(jnp.bfloat16).astype(jnp.float32),
+      [],
+      marks=pytest.mark.slow,
     ),
   ],
   ids=["log", "penalty_added", "narrowing_cast"],
 )
-def test_other_uses_of_the_loss_reduce_it_where_they_are(mesh, head, monkeypatch):
+def test_other_uses_of_the_loss_are_applied_to_the_totals(
+  mesh, head, in_loop, monkeypatch
+):
   """The log of the mean needs the whole sum; a penalty on the weights
   would have to be split over the devices to add to a sum of theirs; a
-  cast to bfloat16 rounds the sum, not its parts. Each reduces the loss in
-  the loop (4 bytes), as plain jit does; the gradients after it. Compared
-  with the step whose reductions the partitioner places (the same
-  micro-batches), since such a loss is no mean over examples."""
+  cast to bfloat16 rounds the sum, not its parts. Exact by default, each is
+  applied once to the totals, after the loop: no gradient is reduced in it.
+  The log's cotangent needs the total first, from a forward pass before the
+  loop that reduces its sum per micro-batch (4 bytes). Compared with the
+  step whose reductions the partitioner places (the same read)."""
   params, tok = lm_params(mesh), tokens(mesh)
 
   def loss(p, tok):
@@ -284,9 +289,10 @@ def test_other_uses_of_the_loss_reduce_it_where_they_are(mesh, head, monkeypatch
   monkeypatch.setattr(_unreduced, "applies", lambda *a: False)
   want, _ = compiled(jaxaccum.value_and_grad(loss, K), mesh, params, tok)
   chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
-  assert [c.bytes for c in data_collectives(colls, in_loop=True)] == [4], colls
+  assert [c.bytes for c in data_collectives(colls, in_loop=True)] == in_loop, colls
   after = data_collectives(colls, in_loop=False)
-  assert [c.bytes for c in after] == [shard_bytes(params)], after
+  assert sum(c.bytes for c in after) <= shard_bytes(params) + 4, after
+  assert sum(c.bytes for c in after) >= shard_bytes(params), after
 
 
 @pytest.mark.slow
@@ -308,6 +314,7 @@ def test_a_weighted_loss_reduces_its_weight_in_the_loop_only(mesh):
   out, colls = compiled(fun, mesh, params, tok, mask)
   want, _ = compiled(jax.value_and_grad(full), mesh, params, tok, mask)
   chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+  print("COLLS", [(c.bytes, c.in_loop) for c in colls if c.spans((8,), [0])])
   assert [c.bytes for c in data_collectives(colls, in_loop=True)] == [4], colls
 
 

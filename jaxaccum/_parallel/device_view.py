@@ -251,7 +251,7 @@ class DeviceStep(Step):
       weights=_devices.device_major(sums.weights),
       state=None if state_in is None else _devices.reduce_state(sums.state, state_in),
     )
-    return self.engine.finish(sums, diff_args)
+    return self.engine.finish(sums, diff_args, args)
 
   def after_loop(self, acc: jax.Array, x: jax.Array, p: Placement) -> jax.Array:
     """The accumulator summed over its copies, into the parameter's sharding:

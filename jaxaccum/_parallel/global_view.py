@@ -71,7 +71,7 @@ class GlobalStep(Step):
     """Normalized, each gradient then in its parameter's sharding: the
     partitioner placed the reductions."""
     diff_args = tuple(args[n] for n in self.options.argnums)
-    result = self.engine.finish(sums, diff_args)
+    result = self.engine.finish(sums, diff_args, args)
     clipped = result.sums  # DP-SGD's clipped sums, laid out as the gradients
     return result._replace(
       grads=self.map(self.after_loop, result.grads, diff_args),

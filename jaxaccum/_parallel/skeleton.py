@@ -29,6 +29,7 @@ import jax
 from jaxaccum import _accumulator, _engine, _split
 from jaxaccum._engine import Engine
 from jaxaccum._parallel import placement as _placement
+from jaxaccum._parallel import types as _types
 from jaxaccum._parallel.placement import Placement
 
 PyTree = Any
@@ -52,6 +53,8 @@ class Step:
     self.split = split
 
   def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _engine.Result:
+    seen = as_fun_sees(args, self.options, self.placements)
+    self.engine = self.engine.made_exact(seen, kwargs, self.split)
     placed = self.place(args)
     sums = self.loop(placed, kwargs)
     return self.reduce(sums, args)
@@ -60,18 +63,18 @@ class Step:
 
   def place(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """``args`` with each differentiated leaf as the loop takes it."""
-    call_args = list(args)
-    diff_args = tuple(args[n] for n in self.options.argnums)
-    for n, placed in zip(
-      self.options.argnums, self.map(self.before_loop, diff_args), strict=True
-    ):
-      call_args[n] = placed
-    return tuple(call_args)
+    return self.with_leaves(self.before_loop, args)
 
   def before_loop(self, x: jax.Array, p: Placement) -> jax.Array:
     """One leaf as the loop takes it (by default, as it is)."""
     del p
     return x
+
+  def with_leaves(
+    self, fun: Callable[[jax.Array, Placement], jax.Array], args: tuple[Any, ...]
+  ) -> tuple[Any, ...]:
+    """``args`` with ``fun(leaf, placement)`` for each differentiated leaf."""
+    return with_leaves(fun, args, self.options.argnums, self.placements)
 
   # -- 2. enter the loop ------------------------------------------------------------
 
@@ -130,7 +133,7 @@ class Step:
     normalized (``args`` are the step's arguments, as they came)."""
     diff_args = tuple(args[n] for n in self.options.argnums)
     grads = self.map(self.after_loop, sums.grads, diff_args)
-    return self.engine.finish(sums._replace(grads=grads), diff_args)
+    return self.engine.finish(sums._replace(grads=grads), diff_args, args)
 
   def after_loop(self, acc: jax.Array, x: jax.Array, p: Placement) -> jax.Array:
     """One leaf's sum ``acc`` into the sharding of its parameter ``x`` (by
@@ -158,3 +161,35 @@ def barrier(diff_args: PyTree, held: list[bool], index: jax.Array) -> PyTree:
   return jax.tree.unflatten(
     treedef, [next(it) if h else x for x, h in zip(leaves, held, strict=True)]
   )
+
+
+def as_fun_sees(
+  args: tuple[Any, ...], options: Any, placements: Sequence[Placement]
+) -> tuple[Any, ...]:
+  """``args`` with each leaf gathered before the loop (``fsdp_gather``
+  ``"once"`` or ``"cast_once"``) gathered, and cast, as ``fun`` sees it
+  there: what the loss is read on (:meth:`jaxaccum._engine.Engine.made_exact`)."""
+
+  def seen(x: jax.Array, p: Placement) -> jax.Array:
+    if p.before_loop == "as_is" or p.spec is None:
+      return x
+    if p.before_loop == "cast_gather":
+      x = x.astype(options.gather_dtype)
+    return _types.constrain(x, p.spec.other_spec())
+
+  return with_leaves(seen, args, options.argnums, placements)
+
+
+def with_leaves(
+  fun: Callable[[jax.Array, Placement], jax.Array],
+  args: tuple[Any, ...],
+  argnums: Sequence[int],
+  placements: Sequence[Placement],
+) -> tuple[Any, ...]:
+  """``args`` with ``fun(leaf, placement)`` for each leaf of the
+  differentiated arguments ``argnums``."""
+  call_args = list(args)
+  diff_args = tuple(args[n] for n in argnums)
+  for n, x in zip(argnums, _placement.each(fun, placements, diff_args), strict=True):
+    call_args[n] = x
+  return tuple(call_args)

@@ -58,6 +58,7 @@ from jaxaccum import _accumulator, _compat, _engine, _split
 from jaxaccum._engine import Engine
 from jaxaccum._parallel import placement as _placement
 from jaxaccum._parallel import reduced as _reduced
+from jaxaccum._parallel import skeleton as _skeleton
 from jaxaccum._parallel import specs as _specs
 from jaxaccum._parallel import types as _types
 from jaxaccum._parallel.placement import Placement
@@ -105,6 +106,9 @@ def run(
   uses finds it (:func:`reducible`)."""
   o = engine.options
   flat = jax.tree.leaves(tuple(args[n] for n in o.argnums))
+  entry = [_placement.on_types(x, axes, o.fsdp_gather, True) for x in flat]
+  seen = _skeleton.as_fun_sees(args, o, entry)
+  engine = engine.made_exact(seen, kwargs, split)  # the user's fun, read
   engine, kept = reducible(engine, axes, args, kwargs, split)
   placements = [
     _placement.on_types(x, axes, o.fsdp_gather, r)
@@ -130,7 +134,10 @@ def reducible(
   _split.MicroBatches(tuple(args[n] for n in o.batch_argnums), split)
   fun = _reduced.Evaluated(engine.fun, axes)
   evaluated = dataclasses.replace(engine, fun=fun)
-  loss = evaluated.micro_loss(args, kwargs, split, split.num_micro_batches)
+  # fun's own uses, probed without the exact plan's objective (which traces
+  # fun apart to find its sums, out of the probe's sight)
+  plain = dataclasses.replace(evaluated, exact=None)
+  loss = plain.micro_loss(args, kwargs, split, split.num_micro_batches)
   m = split.micro_batch_size
 
   def probe(x):
