@@ -33,11 +33,13 @@ from jax.extend import core as jex_core
 
 #: JAX's call primitives whose body the walker evaluates inline, and the
 #: parameter that holds it (a ``ClosedJaxpr``). ``closed_call`` is what a
-#: ``custom_vjp`` whose residuals are unused becomes after DCE.
+#: ``custom_vjp`` whose residuals are unused becomes after DCE; jax 0.12.1
+#: names its equation ``eval_jaxpr``.
 CALLS: dict[str, str] = {
   "pjit": "jaxpr",
   "jit": "jaxpr",
   "closed_call": "call_jaxpr",
+  "eval_jaxpr": "call_jaxpr",
   "core_call": "call_jaxpr",
 }
 

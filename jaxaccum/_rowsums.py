@@ -40,7 +40,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
-from jaxaccum import _jaxpr
+from jaxaccum import _compat, _jaxpr
 
 #: A value computed from sums over the rows and constants only.
 SUM = "sum"
@@ -165,7 +165,7 @@ def _scan_kinds(eqn: Any, meta: list[Any]) -> list[Any]:
   """A ``scan`` over layers or over time within rows: its carry keeps its
   kind through the body; a scan over the rows themselves mixes them."""
   p = eqn.params
-  consts, carried = p["num_consts"], p["num_carry"]
+  consts, carried = _compat.scan_operand_counts(p, len(eqn.invars))
   xs = meta[consts + carried :]
   if any(isinstance(m, Rows) and m.dim == 0 for m in xs):
     return [MIXED] * len(eqn.outvars)
