@@ -1,15 +1,20 @@
 """A regression guard: a fixed set of small steps, compiled, against a
 committed baseline.
 
-Run: ``python benchmarks/regressions.py --check`` (CI runs it; exit 1 on a
-regression), ``--rebaseline`` to rewrite ``results/regressions.json`` (the
-commit that does so says why), ``--targets`` to add the H100 and TPU v5e
-rows (the ``targets`` extra). Each step is a two-layer MLP with a bias on 8
-CPU devices, ``k = 4``, in the layouts of :data:`LAYOUTS` and a 4-stage
-pipeline, under plain ``jit`` on Explicit axes and through ``mesh=`` on Auto
-axes; :func:`measure` reads its peak, its collective bytes and the bytes of
-the data-axis collectives in the loop (:data:`METRICS`). Any of them more
-than 1% above the baseline fails. Nothing runs.
+Run: ``python benchmarks/regressions.py --check`` (CI runs it on every
+jax leg; exit 1 on a regression), ``--rebaseline`` to rewrite the baseline
+of the installed jax's minor version, ``results/regressions-jax<minor>.json``
+(XLA's programs differ between minors; the commit that rewrites one says
+why), ``--targets`` to add the H100 and TPU v5e rows (the ``targets``
+extra). Each step is a two-layer MLP with a bias on 8 CPU devices,
+``k = 4``, in the layouts of :data:`LAYOUTS` and a 4-stage pipeline, under
+plain ``jit`` on Explicit axes and through ``mesh=`` on Auto axes;
+:func:`measure` reads its peak, its collective bytes and the bytes of the
+data-axis collectives in the loop (:data:`METRICS`). Any of them more than
+1% above the baseline fails. Each CPU step also runs once, and its value
+and gradients must equal ``jax.value_and_grad``'s on the full batch within
+:data:`EXACT` of the largest magnitude (a step that compiles to the same
+bytes but computes a wrong loss fails too).
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from jax.sharding import PartitionSpec as P
 import jaxaccum
 from jaxaccum import testing
 
-BASELINE = Path(__file__).parent / "results" / "regressions.json"
+MINOR = ".".join(jax.__version__.split(".")[:2])
+BASELINE = Path(__file__).parent / "results" / f"regressions-jax{MINOR}.json"
 TOLERANCE = 0.01
+EXACT = 1e-5
 METRICS = ("peak_bytes", "collective_bytes", "data_bytes_in_loop")
 B, F, H, K = 256, 64, 128, 4
 
@@ -81,7 +88,7 @@ def arrays(mesh: jax.sharding.Mesh, specs: dict, data: tuple[str, ...]) -> tuple
   return params, (put(x, rows), put(jnp.sin(x[:, :1]), rows))
 
 
-def mlp_step(layout: str, path: str) -> tuple[Any, tuple, jax.sharding.Mesh, tuple]:
+def mlp_step(layout: str, path: str) -> tuple[Any, ...]:
   shape, names, data, specs = LAYOUTS[layout]
   explicit = path == "plain"
   kind = AxisType.Explicit if explicit else AxisType.Auto
@@ -94,10 +101,11 @@ def mlp_step(layout: str, path: str) -> tuple[Any, tuple, jax.sharding.Mesh, tup
     arrays(mesh, specs, data),
     mesh,
     data,
+    loss,
   )
 
 
-def pipeline_step(path: str) -> tuple[Any, tuple, jax.sharding.Mesh, tuple]:
+def pipeline_step(path: str) -> tuple[Any, ...]:
   """4 stages of 2 residual layers each, over ("data", "stage") = (2, 4)."""
   kind = AxisType.Explicit if path == "plain" else AxisType.Auto
   mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(kind,) * 2)
@@ -117,14 +125,17 @@ def pipeline_step(path: str) -> tuple[Any, tuple, jax.sharding.Mesh, tuple]:
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
   args = (put(stacked, P("stage")), (put(x, P("data")), put(x[:, :1], P("data"))))
   options = {} if path == "plain" else {"mesh": mesh, "data_axis": "data"}
-  return jaxaccum.value_and_grad(loss, 2, **options), args, mesh, ("data",)
+  return jaxaccum.value_and_grad(loss, 2, **options), args, mesh, ("data",), loss
 
 
-def measure(step: Any, args: tuple, mesh: jax.sharding.Mesh, data: tuple) -> dict:
+def measure(
+  step: Any, args: tuple, mesh: jax.sharding.Mesh, data: tuple, loss: Any
+) -> dict:
   fun = jax.jit(step)
   with jax.set_mesh(mesh):
     stats = jaxaccum.compiled_memory(fun, *args)
     text = testing.compiled_text(fun, *args)
+    got, want = fun(*args), jax.jit(jax.value_and_grad(loss))(*args)
   shape = tuple(mesh.shape.values())
   dims = [mesh.axis_names.index(a) for a in data]
   colls = testing.collectives(text)
@@ -134,7 +145,16 @@ def measure(step: Any, args: tuple, mesh: jax.sharding.Mesh, data: tuple) -> dic
     "data_bytes_in_loop": sum(
       c.bytes * c.executions for c in colls if c.in_loop and c.spans(shape, dims)
     ),
+    "error": deviation(got, want),
   }
+
+
+def deviation(got: Any, want: Any) -> float:
+  """The largest difference between the step's value and gradients and the
+  full batch's, over the largest magnitude among the latter."""
+  pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+  scale = max(float(jnp.max(jnp.abs(w))) for _, w in pairs)
+  return max(float(jnp.max(jnp.abs(g - w))) for g, w in pairs) / scale
 
 
 def cpu_rows() -> dict[str, dict]:
@@ -210,14 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     rows.update(target_rows())
   saved = json.loads(args.baseline.read_text()) if args.baseline.exists() else {}
   if args.rebaseline:
-    saved.update(rows)
+    saved.update({n: {m: r[m] for m in METRICS} for n, r in rows.items()})
     args.baseline.write_text(json.dumps(dict(sorted(saved.items())), indent=1) + "\n")
     print(f"wrote {len(rows)} steps to {args.baseline}")
     return 0
   missing = [name for name in rows if name not in saved]
   found = regressions(rows, saved) + [f"{n}: no baseline" for n in missing]
+  found += [
+    f"{name}: value and gradients {got['error']:.1e} off the full batch's"
+    for name, got in rows.items()
+    if got.get("error", 0.0) > EXACT
+  ]
   for name, got in rows.items():
-    print(name, " ".join(f"{m}={got[m]:,}" for m in METRICS))
+    exact = f" error={got['error']:.1e}" if "error" in got else ""
+    print(name, " ".join(f"{m}={got[m]:,}" for m in METRICS) + exact)
   for line in found:
     print("REGRESSION", line)
   print(f"{len(rows)} steps checked, {len(found)} regressions")

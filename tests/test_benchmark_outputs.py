@@ -10,6 +10,7 @@ import tempfile
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import pytest
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -89,3 +90,21 @@ def test_largest_fitting_finds_the_last_batch_that_fits(
   assert not set(probed) & set(known)  # a known peak is not compiled again
   hypothesis.event(f"compiles: {min(len(probed), 12) // 4 * 4}+")
   hypothesis.event("nothing fits" if expected == 0 else "something fits")
+
+
+def test_the_regression_guard_fails_a_step_whose_loss_is_wrong():
+  """regressions.py runs each step once against jax.value_and_grad on the
+  full batch: the right step passes, one whose loss and gradients are 256
+  times the full batch's (the same compiled bytes) is caught."""
+  guard = load("regressions")
+  step, args, mesh, data, loss = guard.mlp_step("replicated", "plain")
+  right = guard.measure(step, args, mesh, data, loss)
+  assert right["error"] <= guard.EXACT
+
+  def scaled(*a):
+    value, grads = step(*a)
+    return value * 256, jax.tree.map(lambda g: g * 256, grads)
+
+  wrong = guard.measure(scaled, args, mesh, data, loss)
+  assert wrong["error"] > guard.EXACT
+  assert guard.BASELINE.name == f"regressions-jax{guard.MINOR}.json"
