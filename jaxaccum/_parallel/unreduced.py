@@ -182,13 +182,22 @@ class UnreducedStep(Step):
     return _accumulator.LeafSum(term=lambda g: _types.reshard(g, spec))
 
   def reduce(self, sums: _engine.Sums, args: tuple[Any, ...]) -> _engine.Result:
-    """The losses' one sum, where they are ``unreduced``, then each
-    gradient's (:meth:`after_loop`)."""
-    if jax.typeof(sums.loss).sharding.spec.unreduced:
-      checked = self.options.value_checks
-      sums = sums._replace(
-        loss=all_reduce(sums.loss, checked), losses=all_reduce(sums.losses, checked)
-      )
+    """The losses' one sum, and the aux's (an exact step's sums over rows),
+    where they are ``unreduced``, then each gradient's (:meth:`after_loop`)."""
+    checked = self.options.value_checks
+
+    def reduced(x: Any) -> Any:
+      spec = _compat.explicit_spec(x)
+      return all_reduce(x, checked) if spec is not None and spec.unreduced else x
+
+    aux = sums.aux
+    if self.engine.exact is not None:  # its sums over rows ride with the aux
+      aux, parts = aux
+      parts = [reduced(jnp.sum(p, axis=0, keepdims=True)) for p in parts]
+      aux = (jax.tree.map(reduced, aux), parts)
+    else:
+      aux = jax.tree.map(reduced, aux)
+    sums = sums._replace(loss=reduced(sums.loss), losses=reduced(sums.losses), aux=aux)
     return super().reduce(sums, args)
 
   def after_loop(self, acc: jax.Array, x: jax.Array, p: Placement) -> jax.Array:
