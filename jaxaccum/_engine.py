@@ -31,7 +31,16 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _aux, _checks, _exact, _noise_scale, _normalize, _split, _tree
+from jaxaccum import (
+  _accumulator,
+  _aux,
+  _checks,
+  _compat,
+  _exact,
+  _noise_scale,
+  _split,
+  _tree,
+)
 from jaxaccum._accumulator import Accumulator
 from jaxaccum._accumulator import accumulator as new_accumulator
 from jaxaccum._options import Options
@@ -291,8 +300,11 @@ class Engine:
     them."""
     o = self.options
     if o.rule is None:
-      value_and_grad = jax.value_and_grad(
-        self.micro_loss(args, kwargs, split, total), has_aux=True
+      diff_args = tuple(args[n] for n in o.argnums)
+      value_and_grad = seeded_value_and_grad(
+        self.micro_loss(args, kwargs, split, total),
+        self.seed(diff_args, total),
+        vjp=any(r.name == "dtype" for r in self.rules(diff_args)),
       )
     else:
       clipped = o.rule.value_and_grad(
@@ -316,6 +328,37 @@ class Engine:
       return MicroOut(loss, weight, aux, new_state, noise), grads
 
     return self.rematerialized(step)
+
+  # -- each leaf's combine rule ---------------------------------------------------
+
+  def rules(self, diff_args: tuple[PyTree, ...]) -> tuple[_accumulator.Rule, ...]:
+    """Each differentiated leaf's combine rule, flattened
+    (:func:`jaxaccum._accumulator.rules`)."""
+    o = self.options
+    return _accumulator.rules(o.combine, diff_args, o.tree_grads)
+
+  def seed(self, diff_args: tuple[PyTree, ...], total: int) -> float:
+    """The cotangent each micro-batch's backward pass starts from: 1, or
+    ``1 / total`` where the mean's normalization is applied before the
+    backward pass (:meth:`prescaled`)."""
+    return 1.0 / total if self.prescaled(diff_args, total) else 1.0
+
+  def prescaled(self, diff_args: tuple[PyTree, ...], total: int) -> bool:
+    """Whether each micro-batch's backward pass is seeded as the full
+    batch's mean seeds it (``1 / total``, ``total`` micro-batches over the
+    devices too) rather than divided after the loop: where some leaf is not
+    a gradient (an FP8 layer's output-gradient amax, taken inside the
+    backward pass, must see the full batch's cotangents). An exact plan
+    seeds its backward pass as the full batch's already."""
+    o = self.options
+    return (
+      total > 1
+      and o.normalize == "mean"
+      and self.exact is None
+      and o.rule is None
+      and not o.noise_stats
+      and any(not r.normalized for r in self.rules(diff_args))
+    )
 
   def _call_args(self, args: tuple[Any, ...], total: int) -> Callable[..., list[Any]]:
     """``(diff_args, micro, index, state) -> fun's positional arguments`` for
@@ -412,8 +455,10 @@ class Engine:
     step = step or self.micro_step(
       args, kwargs, split, split.num_micro_batches, split.micro_batch_size
     )
-    accumulator = accumulator or new_accumulator(o.accum_dtype)
     diff_args = tuple(args[i] for i in o.argnums)
+    accumulator = accumulator or new_accumulator(
+      o.accum_dtype, rules=self.rules(diff_args)
+    )
     batches = _split.MicroBatches(
       tuple(args[i] for i in o.batch_argnums), split, per_block=per_block
     )
@@ -468,16 +513,21 @@ class Engine:
     arguments for the rest of the loss)."""
     o = self.options
     norm = o.normalization
+    rules = self.rules(diff_args)
     if self.exact is not None:
       aux, parts = sums.aux
-      value, normalized = self.exact.finished(parts, sums.grads, args, diff_args)
+      gradients = [r.normalized for r in rules]
+      value, normalized = self.exact.finished(parts, sums.grads, args, gradients)
       sums = sums._replace(aux=aux)
+      divide = lambda g: g  # noqa: E731
     else:
       value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
-      normalized = norm.finalize(sums.grads, sums.weight)
-    grads = jax.tree.map(
-      lambda g, p: g.astype(_normalize.result_dtype(p)), normalized, diff_args
-    )
+      normalized = sums.grads
+      divide = lambda g: norm.finalize(g, sums.weight)  # noqa: E731
+      if self.prescaled(diff_args, sums.losses.size):
+        divide = lambda g: g  # noqa: E731
+    grads = _accumulator.results(rules, normalized, divide, diff_args)
+    normalized = jax.tree.map(divide, normalized)
     if o.value_checks:
       _checks.check_total_weight(sums.weight, sums.grads)
     stacked = _aux.Stacked(sums.aux, sums.weights, sums.rows, sums.shards)
@@ -511,6 +561,24 @@ class Engine:
     loss is read as a function of sums over its rows, else itself."""
     found = _exact.for_step(self, args, kwargs, split)
     return self if found is None else dataclasses.replace(self, exact=found)
+
+
+def seeded_value_and_grad(
+  loss: Callable[..., Any], seed: float, *, vjp: bool = False
+) -> Callable[..., Any]:
+  """``jax.value_and_grad(loss, has_aux=True)`` whose backward pass starts
+  from the cotangent ``seed`` (1 and not ``vjp``: ``jax.value_and_grad``
+  itself; else by ``jax.vjp``, which also takes leaves of an extended dtype,
+  Flax's ``fm32``, that ``jax.grad`` refuses)."""
+  if seed == 1.0 and not vjp:
+    return jax.value_and_grad(loss, has_aux=True)
+
+  def value_and_grad(diff_args, *rest):
+    value, backward, out = jax.vjp(lambda d: loss(d, *rest), diff_args, has_aux=True)
+    (grads,) = backward(_compat.cotangent_full(value, seed))
+    return (value, out), grads
+
+  return value_and_grad
 
 
 def noise_terms(

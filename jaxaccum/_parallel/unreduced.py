@@ -106,6 +106,10 @@ def run(
   o = engine.options
   flat = jax.tree.leaves(tuple(args[n] for n in o.argnums))
   engine, kept = reducible(engine, axes, args, kwargs, split)
+  # a leaf that is not summed (an FP8 amax) never enters reduced: its
+  # unreduced cotangent would be summed over the devices
+  rules = engine.rules(tuple(args[n] for n in o.argnums))
+  kept = [k and r.summed for k, r in zip(kept, rules, strict=True)]
   placements = [
     _placement.on_types(x, axes, o.fsdp_gather, r)
     for x, r in zip(flat, kept, strict=True)
