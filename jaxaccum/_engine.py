@@ -340,7 +340,24 @@ class Engine:
   def seed(self, diff_args: tuple[PyTree, ...], total: int) -> float:
     """The cotangent each micro-batch's backward pass starts from: 1, or
     ``1 / total`` where the mean's normalization is applied before the
-    backward pass (:meth:`prescaled`)."""
+    backward pass (:meth:`prescaled`). ``normalize="weighted"`` with such
+    leaves is a ``ValueError``: its total weight is known only after the
+    loop, too late for the backward passes."""
+    o = self.options
+    if o.normalize == "weighted" and total > 1 and o.rule is None:
+      named = [r.name for r in self.rules(diff_args) if not r.normalized]
+      if named:
+        raise ValueError(
+          f'normalize="weighted" divides by the total weight after the loop, '
+          f"but {len(named)} differentiated leaves are not gradients (combined "
+          f"by {sorted(set(named))}: FP8 scales and amax histories, or "
+          "combine=), and an FP8 layer's output-gradient amax is taken inside "
+          "each micro-batch's backward pass, which would see cotangents "
+          "Σ weight times the full batch's. Write the weighted mean in fun "
+          '(jnp.sum(losses * mask) / jnp.sum(mask)) with normalize="mean": '
+          "jaxaccum reads it as the full batch's and seeds each backward pass "
+          'with the full batch\'s cotangents; or use normalize="sum".'
+        )
     return 1.0 / total if self.prescaled(diff_args, total) else 1.0
 
   def prescaled(self, diff_args: tuple[PyTree, ...], total: int) -> bool:

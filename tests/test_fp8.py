@@ -28,6 +28,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+from jaxaccum import testing
 
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 
@@ -324,3 +325,48 @@ def test_make_train_step_overwrites_the_metadata_as_train_state_does():
     params, opt_state, _ = step(params, opt_state, b)
     assert_metadata_equal(params, want.params)
     assert_params_close(params, want.params)
+
+
+def test_weighted_with_fp8_metadata_is_refused_with_the_way_out():
+  """``normalize="weighted"`` divides after the loop: each micro-batch's
+  output-gradient amax would be Σ weight times the full batch's."""
+  v, b = variables(), batch()
+
+  def weighted(v, b):
+    x, y = b
+    return jnp.sum((MODEL.apply(v, x) - y) ** 2), jnp.float32(x.shape[0])
+
+  with pytest.raises(ValueError, match='normalize="weighted" divides by the total'):
+    jaxaccum.grad(weighted, 4, normalize="weighted")(v, b)
+
+
+def test_a_masked_mean_is_read_as_the_full_batch_s():
+  """The way out: the weighted mean written in ``fun`` under
+  ``normalize="mean"``, micro-batches holding different counts of real
+  rows, gives the full batch's metadata (the exact plan seeds each
+  backward pass with the full batch's cotangents)."""
+  v, b = variables(), batch()
+  mask = (jnp.arange(64) % 3 != 0) & (jnp.arange(64) < 50)
+
+  def masked(v, b):
+    x, y, m = b
+    per_row = jnp.sum((MODEL.apply(v, x) - y) ** 2, axis=1)
+    return jnp.sum(per_row * m) / jnp.sum(m)
+
+  full = (*b, mask.astype(jnp.float32))
+  want = jax.jit(jax.grad(masked))(v, full)
+  got = jaxaccum.grad(masked, 4)(v, full)
+  assert_metadata_equal(got, want)
+  assert_params_close(got, want)
+
+
+def test_mesh_fp8_step_has_no_data_axis_collective_in_its_loop():
+  """The max over devices is one reduction after the loop, never one per
+  micro-batch: each device's amax stays its own in the loop."""
+  mesh = explicit_mesh()
+  v, b = variables(), batch()
+  step = jax.jit(jaxaccum.grad(loss, 4, mesh=mesh, data_axis="data"))
+  with jax.set_mesh(mesh):
+    text = step.lower(*on_mesh(mesh, v, b)).compile().as_text()
+  data = [c for c in testing.collectives(text) if c.spans((8,), [0])]
+  assert data and not [c for c in data if c.in_loop], data
