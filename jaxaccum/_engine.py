@@ -35,9 +35,9 @@ from jaxaccum import (
   _accumulator,
   _aux,
   _checks,
-  _compat,
   _exact,
   _noise_scale,
+  _normalize,
   _split,
   _tree,
 )
@@ -301,7 +301,7 @@ class Engine:
     o = self.options
     if o.rule is None:
       diff_args = tuple(args[n] for n in o.argnums)
-      value_and_grad = seeded_value_and_grad(
+      value_and_grad = _normalize.seeded_value_and_grad(
         self.micro_loss(args, kwargs, split, total),
         self.seed(diff_args, total),
         vjp=any(r.name == "dtype" for r in self.rules(diff_args)),
@@ -338,44 +338,14 @@ class Engine:
     return _accumulator.rules(o.combine, diff_args, o.tree_grads)
 
   def seed(self, diff_args: tuple[PyTree, ...], total: int) -> float:
-    """The cotangent each micro-batch's backward pass starts from: 1, or
-    ``1 / total`` where the mean's normalization is applied before the
-    backward pass (:meth:`prescaled`). ``normalize="weighted"`` with such
-    leaves is a ``ValueError``: its total weight is known only after the
-    loop, too late for the backward passes."""
+    """The cotangent each micro-batch's backward pass starts from
+    (:func:`jaxaccum._normalize.seed`): ``1 / total`` where a leaf is not a
+    gradient and the mean's division would come after the loop."""
     o = self.options
-    if o.normalize == "weighted" and total > 1 and o.rule is None:
-      named = [r.name for r in self.rules(diff_args) if not r.normalized]
-      if named:
-        raise ValueError(
-          f'normalize="weighted" divides by the total weight after the loop, '
-          f"but {len(named)} differentiated leaves are not gradients (combined "
-          f"by {sorted(set(named))}: FP8 scales and amax histories, or "
-          "combine=), and an FP8 layer's output-gradient amax is taken inside "
-          "each micro-batch's backward pass, which would see cotangents "
-          "Σ weight times the full batch's. Write the weighted mean in fun "
-          '(jnp.sum(losses * mask) / jnp.sum(mask)) with normalize="mean": '
-          "jaxaccum reads it as the full batch's and seeds each backward pass "
-          'with the full batch\'s cotangents; or use normalize="sum".'
-        )
-    return 1.0 / total if self.prescaled(diff_args, total) else 1.0
-
-  def prescaled(self, diff_args: tuple[PyTree, ...], total: int) -> bool:
-    """Whether each micro-batch's backward pass is seeded as the full
-    batch's mean seeds it (``1 / total``, ``total`` micro-batches over the
-    devices too) rather than divided after the loop: where some leaf is not
-    a gradient (an FP8 layer's output-gradient amax, taken inside the
-    backward pass, must see the full batch's cotangents). An exact plan
-    seeds its backward pass as the full batch's already."""
-    o = self.options
-    return (
-      total > 1
-      and o.normalize == "mean"
-      and self.exact is None
-      and o.rule is None
-      and not o.noise_stats
-      and any(not r.normalized for r in self.rules(diff_args))
-    )
+    named = [r.name for r in self.rules(diff_args) if not r.normalized]
+    if o.rule is not None or o.noise_stats or total < 2 or not named:
+      return 1.0
+    return _normalize.seed(o.normalize, total, named, exact=self.exact is not None)
 
   def _call_args(self, args: tuple[Any, ...], total: int) -> Callable[..., list[Any]]:
     """``(diff_args, micro, index, state) -> fun's positional arguments`` for
@@ -541,7 +511,7 @@ class Engine:
       value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
       normalized = sums.grads
       divide = lambda g: norm.finalize(g, sums.weight)  # noqa: E731
-      if self.prescaled(diff_args, sums.losses.size):
+      if self.seed(diff_args, sums.losses.size) != 1.0:  # divided before
         divide = lambda g: g  # noqa: E731
     grads = _accumulator.results(rules, normalized, divide, diff_args)
     normalized = jax.tree.map(divide, normalized)
@@ -578,24 +548,6 @@ class Engine:
     loss is read as a function of sums over its rows, else itself."""
     found = _exact.for_step(self, args, kwargs, split)
     return self if found is None else dataclasses.replace(self, exact=found)
-
-
-def seeded_value_and_grad(
-  loss: Callable[..., Any], seed: float, *, vjp: bool = False
-) -> Callable[..., Any]:
-  """``jax.value_and_grad(loss, has_aux=True)`` whose backward pass starts
-  from the cotangent ``seed`` (1 and not ``vjp``: ``jax.value_and_grad``
-  itself; else by ``jax.vjp``, which also takes leaves of an extended dtype,
-  Flax's ``fm32``, that ``jax.grad`` refuses)."""
-  if seed == 1.0 and not vjp:
-    return jax.value_and_grad(loss, has_aux=True)
-
-  def value_and_grad(diff_args, *rest):
-    value, backward, out = jax.vjp(lambda d: loss(d, *rest), diff_args, has_aux=True)
-    (grads,) = backward(_compat.cotangent_full(value, seed))
-    return (value, out), grads
-
-  return value_and_grad
 
 
 def noise_terms(

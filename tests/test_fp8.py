@@ -67,7 +67,7 @@ def loss(v, b):
   return jnp.mean((MODEL.apply(v, x) - y) ** 2)
 
 
-def assert_metadata_equal(got, want, rtol=1e-6):
+def assert_metadata_equal(got, want, rtol=1e-6, atol=0.0):
   """Every FP8 variable equal (relative ``rtol``), named on failure."""
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(want[OWG]),
@@ -78,7 +78,7 @@ def assert_metadata_equal(got, want, rtol=1e-6):
       np.asarray(b),
       np.asarray(a),
       rtol=rtol,
-      atol=0,
+      atol=atol,
       err_msg=jax.tree_util.keystr(path),
     )
 
@@ -370,3 +370,33 @@ def test_mesh_fp8_step_has_no_data_axis_collective_in_its_loop():
     text = step.lower(*on_mesh(mesh, v, b)).compile().as_text()
   data = [c for c in testing.collectives(text) if c.spans((8,), [0])]
   assert data and not [c for c in data if c.in_loop], data
+
+
+def test_accumulate_windows_write_the_full_batch_s_metadata():
+  """``accumulate()`` across calls: each micro-batch's share of the window's
+  loss differentiated (``loss / k``, ``weight=1 / k``), the metadata
+  combined by max over the window and written over the parameters when it
+  ends, as three ``TrainState`` steps on the whole windows give it (summed
+  and divided, it was not). ``optax.apply_updates`` writes it as ``p + (n -
+  p)``: exact to half an ulp of the old value ``p`` (``atol``)."""
+  k, v = 4, variables()
+  tx = jaxaccum.accumulate(optax.adam(1e-2), k)
+  want = train_state.TrainState.create(
+    apply_fn=MODEL.apply, params=v, tx=optax.adam(1e-2)
+  )
+  full = jax.jit(lambda s, b: s.apply_gradients(grads=jax.grad(loss)(s.params, b)))
+  share = jax.jit(jax.grad(lambda v, b: loss(v, b) / k))
+
+  @jax.jit
+  def call(params, state, micro):
+    updates, state = tx.update(share(params, micro), state, params, weight=1.0 / k)
+    return optax.apply_updates(params, updates), state
+
+  params, state = v, tx.init(v)
+  for step in range(3):
+    b = batch(seed=20 + step)
+    want = full(want, b)
+    for micro in zip(*(jnp.split(x, k) for x in b), strict=True):
+      params, state = call(params, state, micro)
+    assert_metadata_equal(params, want.params, atol=1e-7)
+    assert_params_close(params, want.params)
