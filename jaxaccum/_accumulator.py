@@ -87,6 +87,8 @@ class Rule(NamedTuple):
     if self.name in ("gradient", "sum", "max", "min"):
       reduce = {"max": jnp.max, "min": jnp.min}.get(self.name, jnp.sum)
       return reduce(acc, axis=tuple(range(axes)))
+    if _compat.explicit_spec(acc) is not None:  # gathered, then sliced
+      acc = jax.sharding.reshard(acc, jax.sharding.PartitionSpec())
     flat = acc.reshape((-1, *acc.shape[axes:]))
     if self.name == "last":
       return flat[-1]

@@ -514,7 +514,6 @@ class Engine:
       if self.seed(diff_args, sums.losses.size) != 1.0:  # divided before
         divide = lambda g: g  # noqa: E731
     grads = _accumulator.results(rules, normalized, divide, diff_args)
-    normalized = jax.tree.map(divide, normalized)
     if o.value_checks:
       _checks.check_total_weight(sums.weight, sums.grads)
     stacked = _aux.Stacked(sums.aux, sums.weights, sums.rows, sums.shards)
@@ -522,7 +521,7 @@ class Engine:
     aux = aux if o.state_argnum is None else (aux, sums.state)
     noise = None
     if sums.noise is not None:
-      big_sq_norm = _tree.sq_norm(normalized)
+      big_sq_norm = _tree.sq_norm(jax.tree.map(divide, normalized))
       if not norm.divide:  # a sum over the batch's rows: its mean is sum / B_big
         big_sq_norm = big_sq_norm / sums.noise.examples**2
       noise = sums.noise.finalize(big_sq_norm)

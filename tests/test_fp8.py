@@ -417,3 +417,51 @@ def test_accumulate_windows_write_the_full_batch_s_metadata():
       params, state = call(params, state, micro)
     assert_metadata_equal(params, want.params, atol=1e-7)
     assert_params_close(params, want.params)
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+def test_mesh_fm32_metadata_combines_by_its_dtype_s_addition(view):
+  """``fm32`` leaves under ``mesh=``: copied per device, combined by the
+  dtype's own addition over the micro-batches and then over the devices,
+  never cast through float32."""
+  mesh = explicit_mesh()
+  b = batch()
+
+  def f32(g):
+    return {**g, OWG: jax.tree.map(lambda x: x.astype(jnp.float32), g[OWG])}
+
+  @jax.jit
+  def both(v, b):
+    v = as_fm32(v)
+    want = jax.grad(loss, allow_int=True)(v, b)
+    got = jaxaccum.grad(loss, 4, mesh=mesh, data_axis="data", view=view)(v, b)
+    return f32(got), f32(want)
+
+  with jax.set_mesh(mesh):
+    got, want = both(*on_mesh(mesh, variables(), b))
+  assert_metadata_equal(got, want)
+  assert_params_close(got, want)
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+def test_mesh_combine_reduces_each_rule_over_the_devices(view):
+  """Under ``mesh=`` each rule reduces over the devices as over the
+  micro-batches: the running max and min, the rows counted (summed over
+  the devices, 64), the last row of the last device's last micro-batch (on
+  Auto axes: ``x[-1]`` of rows typed sharded is refused on Explicit ones,
+  under ``jax.grad`` too)."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  p, b = stats_params(), batch()
+  want = jax.jit(jax.grad(stats_loss))(p, b)
+  step = jax.jit(
+    jaxaccum.grad(
+      stats_loss, 2, combine=COMBINE, mesh=mesh, data_axis="data", view=view
+    )
+  )
+  with jax.set_mesh(mesh):
+    got = step(*on_mesh(mesh, p, b))
+  for name in ("peak", "low", "count", "last"):
+    np.testing.assert_allclose(
+      got["stats"][name], want["stats"][name], rtol=1e-6, err_msg=name
+    )
+  np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-7)
