@@ -465,3 +465,34 @@ def test_mesh_combine_reduces_each_rule_over_the_devices(view):
       got["stats"][name], want["stats"][name], rtol=1e-6, err_msg=name
     )
   np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-7)
+
+
+def test_a_non_gradient_leaf_sharded_over_the_data_axes_is_refused():
+  """A running max sharded over the data axis (FSDP) would have its
+  backward pass sum it over the devices: a clear ``ValueError``."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+  @jax.custom_vjp
+  def peaks(x, p):
+    del p
+    return x
+
+  peaks.defvjp(
+    lambda x, p: (x, jnp.maximum(p, jnp.max(jnp.abs(x), axis=0))),
+    lambda new, g: (g, new),
+  )
+
+  def f(params, b):
+    return jnp.mean(peaks(b[0], params["peak"]) @ params["w"])
+
+  params = {"w": jnp.ones((8, 4)), "peak": jnp.zeros(8)}
+  step = jaxaccum.grad(
+    f,
+    2,
+    combine={"w": None, "peak": "max"},
+    mesh=mesh,
+    data_axis="data",
+    param_specs={"w": P(), "peak": P("data")},
+  )
+  with pytest.raises(ValueError, match=r"combines by 'max'.*replicate it"):
+    jax.jit(step)(params, batch())
