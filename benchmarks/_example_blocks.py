@@ -233,6 +233,32 @@ def dp_lm_result(r: dict[str, Any]) -> str:
   return "\n\n".join([run, table(header, rows), along])
 
 
+# ---------------------------------------------------------------- FP8 language model
+
+
+FP8_RUNS = {"fp8": "FP8 dense layers", "bf16": "bfloat16 dense layers"}
+
+
+def fp8_lm_result(r: dict[str, Any]) -> str:
+  """The FP8 run's loss curve beside the bfloat16 run's, every tenth of it."""
+  s, curves = r["settings"], r["curves"]
+  args = [a for a in r.get("argv") or [] if a != "--write-results"]
+  steps = len(curves["fp8"])
+  at = sorted({*range(0, steps, max(steps // 10, 1)), steps - 1})
+  run = (
+    f"`{' '.join(['python examples/fp8_lm.py', *args])}`, {date(r['date'])}, "
+    f"jax {r['jax']}, {r['seconds']:.0f} s; k = {s['num_micro_batches']}, "
+    f"{s['batch_size']} sequences of {s['seq_len']} per step; FP8 metadata "
+    f"against the full batch's at every step: {r['metadata_deviation']:.1e} "
+    "(relative, at most)"
+  )
+  curve = table(
+    ["step", *(str(i + 1) for i in at)],
+    [[name, *(f"{curves[key][i]:.3f}" for i in at)] for key, name in FP8_RUNS.items()],
+  )
+  return f"{run}\n\n{curve}"
+
+
 #: The generated blocks this file writes from ``input_pipeline_*.json``,
 #: ``autopilot.json`` and ``dp_lm.json``, by name (``_report.py`` puts each on its page).
 BLOCKS = {
@@ -242,4 +268,5 @@ BLOCKS = {
   "autopilot table": autopilot_table,
   "autopilot summary": autopilot_summary,
   "dp_lm result": dp_lm_result,
+  "fp8_lm result": fp8_lm_result,
 }

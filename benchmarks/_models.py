@@ -447,3 +447,51 @@ def abstract(name: str, preset: str, dtype: str, batch_scale: int = 1) -> Model:
 
   params, batch = jax.eval_shape(make)
   return dataclasses.replace(built[0], params=params, batch=batch)
+
+
+# ---------------------------------------------------------------- FP8 transformer
+
+
+def fp8_transformer(cfg: TransformerConfig) -> tuple[PyTree, PyTree, Loss]:
+  """The transformer LM with every projection an FP8 dense layer (Flax's
+  ``Fp8DotGeneralOp``), in Linen: ``(variables, batch, loss)``, the first
+  two as shapes. Its FP8 metadata is in ``_overwrite_with_gradient``."""
+  import warnings  # noqa: PLC0415
+
+  from flax import linen as nn  # noqa: PLC0415
+  from flax.linen import fp8_ops  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  def dense(features: int) -> Any:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      return nn.Dense(features, dot_general_cls=fp8_ops.Fp8DotGeneralOp)
+
+  class Lm(nn.Module):
+    @nn.compact
+    def __call__(self, ids: jax.Array) -> jax.Array:
+      d, h = cfg.d_model, cfg.num_heads
+      table = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab, d))
+      spec = jax.typeof(ids).sharding.spec  # rows on an Explicit data axis
+      x = table.at[ids].get(out_sharding=P(*spec, None)) if any(spec) else table[ids]
+      x = x + self.param("pos", nn.initializers.normal(0.02), (ids.shape[1], d))[None]
+      for _ in range(cfg.num_layers):
+        b, t, _ = x.shape
+        qkv = dense(3 * d)(nn.LayerNorm()(x)).reshape(b, t, 3, h, d // h)
+        x = x + dense(d)(_causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]))
+        x = x + dense(d)(jax.nn.gelu(dense(cfg.d_ff)(nn.LayerNorm()(x))))
+      return dense(cfg.vocab)(nn.LayerNorm()(x)).astype(jnp.float32)
+
+  model = Lm()
+
+  def loss(variables: PyTree, tokens: jax.Array) -> jax.Array:
+    logits = model.apply(variables, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jnp.int32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    variables = jax.eval_shape(
+      model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32)
+    )
+  return variables, batch, loss

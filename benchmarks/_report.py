@@ -224,6 +224,7 @@ ELSEWHERE = {
   "readme_commands times": "readme",
   "autopilot summary": "guide",
   "dp_lm result": "examples",
+  "fp8_lm result": "examples",
 }
 #: The JSON stem -> the script in this folder whose ``BLOCKS`` write its
 #: blocks (the benchmark that measures it; the three whose scripts live in
@@ -239,6 +240,7 @@ SCRIPTS = {
   "input_pipeline": "_example_blocks",
   "autopilot": "_example_blocks",
   "dp_lm": "_example_blocks",
+  "fp8_lm": "_example_blocks",
   "readme_commands": "readme_commands",
   "dp": "dp",
   "dp_audit": "dp",
@@ -263,6 +265,7 @@ COMMANDS = {
   "input_pipeline": "python examples/input_pipeline.py",
   "autopilot": "python examples/autopilot.py --write-results",
   "dp_lm": "python examples/dp_lm.py --write-results",
+  "fp8_lm": "python examples/fp8_lm.py --write-results",
   "dp_audit": "python benchmarks/dp.py --part audit",
 }
 #: ``"source name"`` -> the function writing that block from ``source.json``,

@@ -51,6 +51,7 @@ import optax
 from _report import command_line, date, k_axis, mib, pyplot, ratio, table
 
 import jaxaccum
+from jaxaccum import testing
 
 PyTree = Any
 
@@ -106,6 +107,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="with --causes: only the small MLP's live bytes at the peak (XLA's dump)",
   )
   parser.add_argument("--live-peak-of", help=argparse.SUPPRESS)  # a child's step
+  parser.add_argument(
+    "--fp8",
+    action="store_true",
+    help="only the FP8 row (H100, the transformer with FP8 dense layers), "
+    "added to the existing accelerator_memory.json",
+  )
   return parser.parse_args(argv)
 
 
@@ -564,6 +571,112 @@ def _streaming_table(sweep: dict[str, Any]) -> str:
   return "**Streamed rows short of their target:**\n\n" + table(header, rows)
 
 
+# ---------------------------------------------------------------- the FP8 row
+
+FP8_K = 4
+OWG = "_overwrite_with_gradient"  # Flax's FP8 metadata collection
+
+
+def fp8_full_step(loss: Any, tx: optax.GradientTransformation) -> Any:
+  """The full-batch step as ``TrainState.apply_gradients`` takes it: ``tx``
+  on ``params``, the FP8 metadata overwritten by its "gradient"."""
+
+  def step(variables, opt_state, batch):
+    grads = jax.grad(loss)(variables, batch)
+    updates, opt_state = tx.update(grads["params"], opt_state, variables["params"])
+    params = optax.apply_updates(variables["params"], updates)
+    return {**variables, "params": params, OWG: grads[OWG]}, opt_state
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def fp8_collectives(loss: Any, variables: Any, batch: Any) -> dict[str, Any]:
+  """On 8 H100s (an Explicit data axis), each FP8 step's collectives over
+  the data axis: in the loop and after it, ``mesh=``'s and plain ``jit``'s."""
+  target = jaxaccum.compile_target("h100", topology="1x1x8")
+  mesh = target.mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  P = jax.sharding.PartitionSpec
+  placed = (
+    jax.tree.map(lambda x: target.place(x, P(), mesh=mesh), variables),
+    target.place(batch, P("data"), mesh=mesh),
+  )
+  out = {}
+  for path, options in (("mesh", {"mesh": mesh, "data_axis": "data"}), ("plain", {})):
+    step = jax.jit(jaxaccum.grad(loss, FP8_K, **options))
+    with jax.set_mesh(mesh):
+      colls = testing.collectives(testing.compiled_text(step, *placed, target=target))
+    for where, inside in (("in_loop", True), ("after_loop", False)):
+      mine = [c for c in colls if c.in_loop == inside]
+      out[f"{path}_{where}"] = len(mine)
+      out[f"{path}_{where}_bytes"] = sum(c.bytes * c.executions for c in mine)
+  return out
+
+
+def measure_fp8(preset: str) -> dict[str, Any]:
+  """The FP8 row: one Adam step of the transformer with Flax's FP8 dense
+  layers on one H100, compile-only, full batch, micro-batch and jaxaccum
+  (``make_train_step`` on the Linen variables, k = :data:`FP8_K`), the bound
+  as the sweep's; and its collectives on 8 (:func:`fp8_collectives`)."""
+  cfg = _models.PRESETS[preset]["transformer"]
+  variables, batch, loss = _models.fp8_transformer(cfg)
+  tx = optax.adam(1e-3)
+  state = jax.eval_shape(tx.init, variables["params"])
+  size, k = batch.shape[0], FP8_K
+  micro = jax.ShapeDtypeStruct((size // k, *batch.shape[1:]), batch.dtype)
+  full = fp8_full_step(loss, tx)
+  target = jaxaccum.compile_target("h100")
+  steps = {
+    "full_peak": (full, batch),
+    "micro_peak": (full, micro),
+    "jaxaccum_peak": (jaxaccum.make_train_step(loss, tx, k), batch),
+  }
+  row = {
+    name: measure(s, (variables, state, b), target)["peak"]
+    for name, (s, b) in steps.items()
+  }
+  batch_bytes = _approaches.tree_bytes(batch)
+  accumulator = _approaches.tree_bytes(variables, jnp.float32)
+  row["bound"] = (
+    row["micro_peak"] + accumulator + batch_bytes * (size - size // k) // size
+  )
+  row.update(
+    target="h100", k=k, batch_size=size, seq_len=cfg.seq_len, layers=cfg.num_layers
+  )
+  row["d_model"] = cfg.d_model
+  row["fp8_variables"] = len(jax.tree.leaves(variables[OWG]))
+  return {**row, **fp8_collectives(loss, variables, batch)}
+
+
+def accelerator_memory_fp8(results: dict[str, Any]) -> str:
+  """The FP8 row: peaks in MiB, jaxaccum's over its bound, and the
+  collectives over the data axis of 8 H100s."""
+  r = results.get("fp8")
+  if r is None:
+    return "(not measured: `python benchmarks/accelerator_memory.py --fp8`)"
+  cells = [f"{r[key] / 2**20:,.0f}" for key in ("full_peak", "bound", "jaxaccum_peak")]
+  cells[2] += f" ({ratio(r['jaxaccum_peak'] / r['bound'])})"
+  model = (
+    f"{r['layers']} × d_model {r['d_model']}, {r['batch_size']} × {r['seq_len']:,}"
+  )
+  peaks = table(
+    ["FP8 transformer (H100), MiB", "k", "full batch", "bound", "jaxaccum (× bound)"],
+    [[model, r["k"], *cells]],
+  )
+  rows = [
+    [
+      name,
+      *(
+        f"{r[f'{path}_{where}']} ({r[f'{path}_{where}_bytes'] / 2**10:,.1f} KiB)"
+        for where in ("in_loop", "after_loop")
+      ),
+    ]
+    for path, name in (("mesh", "`mesh=`"), ("plain", "plain `jit`, Explicit axis"))
+  ]
+  return f"{peaks}\n\n" + table(
+    ["8 × H100, k = 4: collectives", "in the loop (bytes per step)", "after it"], rows
+  )
+
+
 #: The generated blocks this file writes from ``accelerator_memory.json``
 #: (and, for ``accelerator_causes``, from it and
 #: ``accelerator_memory_causes.json``), by name (``_report.py`` puts each on
@@ -573,6 +686,7 @@ BLOCKS = {
   "accelerator_memory h100": accelerator_memory_h100,
   "accelerator_memory tpu-v5e": accelerator_memory_tpu,
   "accelerator_memory summary": accelerator_memory_summary,
+  "accelerator_memory fp8": accelerator_memory_fp8,
   "accelerator_causes rows": accelerator_causes_rows,
 }
 
@@ -644,6 +758,19 @@ def write_causes(
   return results
 
 
+def write_fp8(args: argparse.Namespace, preset: str) -> dict[str, Any]:
+  """Measures the FP8 row into the existing ``accelerator_memory.json``."""
+  path = args.out / "accelerator_memory.json"
+  results = json.loads(path.read_text())
+  start = time.perf_counter()
+  row = measure_fp8(preset)
+  row["machine"] = machine(sys.argv[1:], time.perf_counter() - start)
+  results["fp8"] = row
+  path.write_text(json.dumps(results, indent=1))
+  print(accelerator_memory_fp8(results))
+  return row
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   """Runs the sweep; prints and writes the rows."""
   args = parse_args(argv)
@@ -658,6 +785,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     return [measure(steps[args.live_peak_of], step_args, tpu)]
   if args.causes:
     return [write_causes(args, preset, ks)]
+  if args.fp8:
+    testing.cpu_devices(8)  # stand-ins for 8 H100s, before JAX's backends start
+    return [write_fp8(args, args.preset or "gpu")]
 
   start = time.perf_counter()
   targets = []

@@ -26,6 +26,9 @@ of behaviour elsewhere:
 - :func:`type_of` and :func:`cotangent_type`: a value's type, and the type
   of its cotangent (``reduced`` becomes ``unreduced``: JAX's
   ``to_ct_aval``), as ``ShapeDtypeStruct`` values for ``jax.eval_shape``;
+- :func:`add_jaxvals` and :func:`zeros_like_jaxval`: autodiff's own
+  addition and zero, which a JAX extended dtype defines for itself (Flax's
+  FP8 meta dtype ``fm32`` adds by ``max``), under a trace;
 - :func:`spmd_vmap_axes`: the mesh axes of the ``vmap``s (with
   ``spmd_axis_name``) that map a value, which a ``shard_map`` inside them
   must count among its manual axes (jaxaccum's ``mesh=`` path runs the loss
@@ -150,6 +153,66 @@ def cotangent_type(x: Any) -> jax.ShapeDtypeStruct:
   """
   aval = jax.typeof(x).to_ct_aval()
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding)
+
+
+def add_jaxvals(x: Any, y: Any) -> Any:
+  """``x + y`` as autodiff adds two cotangents: for a JAX extended dtype, the
+  dtype's own addition (``jax._src.ad_util``; traced only: JAX has no eager
+  rule for an extended array)."""
+  with _internals():
+    from jax._src import ad_util  # noqa: PLC0415
+
+    return ad_util.add_jaxvals(x, y)
+
+
+def zeros_like_jaxval(x: Any) -> Any:
+  """Autodiff's zero for ``x``'s type: the identity of :func:`add_jaxvals`
+  (``-inf`` for Flax's ``fm32``)."""
+  with _internals():
+    from jax._src import ad_util  # noqa: PLC0415
+
+    return ad_util.zeros_like_jaxval(x)
+
+
+def differentiable_extended(dtype: Any) -> bool:
+  """Whether ``dtype`` is an extended dtype that is its own tangent dtype
+  (Flax's ``fm32``, which autodiff differentiates; a key's tangent is
+  ``float0``).
+
+  >>> differentiable_extended(jax.random.key(0).dtype), differentiable_extended(jnp.float32)
+  (False, False)
+  """
+  if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return False
+  with _internals():
+    from jax._src import core  # noqa: PLC0415
+
+    return core.primal_dtype_to_tangent_dtype(dtype) == dtype
+
+
+def is_extended(x: Any) -> bool:
+  """Whether ``x``'s dtype is a JAX extended dtype (a key, Flax's ``fm32``).
+
+  >>> is_extended(jnp.ones(2)), is_extended(jax.random.key(0))
+  (False, True)
+  """
+  return jax.dtypes.issubdtype(jax.typeof(x).dtype, jax.dtypes.extended)
+
+
+def cotangent_full(x: Any, fill: float) -> jax.Array:
+  """A cotangent for ``x`` filled with ``fill``, of the type JAX's
+  ``to_ct_aval`` gives (``reduced`` where ``x`` is ``unreduced``): the seed
+  of a backward pass.
+
+  >>> cotangent_full(jnp.ones(()), 0.5).tolist()
+  0.5
+  """
+  aval = jax.typeof(x).to_ct_aval()
+  out = jnp.full(aval.shape, fill, aval.dtype)
+  sharding = getattr(aval, "sharding", None)
+  if explicit_spec(x) is None or sharding is None:
+    return out
+  return jax.sharding.reshard(out, sharding)
 
 
 def visible_spec(x: Any) -> jax.sharding.PartitionSpec | None:

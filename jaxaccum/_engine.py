@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import (
+  _accumulator,
   _aux,
   _checks,
   _compat,
@@ -309,8 +310,11 @@ class Engine:
     them."""
     o = self.options
     if o.rule is None:
-      value_and_grad = jax.value_and_grad(
-        self.micro_loss(args, kwargs, split, total), has_aux=True
+      diff_args = tuple(args[n] for n in o.argnums)
+      value_and_grad = _normalize.seeded_value_and_grad(
+        self.micro_loss(args, kwargs, split, total),
+        self.seed(diff_args, total),
+        vjp=any(r.name == "dtype" for r in self.rules(diff_args)),
       )
     else:
       clipped = o.rule.value_and_grad(
@@ -334,6 +338,24 @@ class Engine:
       return MicroOut(loss, weight, aux, new_state, noise), grads
 
     return self.rematerialized(step)
+
+  # -- each leaf's combine rule ---------------------------------------------------
+
+  def rules(self, diff_args: tuple[PyTree, ...]) -> tuple[_accumulator.Rule, ...]:
+    """Each differentiated leaf's combine rule, flattened
+    (:func:`jaxaccum._accumulator.rules`)."""
+    o = self.options
+    return _accumulator.rules(o.combine, diff_args, o.tree_grads)
+
+  def seed(self, diff_args: tuple[PyTree, ...], total: int) -> float:
+    """The cotangent each micro-batch's backward pass starts from
+    (:func:`jaxaccum._normalize.seed`): ``1 / total`` where a leaf is not a
+    gradient and the mean's division would come after the loop."""
+    o = self.options
+    named = [r.name for r in self.rules(diff_args) if not r.normalized]
+    if o.rule is not None or o.noise_stats or total < 2 or not named:
+      return 1.0
+    return _normalize.seed(o.normalize, total, named, exact=self.exact is not None)
 
   def _call_args(self, args: tuple[Any, ...], total: int) -> Callable[..., list[Any]]:
     """``(diff_args, micro, index, state) -> fun's positional arguments`` for
@@ -430,8 +452,10 @@ class Engine:
     step = step or self.micro_step(
       args, kwargs, split, split.num_micro_batches, split.micro_batch_size
     )
-    accumulator = accumulator or new_accumulator(o.accum_dtype)
     diff_args = tuple(args[i] for i in o.argnums)
+    accumulator = accumulator or new_accumulator(
+      o.accum_dtype, rules=self.rules(diff_args)
+    )
     batches = _split.MicroBatches(
       tuple(args[i] for i in o.batch_argnums), split, per_block=per_block
     )
@@ -486,16 +510,20 @@ class Engine:
     arguments for the rest of the loss)."""
     o = self.options
     norm = o.normalization
+    rules = self.rules(diff_args)
     if self.exact is not None:
       aux, parts = sums.aux
-      value, normalized = self.exact.finished(parts, sums.grads, args, diff_args)
+      gradients = [r.normalized for r in rules]
+      value, normalized = self.exact.finished(parts, sums.grads, args, gradients)
       sums = sums._replace(aux=aux)
+      divide = lambda g: g  # noqa: E731
     else:
       value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
-      normalized = norm.finalize(sums.grads, sums.weight)
-    grads = jax.tree.map(
-      lambda g, p: g.astype(_normalize.result_dtype(p)), normalized, diff_args
-    )
+      normalized = sums.grads
+      divide = lambda g: norm.finalize(g, sums.weight)  # noqa: E731
+      if self.seed(diff_args, sums.losses.size) != 1.0:  # divided before
+        divide = lambda g: g  # noqa: E731
+    grads = _accumulator.results(rules, normalized, divide, diff_args)
     if o.value_checks:
       _checks.check_total_weight(sums.weight, sums.grads)
     stacked = _aux.Stacked(sums.aux, sums.weights, sums.rows, sums.shards)
@@ -503,7 +531,7 @@ class Engine:
     aux = aux if o.state_argnum is None else (aux, sums.state)
     noise = None
     if sums.noise is not None:
-      big_sq_norm = _tree.sq_norm(normalized)
+      big_sq_norm = _tree.sq_norm(jax.tree.map(divide, normalized))
       if not norm.divide:  # a sum over the batch's rows: its mean is sum / B_big
         big_sq_norm = big_sq_norm / sums.noise.examples**2
       noise = sums.noise.finalize(big_sq_norm)

@@ -507,7 +507,8 @@ class Plan:
         args[n] = x
       return self.read.finish(totals, args, self.rows)
 
-    loss, grads = jax.value_and_grad(value)([values[n] for n in diff])
+    # allow_int: an extended leaf (Flax's fm32), which F does not read
+    loss, grads = jax.value_and_grad(value, allow_int=True)([values[n] for n in diff])
     rebuilt = list(flat.leaves)
     for n, g in zip(diff, grads, strict=True):
       rebuilt[flat.arrays[n]] = g
@@ -519,21 +520,24 @@ class Plan:
     parts: Sequence[Any],
     grads: tuple[Any, ...],
     args: Sequence[Any],
-    diff_args: tuple[Any, ...],
+    gradients: Sequence[bool],
   ) -> tuple[Any, tuple[Any, ...]]:
     """The step's value and gradients from the loop: the sums stacked over
     its micro-batches (``parts``), the accumulated gradients of the
     objectives, and the call's arguments for the rest of the loss. Sums
-    left ``unreduced`` by the loop are reduced here, once."""
+    left ``unreduced`` by the loop are reduced here, once. ``gradients``
+    marks the leaves that are gradients (the others, an FP8 scale's new
+    value, are kept as the loop combined them)."""
     totals = [_reduced(jnp.sum(p, axis=0)) for p in parts]
     value, direct = self.value_and_direct(totals, args)
-    summed = jax.tree.map(
-      lambda g, d, p: g + d.astype(g.dtype),
-      grads,
-      direct,
-      diff_args,
-    )
-    return value, summed
+    flat, treedef = jax.tree.flatten(grads)
+    summed = [
+      g + d.astype(g.dtype) if is_gradient else g
+      for g, d, is_gradient in zip(
+        flat, jax.tree.leaves(direct), gradients, strict=True
+      )
+    ]
+    return value, jax.tree.unflatten(treedef, summed)
 
 
 def _evaluated(

@@ -15,6 +15,12 @@ weight of zero gives zeros, never NaN, and a non-finite total weight gives a
 non-finite result, as ``loss_sum / weight`` does over the whole batch. A NaN
 or Inf that the loss itself produced always reaches the result. (The
 value-level checks of the weights are in :mod:`jaxaccum._checks`.)
+
+Where a differentiated leaf is not a gradient (an FP8 layer's amax,
+:mod:`jaxaccum._accumulator`'s rules), the mean's division is applied
+before each micro-batch's backward pass instead (:func:`seed`): an FP8
+output-gradient amax is taken inside it and must see the full batch's
+cotangents.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxaccum import _compat
 
 PyTree = Any
 
@@ -176,3 +184,45 @@ def get(normalize: str) -> Normalization:
     return MODES[normalize]
   except (KeyError, TypeError):
     raise ValueError(f"Unknown {normalize=}; choose one of {sorted(MODES)}.") from None
+
+
+def seed(normalize: str, total: int, named: Any, *, exact: bool) -> float:
+  """The cotangent each of ``total`` micro-batches' backward passes starts
+  from, where leaves ``named`` by their rules are not gradients: the mean's
+  ``1 / total`` (none where an ``exact`` plan seeds them as the full
+  batch's already), 1 for a sum.
+
+  >>> seed("mean", 4, ["max"], exact=False), seed("sum", 4, ["max"], exact=False)
+  (0.25, 1.0)
+  """
+  if normalize == "weighted":
+    raise ValueError(
+      f'normalize="weighted" divides by the total weight after the loop, '
+      f"but {len(named)} differentiated leaves are not gradients (combined "
+      f"by {sorted(set(named))}: FP8 scales and amax histories, or "
+      "combine=), and an FP8 layer's output-gradient amax is taken inside "
+      "each micro-batch's backward pass, which would see cotangents "
+      "Σ weight times the full batch's. Write the weighted mean in fun "
+      '(jnp.sum(losses * mask) / jnp.sum(mask)) with normalize="mean": '
+      "jaxaccum reads it as the full batch's and seeds each backward pass "
+      'with the full batch\'s cotangents; or use normalize="sum".'
+    )
+  return 1.0 / total if normalize == "mean" and not exact else 1.0
+
+
+def seeded_value_and_grad(
+  loss: Callable[..., Any], seed: float, *, vjp: bool = False
+) -> Callable[..., Any]:
+  """``jax.value_and_grad(loss, has_aux=True)`` whose backward pass starts
+  from the cotangent ``seed`` (1 and not ``vjp``: ``jax.value_and_grad``
+  itself; else by ``jax.vjp``, which also takes leaves of an extended dtype,
+  Flax's ``fm32``, that ``jax.grad`` refuses)."""
+  if seed == 1.0 and not vjp:
+    return jax.value_and_grad(loss, has_aux=True)
+
+  def value_and_grad(diff_args, *rest):
+    value, backward, out = jax.vjp(lambda d: loss(d, *rest), diff_args, has_aux=True)
+    (grads,) = backward(_compat.cotangent_full(value, seed))
+    return (value, out), grads
+
+  return value_and_grad

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _aux, _normalize
+from jaxaccum import _accumulator, _aux, _normalize
 
 PyTree = Any
 
@@ -74,6 +74,8 @@ class Options:
     read through the properties below; ``public_argnums`` is the privacy
     group's, kept here with the other positions;
   - ``names``: how errors name argument positions;
+  - ``combine``: ``combine=``, how each differentiated leaf's micro-batch
+    terms combine (:func:`jaxaccum._accumulator.rules`; None: by default);
   - ``example_mask``: with ``clip_per_example``, the engine position of the
     row mask that the call's ``example_mask=`` keyword became (one of
     ``batch_argnums``; ``fun`` never sees it), or None.
@@ -99,6 +101,7 @@ class Options:
   tree_grads: bool = True
   names: ArgNames = ArgNames()
   example_mask: int | None = None
+  combine: Any = None
 
   @property
   def normalization(self) -> _normalize.Normalization:
@@ -325,6 +328,8 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   has_aux = bool(get("has_aux"))
   aux = get("aux")
   _aux.check_spec(aux)
+  combine = get("combine")
+  _accumulator.check_combine(combine)
   if not has_aux and not (isinstance(aux, str) and aux == "auto"):
     raise ValueError(f"aux={aux!r} combines fun's aux; it needs has_aux=True.")
   shared = _optional(kwargs, "shared_argnums")
@@ -355,6 +360,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
     **groups,
     noise_stats=bool(get("noise_stats")),
     value_checks=bool(get("value_checks")),
+    combine=combine,
     **core,
     tree_grads=isinstance(argnums, numbers.Integral),
   )

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxaccum import _compat
+
 PyTree = Any
 
 # The keyword under which the static rest of the differentiated arguments
@@ -56,9 +58,12 @@ def is_inexact_array(x: Any) -> bool:
 
 @functools.cache
 def _inexact(dtype: Any) -> bool:
-  """``jnp.issubdtype(dtype, jnp.inexact)``, once per dtype: a partition
-  asks it of every leaf, and JAX's answer costs far more than a lookup."""
-  return bool(jnp.issubdtype(dtype, jnp.inexact))
+  """``jnp.issubdtype(dtype, jnp.inexact)`` (or an extended dtype that is
+  its own tangent dtype, Flax's ``fm32``), once per dtype: a partition asks
+  it of every leaf, and JAX's answer costs far more than a lookup."""
+  return bool(jnp.issubdtype(dtype, jnp.inexact)) or _compat.differentiable_extended(
+    dtype
+  )
 
 
 def _jax_takes(x: Any) -> bool:

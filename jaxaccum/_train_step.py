@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum import (
+  _accumulator,
   _calls,
   _compat,
   _options,
@@ -58,7 +59,11 @@ def make_train_step(
       may be an Equinox module: its floating-point arrays are updated (and
       donated), its other leaves come back as they were, and ``opt_state``
       is ``tx.init(eqx.filter(params, eqx.is_inexact_array))``.
-    tx: the optimizer, run once per step.
+    tx: the optimizer, run once per step. For a Linen variables dict
+      holding Flax's ``_overwrite_with_gradient`` collection (FP8 layers),
+      ``tx`` updates ``params["params"]`` and the collection is overwritten
+      by its new value, as ``TrainState.apply_gradients`` does
+      (``opt_state = tx.init(params["params"])``).
     num_micro_batches: ``k``; or give ``micro_batch_size``.
     skip_nonfinite: skip a step that has nothing to learn from: its value or
       a gradient is NaN or Inf, or (``normalize="weighted"``) its total
@@ -339,6 +344,10 @@ def _apply(
   grads: PyTree,
   extra: dict[str, Any],
 ):
+  overwritten = _overwritten(params, grads)
+  if overwritten is not None:  # Flax's FP8 metadata: TrainState.apply_gradients
+    inner, next_state = _apply(tx, params["params"], opt_state, grads["params"], extra)
+    return {**params, "params": inner, overwritten: grads[overwritten]}, next_state
   if extra:  # dp_noise's clip_record, through chains of plain transformations
     tx = optax.with_extra_args_support(tx)
   updates, next_state = tx.update(grads, opt_state, params, **extra)
@@ -346,6 +355,18 @@ def _apply(
   # gradients'): the select, donation and the next call need the same types.
   next_state = _tree.cast_like(next_state, opt_state)
   return optax.apply_updates(params, updates), next_state
+
+
+def _overwritten(params: PyTree, grads: PyTree) -> str | None:
+  """Flax's ``_overwrite_with_gradient`` key where ``params`` is a Linen
+  variables dict holding that collection beside ``"params"``: then, as
+  ``TrainState.apply_gradients`` does, ``tx`` updates ``params["params"]``
+  (``opt_state`` is ``tx.init(params["params"])``) and the collection is
+  overwritten by its "gradient", its new value (FP8 scales and amax
+  histories, combined over the micro-batches as the full batch's)."""
+  key = _accumulator.OVERWRITE_WITH_GRADIENT
+  both = isinstance(params, dict) and isinstance(grads, dict)
+  return key if both and key in params and "params" in params else None
 
 
 def _checked_donation(step: _calls.JitWithStaticKwargs) -> Any:

@@ -35,6 +35,7 @@ def value_and_grad(
   batch_argnums: int | Sequence[int] = 1,
   has_aux: bool = False,
   aux: Any = "auto",
+  combine: Any = None,
   normalize: str = "mean",
   accum_dtype: Any = jnp.float32,
   rng_argnum: int | None = None,
@@ -113,6 +114,10 @@ def value_and_grad(
       micro-batch's rows is concatenated in batch order, any other averaged
       like the loss), ``"concatenate"``, ``"mean"``, ``"sum"``, ``"stack"``,
       or a tree prefix of these.
+    combine: the rule of a differentiated leaf that is not a gradient,
+      never normalized: ``"sum"``, ``"max"``, ``"min"``, ``"last"``, or a
+      tree prefix of these (None: a gradient). Flax's FP8 metadata takes
+      ``"max"``, a JAX extended dtype its own addition (example below).
     normalize: ``"mean"`` (the default: the full batch's value and gradient
       as above), ``"sum"`` (the micro-batches' values and gradients summed)
       or ``"weighted"`` (``fun`` returns ``(loss_sum, weight)``; the result
@@ -161,6 +166,15 @@ def value_and_grad(
   >>> full_value, full_grads = jax.value_and_grad(loss)(w, (x, y))
   >>> bool(jnp.allclose(value, full_value)), bool(jnp.allclose(grads, full_grads))
   (True, True)
+
+  A leaf whose "gradient" is its new value (a running max, as an FP8 amax):
+
+  >>> peak = jax.custom_vjp(lambda x, p: x)
+  >>> peak.defvjp(lambda x, p: (x, jnp.maximum(p, jnp.max(x))), lambda p, g: (g, p))
+  >>> tracked = lambda q, b: loss(q["w"], (peak(b[0], q["peak"]), b[1]))
+  >>> q = {"w": w, "peak": jnp.float32(0.0)}
+  >>> float(jaxaccum.grad(tracked, 4, combine={"w": None, "peak": "max"})(q, (x, y))["peak"])
+  1.5
   """
   # Every parameter above is an option: validated once, in one place.
   options = _options.create(**locals())

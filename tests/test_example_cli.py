@@ -22,10 +22,15 @@ HEAVY |= {"matplotlib", "tqdm"}
 
 
 def test_every_example_is_covered():
-  assert len(SCRIPTS) == 12, SCRIPTS
-  assert {"quickstart", "input_pipeline", "dp_digits", "dp_lm", "pipeline"} <= set(
-    SCRIPTS
-  )
+  assert len(SCRIPTS) == 13, SCRIPTS
+  assert {
+    "quickstart",
+    "input_pipeline",
+    "dp_digits",
+    "dp_lm",
+    "pipeline",
+    "fp8_lm",
+  } <= set(SCRIPTS)
 
 
 def run(name: str, *args: str) -> subprocess.CompletedProcess:

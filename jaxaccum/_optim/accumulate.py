@@ -10,7 +10,6 @@ micro-step, and nothing is masked by multiplication.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _compat, _noise_scale, _normalize, _privacy, _static, _tree
+from jaxaccum import _noise_scale, _normalize, _privacy, _static, _tree
 from jaxaccum._optim import autopilot as _autopilot
+from jaxaccum._optim import every_k as _every_k
+from jaxaccum._optim import window_rules as _rules
 from jaxaccum._optim.loss_scale import DynamicLossScale
 
 PyTree = Any
@@ -82,62 +83,6 @@ class AccumulateState(NamedTuple):
   autopilot: _autopilot.AutoKState | None
 
 
-def _check_window_rule(every_k: Any) -> None:
-  """Raises for an ``every_k`` that is not a positive int, a callable or an
-  :func:`jaxaccum.auto_k`. A callable is checked at step 0, where it gives
-  a concrete number: 0 or less is the same error as the integer; traced
-  values it gives later are held at 1 or more."""
-  if _autopilot.is_auto(every_k):
-    return
-  if callable(every_k):
-    first = every_k(jnp.zeros((), jnp.int32))
-    if not _compat.is_tracer(first) and int(first) <= 0:
-      _check_every_k(int(first))
-    return
-  if isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral):
-    raise TypeError(
-      f"every_k must be an int, a callable or jaxaccum.auto_k(...), got {every_k!r}."
-    )
-  _check_every_k(int(every_k))
-
-
-def _first_window(every_k: Any) -> jax.Array:
-  """The first window's length."""
-  if _autopilot.is_auto(every_k):
-    return _scalar(every_k.min_k, jnp.int32)
-  if callable(every_k):
-    return jnp.maximum(jnp.asarray(every_k(_scalar(0, jnp.int32)), jnp.int32), 1)
-  return _scalar(int(every_k), jnp.int32)
-
-
-def _next_window(
-  every_k: Any,
-  state: AccumulateState,
-  done: jax.Array,
-  applied: jax.Array,
-  noise: _noise_scale.GradientNoise,
-) -> tuple[jax.Array, _autopilot.AutoKState | None]:
-  """The next window's length (and the autopilot's state) where the window
-  ended; the current ones otherwise. ``state`` is the state after the call
-  (its ``step`` counts the window if it was applied)."""
-  step = state.step
-  k, autopilot = state.window_size, state.autopilot
-  if _autopilot.is_auto(every_k):
-    assert autopilot is not None
-    k_next, auto_next = every_k.next_window(autopilot, k, noise, applied)
-    autopilot = jax.tree.map(lambda n, o: jnp.where(done, n, o), auto_next, autopilot)
-  elif callable(every_k):
-    k_next = jnp.maximum(jnp.asarray(every_k(step), jnp.int32), 1)
-  else:
-    k_next = k
-  return jnp.where(done, k_next, k).astype(jnp.int32), autopilot
-
-
-def _check_every_k(every_k: int) -> None:
-  if every_k <= 0:
-    raise ValueError(f"every_k must be positive, got {every_k=}.")
-
-
 def _scalar(value: float, dtype: Any = jnp.float32) -> jax.Array:
   """A fresh scalar array. Every state field gets its own buffer: fields that
   shared one could not be donated (``donate_argnums``)."""
@@ -176,14 +121,13 @@ def _init_state(
   accum_dtype: Any,
   loss_scale: DynamicLossScale | None,
   every_k: Any,
+  *,
+  combine: Any = None,
 ) -> AccumulateState:
   return AccumulateState(
     micro_step=_scalar(0, jnp.int32),
     step=_scalar(0, jnp.int32),
-    acc_grads=jax.tree.map(
-      lambda p: jnp.zeros_like(p, _normalize.accumulator_dtype(accum_dtype, p)),
-      params,
-    ),
+    acc_grads=_rules.zeros(_rules.rules(combine, params), params, accum_dtype),
     acc_weight=_scalar(0.0),
     inner_state=_inner_init(inner, params),
     num_skipped=_scalar(0, jnp.int32),
@@ -191,7 +135,7 @@ def _init_state(
     loss_scale=None if loss_scale is None else jax.tree.map(jnp.copy, loss_scale),
     window_finite=_scalar(True, jnp.bool_),
     updated=_scalar(False, jnp.bool_),
-    window_size=_first_window(every_k),
+    window_size=_every_k.first(every_k),
     autopilot=every_k.init() if _autopilot.is_auto(every_k) else None,
   )
 
@@ -253,19 +197,18 @@ def _add_micro_batch(
   drop_nonfinite: bool,
   noise_stats: bool,
   weight_decides: bool = True,
+  rules: tuple[_rules.Rule, ...],
 ) -> _Window:
   """Adds one micro-batch's gradient to the window, or drops it (selected
   away, never multiplied: ``0 * nan`` is ``nan``) when it is not finite (nor
   its weight, unless ``weight_decides`` is False: under ``dp_noise`` with a
   public denominator the weight is private and enters no update, so it must
   not decide which clipped sums count either)."""
-  finite = _tree.all_finite(summand)
+  finite = _tree.all_finite(_rules.gradients(rules, summand))
   if weight_decides:
     finite = finite & jnp.isfinite(weight) & (weight >= 0)
   valid = finite if drop_nonfinite else jnp.asarray(True)
-  acc_grads = jax.tree.map(
-    lambda a, g: jnp.where(valid, a + g.astype(a.dtype), a), state.acc_grads, summand
-  )
+  acc_grads = _rules.added(rules, state.acc_grads, summand, valid)
   noise = state.noise
   if noise_stats:
     counted = valid & (weight > 0)
@@ -293,6 +236,7 @@ def accumulate(
   skip_nonfinite: bool = True,
   noise_stats: bool = False,
   loss_scale: DynamicLossScale | None = None,
+  combine: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates ``every_k`` micro-batch gradients, then runs ``inner`` once.
 
@@ -336,6 +280,13 @@ def accumulate(
       A window in which any micro-batch
       overflowed is skipped as a whole, and the scale is adjusted once per
       window, never within one.
+    combine: the rule of leaves that are not gradients, as
+      :func:`jaxaccum.value_and_grad`'s ``combine=``; Flax's FP8 metadata
+      takes ``"max"``. Such a leaf is combined over the window, never
+      normalized, and its update on the window's last call writes the
+      combined value over the parameter (``params`` is then required). For
+      the full batch's output-gradient amax, differentiate each micro-batch's
+      share of the window's loss (``loss / k``) and pass ``weight=1 / k``.
 
   DP-SGD: with :func:`jaxaccum.dp_noise` first in ``inner``, feed each
   micro-batch's clipped *sum* as the :class:`jaxaccum.ClipRecord` that
@@ -392,14 +343,15 @@ def accumulate(
   ([-2.0, -3.0], 1)
   """
   inner = optax.with_extra_args_support(inner)
-  _check_window_rule(every_k)
+  _every_k.check(every_k)
   _normalize.check_accum_dtype(accum_dtype)
+  _rules.check_combine(combine)
   auto = _autopilot.is_auto(every_k)
   noise_stats = noise_stats or auto  # the autopilot steers by the noise
   warned: list[bool] = []  # one ClipWithoutNoiseWarning per accumulate()
 
   def init_fn(params):
-    return _init_state(inner, params, accum_dtype, loss_scale, every_k)
+    return _init_state(inner, params, accum_dtype, loss_scale, every_k, combine=combine)
 
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
     _check_state(state)
@@ -419,6 +371,7 @@ def accumulate(
     if weight is None and record is not None:
       weight = record.examples
     weight = _check_update_args(grads, state, weight)
+    rules = _rules.rules(combine, grads)
     if noise_config is not None and record is not None:
       _privacy.take(record, state)  # every check passed: the record is taken once
     public = noise_config is not None and noise_config.public_denominator is not None
@@ -436,6 +389,7 @@ def accumulate(
       drop_nonfinite=skip_nonfinite or scale is not None,
       noise_stats=noise_stats,
       weight_decides=not public,
+      rules=rules,
     )
     micro_step = state.micro_step + 1
     done = (micro_step >= state.window_size) | jnp.asarray(flush)
@@ -449,12 +403,17 @@ def accumulate(
       extra_args=extra_args,
       noise_config=noise_config,
       noise_stats=noise_stats,
+      rules=rules,
     )
     updates, inner_state, noise = _inner_or_zeros(
       apply, inner_update, window, state.inner_state
     )
-    new_state = _next_state(state, window, done, apply, (inner_state, noise))
-    window_size, autopilot = _next_window(every_k, new_state, done, apply, noise.last)
+    new_state = _next_state(
+      state, window, done, apply, (inner_state, noise), rules=rules
+    )
+    window_size, autopilot = _every_k.next_window(
+      every_k, new_state, done, apply, noise.last
+    )
     return updates, new_state._replace(window_size=window_size, autopilot=autopilot)
 
   return _partitioning(init_fn, update_fn)
@@ -484,12 +443,13 @@ def _inner_update(
   extra_args: dict[str, Any],
   noise_config: Any,
   noise_stats: bool,
+  rules: tuple[_rules.Rule, ...],
 ) -> Callable[..., Any]:
   """``inner_update(acc_grads, acc_weight, inner_state, noise)``: ``inner``
   run once on the window's normalized sum (the ``lax.cond``'s true branch)."""
 
   def inner_update(acc_grads, acc_weight, inner_state, noise):
-    mean = _normalize.safe_divide(acc_grads, acc_weight)
+    mean = _normalize.safe_divide(_rules.gradients(rules, acc_grads), acc_weight)
     # In the gradients' dtype, or float32 once unscaled from a loss scale
     # (a float16 mean would underflow where the scale had saved it).
     mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, summand)
@@ -506,6 +466,7 @@ def _inner_update(
       )
       extra = {**extra_args, "clip_record": window_record}
     updates, new_inner_state = inner.update(mean, inner_state, params, **extra)
+    updates = _rules.overwritten(rules, updates, acc_grads, params)
     # The state keeps its dtypes, whatever the gradients' dtype promoted it to.
     new_inner_state = _tree.cast_like(new_inner_state, inner_state)
     if isinstance(every_k, _autopilot.AutoK) and every_k.power:
@@ -569,6 +530,8 @@ def _next_state(
   done: jax.Array,
   apply: jax.Array,
   applied: tuple[PyTree, WindowNoise],
+  *,
+  rules: tuple[_rules.Rule, ...],
 ) -> AccumulateState:
   """The state after one call: the window reset where it ended, the loss
   scale adjusted once per window; ``applied`` is the inner state and the
@@ -584,7 +547,7 @@ def _next_state(
   return AccumulateState(
     micro_step=reset(state.micro_step + 1, 0),
     step=state.step + apply.astype(jnp.int32),
-    acc_grads=jax.tree.map(lambda a: reset(a, jnp.zeros_like(a)), window.acc_grads),
+    acc_grads=_rules.reset(rules, done, window.acc_grads),
     acc_weight=reset(window.acc_weight, 0.0),
     inner_state=inner_state,
     num_skipped=state.num_skipped + (~window.valid).astype(jnp.int32),

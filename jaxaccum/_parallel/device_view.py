@@ -157,6 +157,8 @@ class DeviceStep(Step):
     per_device = self.devices.nested_vmap(
       loss, self.placements, o.state_argnum is not None
     )
+    diff = tuple(args[n] for n in o.argnums)
+    scale = self.engine.seed(diff, self.devices.count * k)
 
     def step(diff_args, micro, index, state):
       diff_args, micro, state = self.device_inputs(diff_args, micro, index, state)
@@ -168,7 +170,7 @@ class DeviceStep(Step):
         return jnp.sum(losses), (losses, weights, aux, new_state)
 
       value, backward, out = jax.vjp(total, diff_args, has_aux=True)
-      seed = jnp.ones_like(value)
+      seed = jnp.full_like(value, scale)  # 1, or the mean's 1 / (D k)
       if k > 1:
         # In the loop, the backward pass starts after the loss is computed.
         # Left free, XLA's TPU scheduler put the loss's last step (a gather
@@ -263,8 +265,7 @@ class DeviceStep(Step):
     if p.before_loop == "gather" and p.spec is not None:
       acc = self._reduce_scatter(acc, p.spec)
       copies = len(_placement.kept_axes(p.spec, self.devices.axes))
-    if copies:
-      acc = jnp.sum(acc, axis=tuple(range(copies)))
+    acc = p.combine.over(acc, copies)  # a sum, or an FP8 amax's max
     return acc if p.spec is None else _types.constrain(acc, p.spec.full_spec())
 
   def _reduce_scatter(self, acc: jax.Array, s: _specs.SplitSpec) -> jax.Array:

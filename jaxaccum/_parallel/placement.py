@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _compat
+from jaxaccum import _accumulator, _compat
 from jaxaccum._options import Options
 from jaxaccum._parallel import specs as _specs
 
@@ -75,6 +75,9 @@ class Placement(NamedTuple):
       where it is left as the gradient comes.
     barrier: it passes an optimization barrier with the micro-batch index
       in each micro step, so that its gather is not hoisted out of the loop.
+    combine: how its micro-batches' terms combine, and its devices' after
+      the loop (:class:`jaxaccum._accumulator.Rule`: a gradient's sum, an
+      FP8 amax's max); set by the step (:func:`combined`).
   """
 
   spec: _specs.SplitSpec | None
@@ -82,6 +85,7 @@ class Placement(NamedTuple):
   before_loop: str = "as_is"
   accumulator: P | None = None
   barrier: bool = False
+  combine: _accumulator.Rule = _accumulator.GRADIENT
 
   @property
   def shared(self) -> bool:
@@ -152,6 +156,25 @@ def on_types(x: Any, axes: tuple[str, ...], mode: str, reducible: bool) -> Place
     return Placement(spec, (), before, P(*inside.partitions))
   copies = (*axes, *_ordered(set(own.reduced) - set(axes)))
   return Placement(spec, copies, before, _specs.typed(inside, unreduced=axes))
+
+
+def combined(
+  placements: Sequence[Placement],
+  rules: Sequence[_accumulator.Rule],
+  paths: Sequence[str],
+) -> tuple[Placement, ...]:
+  """``placements`` with each leaf's combine rule. A leaf that is not summed
+  (an FP8 amax) and is shared by the devices of a data axis (FSDP), whose
+  gradient the backward pass sums over them, is a ``ValueError``."""
+  for p, r, path in zip(placements, rules, paths, strict=True):
+    if not r.summed and p.shared:
+      raise ValueError(
+        f"The leaf {path} combines by {r.name!r} (not a gradient: an FP8 "
+        "scale or amax, or combine=), and is sharded over the data axes "
+        f"({sorted(p.spec.data_axes_used()) if p.spec else ''}), whose backward "
+        "pass sums it over them: replicate it over the data axes."
+      )
+  return tuple(p._replace(combine=r) for p, r in zip(placements, rules, strict=True))
 
 
 def each(

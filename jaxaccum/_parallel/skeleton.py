@@ -53,6 +53,14 @@ class Step:
     self.split = split
 
   def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _engine.Result:
+    diff_args = tuple(args[n] for n in self.options.argnums)
+    paths = [
+      jax.tree_util.keystr(path)
+      for path, _ in jax.tree_util.tree_leaves_with_path(diff_args)
+    ]
+    self.placements = _placement.combined(
+      self.placements, self.engine.rules(diff_args), paths
+    )
     seen = as_fun_sees(args, self.options, self.placements)
     self.engine = self.engine.made_exact(seen, kwargs, self.split)
     placed = self.place(args)
@@ -117,7 +125,9 @@ class Step:
   def accumulator(self) -> _accumulator.Accumulator:
     """Float32 (or wider) sums, each leaf's kept as :meth:`leaf_sum` says."""
     return _accumulator.accumulator(
-      self.options.accum_dtype, [self.leaf_sum(p) for p in self.placements]
+      self.options.accum_dtype,
+      [self.leaf_sum(p) for p in self.placements],
+      [p.combine for p in self.placements],
     )
 
   def leaf_sum(self, p: Placement) -> _accumulator.LeafSum:

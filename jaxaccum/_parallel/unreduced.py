@@ -110,6 +110,10 @@ def run(
   seen = _skeleton.as_fun_sees(args, o, entry)
   engine = engine.made_exact(seen, kwargs, split)  # the user's fun, read
   engine, kept = reducible(engine, axes, args, kwargs, split)
+  # a leaf that is not summed (an FP8 amax) never enters reduced: its
+  # unreduced cotangent would be summed over the devices
+  rules = engine.rules(tuple(args[n] for n in o.argnums))
+  kept = [k and r.summed for k, r in zip(kept, rules, strict=True)]
   placements = [
     _placement.on_types(x, axes, o.fsdp_gather, r)
     for x, r in zip(flat, kept, strict=True)
