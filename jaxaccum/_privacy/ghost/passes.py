@@ -427,7 +427,7 @@ def _rows_like_batch(x: jax.Array, batch_leaves: list[Any]) -> jax.Array:
 def _one_row(x: jax.Array) -> jax.ShapeDtypeStruct:
   """The type of one of ``x``'s rows: its sharding along the other
   dimensions kept (the rows' axes are ``vmap``'s), as ``vmap`` types it."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
+  sharding: Any = getattr(jax.typeof(x), "sharding", None)
   if _compat.explicit_spec(x) is not None:
     spec = sharding.spec
     sharding = sharding.update(spec=spec.update(partitions=tuple(spec)[1:]))
