@@ -35,7 +35,7 @@ from jaxaccum import (
   _aux,
   _checks,
   _compat,
-  _exact,
+  _exact_plan,
   _noise_scale,
   _normalize,
   _split,
@@ -181,7 +181,7 @@ class Engine:
 
   fun: Callable[..., Any]
   options: Options
-  #: The step's :class:`jaxaccum._exact.Plan` where its loss is read as a
+  #: The step's :class:`jaxaccum._exact_plan.Plan` where its loss is read as a
   #: function of sums over rows (``normalize="mean"``): ``fun``'s loss is
   #: then differentiated as the full batch's share of it.
   exact: Any = None
@@ -525,12 +525,12 @@ class Engine:
   def made_exact(
     self, args: tuple[Any, ...], kwargs: dict[str, Any], split: _split.MicroBatching
   ) -> Engine:
-    """This engine with its :class:`jaxaccum._exact.Plan` where the step's
+    """This engine with its :class:`jaxaccum._exact_plan.Plan` where the step's
     loss is read as a function of sums over its rows, else itself."""
     if self.read:
       return self
     try:
-      found = _exact.for_step(self, args, kwargs, split)
+      found = _exact_plan.for_step(self, args, kwargs, split)
     except _compat.SHARDING_TYPE_ERRORS:
       # fun refused on these types: not read; the step's own trace raises
       # the error, explained where jaxaccum can explain it
