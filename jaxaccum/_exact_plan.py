@@ -294,7 +294,7 @@ def for_step(
   if o.noise_stats:
     return None
   batches = _split.MicroBatches(tuple(args[n] for n in o.batch_argnums), split)
-  assemble = engine._call_args(args, k)
+  assemble = engine.micro.call_args(args, k)
   diff_args = tuple(args[n] for n in o.argnums)
   state = None if o.state_argnum is None else args[o.state_argnum]
 
@@ -304,7 +304,7 @@ def for_step(
     return assemble(diff_args, micro, i, state)
 
   found = plan(
-    engine._loss(args, kwargs, split.batch_size),
+    engine.micro.loss_fn(args, kwargs, split.batch_size),
     call_args_at,
     micro_batches=k,
     batch=tuple(o.batch_argnums),
