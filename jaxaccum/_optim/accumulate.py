@@ -10,7 +10,6 @@ micro-step, and nothing is masked by multiplication.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _compat, _noise_scale, _normalize, _privacy, _static, _tree
+from jaxaccum import _noise_scale, _normalize, _privacy, _static, _tree
 from jaxaccum._optim import autopilot as _autopilot
+from jaxaccum._optim import every_k as _every_k
 from jaxaccum._optim.loss_scale import DynamicLossScale
 
 PyTree = Any
@@ -82,62 +82,6 @@ class AccumulateState(NamedTuple):
   autopilot: _autopilot.AutoKState | None
 
 
-def _check_window_rule(every_k: Any) -> None:
-  """Raises for an ``every_k`` that is not a positive int, a callable or an
-  :func:`jaxaccum.auto_k`. A callable is checked at step 0, where it gives
-  a concrete number: 0 or less is the same error as the integer; traced
-  values it gives later are held at 1 or more."""
-  if _autopilot.is_auto(every_k):
-    return
-  if callable(every_k):
-    first = every_k(jnp.zeros((), jnp.int32))
-    if not _compat.is_tracer(first) and int(first) <= 0:
-      _check_every_k(int(first))
-    return
-  if isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral):
-    raise TypeError(
-      f"every_k must be an int, a callable or jaxaccum.auto_k(...), got {every_k!r}."
-    )
-  _check_every_k(int(every_k))
-
-
-def _first_window(every_k: Any) -> jax.Array:
-  """The first window's length."""
-  if _autopilot.is_auto(every_k):
-    return _scalar(every_k.min_k, jnp.int32)
-  if callable(every_k):
-    return jnp.maximum(jnp.asarray(every_k(_scalar(0, jnp.int32)), jnp.int32), 1)
-  return _scalar(int(every_k), jnp.int32)
-
-
-def _next_window(
-  every_k: Any,
-  state: AccumulateState,
-  done: jax.Array,
-  applied: jax.Array,
-  noise: _noise_scale.GradientNoise,
-) -> tuple[jax.Array, _autopilot.AutoKState | None]:
-  """The next window's length (and the autopilot's state) where the window
-  ended; the current ones otherwise. ``state`` is the state after the call
-  (its ``step`` counts the window if it was applied)."""
-  step = state.step
-  k, autopilot = state.window_size, state.autopilot
-  if _autopilot.is_auto(every_k):
-    assert autopilot is not None
-    k_next, auto_next = every_k.next_window(autopilot, k, noise, applied)
-    autopilot = jax.tree.map(lambda n, o: jnp.where(done, n, o), auto_next, autopilot)
-  elif callable(every_k):
-    k_next = jnp.maximum(jnp.asarray(every_k(step), jnp.int32), 1)
-  else:
-    k_next = k
-  return jnp.where(done, k_next, k).astype(jnp.int32), autopilot
-
-
-def _check_every_k(every_k: int) -> None:
-  if every_k <= 0:
-    raise ValueError(f"every_k must be positive, got {every_k=}.")
-
-
 def _scalar(value: float, dtype: Any = jnp.float32) -> jax.Array:
   """A fresh scalar array. Every state field gets its own buffer: fields that
   shared one could not be donated (``donate_argnums``)."""
@@ -191,7 +135,7 @@ def _init_state(
     loss_scale=None if loss_scale is None else jax.tree.map(jnp.copy, loss_scale),
     window_finite=_scalar(True, jnp.bool_),
     updated=_scalar(False, jnp.bool_),
-    window_size=_first_window(every_k),
+    window_size=_every_k.first(every_k),
     autopilot=every_k.init() if _autopilot.is_auto(every_k) else None,
   )
 
@@ -392,7 +336,7 @@ def accumulate(
   ([-2.0, -3.0], 1)
   """
   inner = optax.with_extra_args_support(inner)
-  _check_window_rule(every_k)
+  _every_k.check(every_k)
   _normalize.check_accum_dtype(accum_dtype)
   auto = _autopilot.is_auto(every_k)
   noise_stats = noise_stats or auto  # the autopilot steers by the noise
@@ -404,39 +348,17 @@ def accumulate(
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
     _check_state(state)
     noise_config = _privacy.find_noise(state.inner_state)
-    grads, record = _privacy.accumulated_record(
-      grads, extra_args.pop("clip_record", None), noise_config, weight is not None
-    )
-    if record is not None and noise_config is None and not warned:
-      warned.append(True)
-      _privacy.warn_without_noise(
-        "accumulate() was given a jaxaccum.ClipRecord, a clipped sum, but its "
-        "inner optimizer holds no jaxaccum.dp_noise: each window's update is "
-        "not private (accumulate(optax.chain(jaxaccum.dp_noise(...), ...), k) "
-        "adds the noise once per window).",
-        stacklevel=3,
-      )
-    if weight is None and record is not None:
-      weight = record.examples
-    weight = _check_update_args(grads, state, weight)
-    if noise_config is not None and record is not None:
-      _privacy.take(record, state)  # every check passed: the record is taken once
-    public = noise_config is not None and noise_config.public_denominator is not None
-    scale = state.loss_scale
-    summand = grads if scale is None else scale.unscale(grads)
-    added = summand
-    if scale is None and record is not None and record.normalize == "sum":
-      # A clipped sum is added as the step formed it, in the accumulator's
-      # dtype: its copy in the parameters' dtype (bfloat16) is rounded.
-      added = _privacy.clipped_sum_of(record)
-    window = _add_micro_batch(
+    summand, window = _micro_batch(
+      grads,
       state,
-      added,
       weight,
-      drop_nonfinite=skip_nonfinite or scale is not None,
+      clip_record=extra_args.pop("clip_record", None),
+      noise_config=noise_config,
+      warned=warned,
+      skip_nonfinite=skip_nonfinite,
       noise_stats=noise_stats,
-      weight_decides=not public,
     )
+    scale = state.loss_scale
     micro_step = state.micro_step + 1
     done = (micro_step >= state.window_size) | jnp.asarray(flush)
     apply = _applies(done, window, noise_config, scale)
@@ -454,10 +376,66 @@ def accumulate(
       apply, inner_update, window, state.inner_state
     )
     new_state = _next_state(state, window, done, apply, (inner_state, noise))
-    window_size, autopilot = _next_window(every_k, new_state, done, apply, noise.last)
+    window_size, autopilot = _every_k.next_window(
+      every_k, new_state, done, apply, noise.last
+    )
     return updates, new_state._replace(window_size=window_size, autopilot=autopilot)
 
   return _partitioning(init_fn, update_fn)
+
+
+def _micro_batch(
+  grads: PyTree,
+  state: AccumulateState,
+  weight: Any,
+  *,
+  clip_record: Any,
+  noise_config: Any,
+  warned: list[bool],
+  skip_nonfinite: bool,
+  noise_stats: bool,
+) -> tuple[PyTree, _Window]:
+  """``(summand, window)``: one ``update`` call's gradient (unscaled by the
+  loss scale), and the window after it joined (:func:`_add_micro_batch`).
+  What joins the window's sum is that gradient, or a
+  :class:`jaxaccum.ClipRecord`'s clipped sum as the step formed it, at
+  its weight (by default the record's examples), checked. A record is
+  taken once every check passed; one fed without ``dp_noise`` in ``inner``
+  warns, once per :func:`accumulate` (``warned``)."""
+  grads, record = _privacy.accumulated_record(
+    grads, clip_record, noise_config, weight is not None
+  )
+  if record is not None and noise_config is None and not warned:
+    warned.append(True)
+    _privacy.warn_without_noise(
+      "accumulate() was given a jaxaccum.ClipRecord, a clipped sum, but its "
+      "inner optimizer holds no jaxaccum.dp_noise: each window's update is "
+      "not private (accumulate(optax.chain(jaxaccum.dp_noise(...), ...), k) "
+      "adds the noise once per window).",
+      stacklevel=4,
+    )
+  if weight is None and record is not None:
+    weight = record.examples
+  weight = _check_update_args(grads, state, weight)
+  if noise_config is not None and record is not None:
+    _privacy.take(record, state)  # every check passed: the record is taken once
+  scale = state.loss_scale
+  summand = grads if scale is None else scale.unscale(grads)
+  added = summand
+  if scale is None and record is not None and record.normalize == "sum":
+    # A clipped sum is added as the step formed it, in the accumulator's
+    # dtype: its copy in the parameters' dtype (bfloat16) is rounded.
+    added = _privacy.clipped_sum_of(record)
+  public = noise_config is not None and noise_config.public_denominator is not None
+  window = _add_micro_batch(
+    state,
+    added,
+    weight,
+    drop_nonfinite=skip_nonfinite or scale is not None,
+    noise_stats=noise_stats,
+    weight_decides=not public,
+  )
+  return summand, window
 
 
 def _applies(done: jax.Array, window: Any, noise_config: Any, scale: Any) -> jax.Array:
