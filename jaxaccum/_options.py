@@ -302,13 +302,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   ``ValueError`` or ``TypeError`` naming the argument, at definition time.
   Defaults are the :class:`Options` fields'.
   """
-  known = keywords()
-  unknown = sorted(set(kwargs) - known)
-  if unknown:
-    raise TypeError(
-      f"Unknown option(s) {unknown}; the options are those of "
-      f"jaxaccum.value_and_grad: {sorted(known | {'num_micro_batches'})}."
-    )
+  _check_known(kwargs)
   kwargs = dict(kwargs)
   groups = _groups(kwargs)
   if fun is not None and not callable(fun):
@@ -365,6 +359,17 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   if all(n >= 0 for n in listed):
     _check_positions(options)
   return options
+
+
+def _check_known(kwargs: dict[str, Any]) -> None:
+  """Raises for a keyword that is no option of ``value_and_grad``."""
+  known = keywords()
+  unknown = sorted(set(kwargs) - known)
+  if unknown:
+    raise TypeError(
+      f"Unknown option(s) {unknown}; the options are those of "
+      f"jaxaccum.value_and_grad: {sorted(known | {'num_micro_batches'})}."
+    )
 
 
 def check_split_sizes(num_micro_batches: Any, micro_batch_size: Any) -> None:
