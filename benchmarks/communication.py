@@ -12,10 +12,6 @@ of them (:func:`run_plain_jit`, :func:`profile_thunks`). Outputs
 ``communication.json`` and ``communication.png`` in ``--out``.
 """
 
-# The manual's blocks below use its typography: multiplication signs, en
-# dashes, minus signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os

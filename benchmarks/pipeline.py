@@ -12,9 +12,6 @@ run by ``jaxaccum.pipeline`` on a ``"stage"`` axis beside ``"data"``
 ``pipeline.json`` in ``--out`` and rewrites the manuals.
 """
 
-# The manual's typography: multiplication signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os
