@@ -119,10 +119,10 @@ class Micro:
     rows: int,
   ) -> Callable[..., tuple[MicroOut, tuple[PyTree, ...]]]:
     """``step(diff_args, micro, index, state) -> (MicroOut, grads)``: forward
-    and backward on one micro-batch of ``rows`` rows (:meth:`loss`);
-    with a gradient rule (:class:`GradientRule`: DP-SGD's per-example
-    clipping), the micro-batch's value and gradient as the rule forms
-    them."""
+    and backward on one micro-batch of ``rows`` rows (:meth:`loss`); with a
+    gradient rule (:class:`jaxaccum._engine.GradientRule`: DP-SGD's
+    per-example clipping), the micro-batch's value and gradient as the rule
+    forms them."""
     o = self.options
     if o.rule is None:
       value_and_grad = jax.value_and_grad(
