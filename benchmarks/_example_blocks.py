@@ -9,9 +9,6 @@ Every other benchmark writes its blocks next to the code that measures them
 that ``_report.py`` itself writes no prose about a benchmark.
 """
 
-# The manual's blocks use its typography: multiplication signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 from typing import Any

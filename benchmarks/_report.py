@@ -16,9 +16,6 @@ stands between the markers and leaves the fixed text around them as it is.
 ``tests/test_manuals.py`` checks that each committed page is what it writes.
 """
 
-# The manual's typography: en dashes for a missing value.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import difflib

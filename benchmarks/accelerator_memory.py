@@ -13,10 +13,6 @@ of :func:`measure_causes` into ``accelerator_memory_causes.json``;
 ``--causes --live-peaks`` adds :func:`live_peaks` to it.
 """
 
-# The manual's blocks below use its typography: multiplication signs, en
-# dashes, minus signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os

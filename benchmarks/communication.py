@@ -12,10 +12,6 @@ of them (:func:`run_plain_jit`, :func:`profile_thunks`). Outputs
 ``communication.json`` and ``communication.png`` in ``--out``.
 """
 
-# The manual's blocks below use its typography: multiplication signs, en
-# dashes, minus signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os
@@ -38,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import _approaches
+import _models
 import _paths
 import _timing
 import jax
@@ -171,13 +168,10 @@ def init_params(rng: np.random.Generator, widths: Sequence[int] = WIDTHS) -> lis
 
 
 def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-  """Mean softmax cross-entropy of the ReLU MLP on ``batch = (x, labels)``."""
+  """Mean softmax cross-entropy of the ReLU MLP on ``batch = (x, labels)``
+  (``_models.mlp_loss``)."""
   x, labels = batch
-  h = x
-  for layer in params[:-1]:
-    h = jax.nn.relu(h @ layer["w"] + layer["b"])
-  logits = h @ params[-1]["w"] + params[-1]["b"]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  return _models.mlp_loss(params, {"x": x, "y": labels})
 
 
 def explicit_loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:

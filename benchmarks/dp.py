@@ -19,9 +19,6 @@ ghost's clipped sum against a reference written here; ``audit``
 how to read the tables this file's :data:`BLOCKS` write there.
 """
 
-# The manual's typography: multiplication signs for ratios, en dashes.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os

@@ -11,10 +11,6 @@ step once per configuration and keeps it, and ``jax.jit`` of the first
 Outputs ``eager_calls.json`` in ``--out``.
 """
 
-# The manual's blocks below use its typography: multiplication signs, en
-# dashes, minus signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os

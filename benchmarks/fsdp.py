@@ -15,10 +15,6 @@ step by each of :data:`APPROACHES` (:func:`build_step`), read per device by
 and ``fsdp.png`` (``fsdp_quick.*``, ``fsdp_llama_2.7b.*``) in ``--out``.
 """
 
-# The manual's blocks below use its typography: multiplication signs, en
-# dashes, minus signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os

@@ -20,9 +20,6 @@ the three programs, :func:`measure_memory` reads each. Each run rewrites its
 own part of ``results/maxtext_llama.json``.
 """
 
-# The manual's blocks below use its typography: en dashes.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os

@@ -9,10 +9,6 @@ On 8 fake CPU devices, each of :data:`LAYOUTS` with ``Auto`` and
 by :func:`measure`. Outputs ``meshes.json`` and ``meshes.png`` in ``--out``.
 """
 
-# The manual's blocks below use its typography: multiplication signs, en
-# dashes, minus signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import dataclasses

@@ -12,9 +12,6 @@ run by ``jaxaccum.pipeline`` on a ``"stage"`` axis beside ``"data"``
 ``pipeline.json`` in ``--out`` and rewrites the manuals.
 """
 
-# The manual's typography: multiplication signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import os
@@ -40,7 +37,7 @@ import _paths
 import jax
 import jax.numpy as jnp
 import optax
-from _report import table
+from _report import gib, table
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -206,8 +203,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           row,
           args.partial,
           f"{target.name:<8} {name:<11} S={config.stages} D={config.data} "
-          f"m={config.m:<3} r={config.r} peak {_gib(row['peak_bytes'])} GiB, "
-          f"collectives {_gib(row['collective_bytes'])} GiB ({row['compile_s']} s)",
+          f"m={config.m:<3} r={config.r} peak {gib(row['peak_bytes'])} GiB, "
+          f"collectives {gib(row['collective_bytes'])} GiB ({row['compile_s']} s)",
         )
   if args.rows is not None:
     rows = json.loads(args.rows.read_text())
@@ -262,13 +259,9 @@ def fsdp_best() -> dict[str, Any]:
 # ---------------------------------------------------------------- the report
 
 
-def _gib(n: float | None) -> str:
-  return "–" if n is None else f"{n / 2**30:.2f}"
-
-
 def _pair(row: dict[str, Any]) -> str:
   """``peak / collective`` GiB of a row."""
-  return f"{_gib(row['peak_bytes'])} / {_gib(row['collective_bytes'])}"
+  return f"{gib(row['peak_bytes'])} / {gib(row['collective_bytes'])}"
 
 
 def _cell(row: dict[str, Any]) -> str:
@@ -340,8 +333,8 @@ def pipeline_summary(results: dict[str, Any]) -> str:
         low = min(fit, key=lambda r: r["peak_bytes"])
         few = min(fit, key=lambda r: r["collective_bytes"])
         cells[:2] = [
-          f"{_gib(low['peak_bytes'])} ({_where(low)}, bubble {low['bubble']:.2f})",
-          f"{_gib(few['collective_bytes'])} ({_where(few)})",
+          f"{gib(low['peak_bytes'])} ({_where(low)}, bubble {low['bubble']:.2f})",
+          f"{gib(few['collective_bytes'])} ({_where(few)})",
         ]
         if fsdp:
           cells[2] = f"{low['peak_bytes'] / fsdp['lowest_peak']['peak_bytes']:.2f}"

@@ -10,9 +10,6 @@ status, the ``.venv``'s size, the last line printed and any line in which a
 compile-only plugin reports an error. Outputs ``readme_commands.json``.
 """
 
-# The README's typography: en dashes.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import datetime

@@ -14,10 +14,6 @@ in ``--out``; ``--cpus``, ``--rounds`` and ``--min-time-ms`` steady a run on
 a shared machine.
 """
 
-# The manual's blocks below use its typography: multiplication signs, en
-# dashes, minus signs.
-# ruff: noqa: RUF001
-
 from __future__ import annotations
 
 import argparse

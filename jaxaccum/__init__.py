@@ -45,10 +45,10 @@ from jaxaccum._checks import SharedArgumentWarning as SharedArgumentWarning
 from jaxaccum._inspect.equivalence import Deviation as Deviation
 from jaxaccum._inspect.equivalence import verify_equivalence as verify_equivalence
 from jaxaccum._inspect.memory import MemoryStats as MemoryStats
-from jaxaccum._inspect.memory import MicroBatchPlan as MicroBatchPlan
 from jaxaccum._inspect.memory import compiled_memory as compiled_memory
 from jaxaccum._inspect.memory import memory_report as memory_report
-from jaxaccum._inspect.memory import plan_micro_batches as plan_micro_batches
+from jaxaccum._inspect.planner import MicroBatchPlan as MicroBatchPlan
+from jaxaccum._inspect.planner import plan_micro_batches as plan_micro_batches
 from jaxaccum._inspect.targets import CompileTarget as CompileTarget
 from jaxaccum._inspect.targets import compile_target as compile_target
 from jaxaccum._noise_scale import GradientNoise as GradientNoise

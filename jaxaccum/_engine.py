@@ -10,7 +10,9 @@ after the loop.
 The step is a story in three chapters, each a method of :class:`Engine`:
 
 1. :meth:`Engine.plan`: validate the batch and resolve ``k`` and ``m``;
-2. :meth:`Engine.sums`: the loop, which returns raw :class:`Sums`;
+2. :meth:`Engine.sums`: the loop, which returns raw :class:`Sums`, each
+   micro-batch's forward and backward pass :attr:`Engine.micro`'s
+   (:mod:`jaxaccum._micro`);
 3. :meth:`Engine.finish`: normalize them into a :class:`Result`, and combine
    the aux of the micro-batches (:mod:`jaxaccum._aux`).
 
@@ -36,9 +38,9 @@ from jaxaccum import (
   _aux,
   _checks,
   _compat,
-  _exact,
+  _exact_plan,
+  _micro,
   _noise_scale,
-  _normalize,
   _split,
   _tree,
 )
@@ -91,27 +93,6 @@ class GradientRule(Protocol):
     ...
 
 
-class MicroOut(NamedTuple):
-  """What one micro-batch gives besides its gradient.
-
-  Attributes:
-    loss: the scalar that was differentiated.
-    weight: its weight (1 unless ``normalize="weighted"``).
-    aux: ``fun``'s aux.
-    state: the new threaded state (None without ``state_argnum``).
-    noise: ``(sq_norm, divisor, examples)`` for the noise statistics: the
-      gradient's squared norm, what it sums over (its mean gradient is
-      ``gradient / divisor``), and the examples (or units of weight) it holds
-      (:meth:`jaxaccum.NoiseSums.of`); None unless ``noise_stats``.
-  """
-
-  loss: jax.Array
-  weight: jax.Array
-  aux: PyTree
-  state: PyTree
-  noise: tuple[jax.Array, jax.Array, jax.Array] | None
-
-
 class Sums(NamedTuple):
   """What the micro-batch loop produces, before any normalization.
 
@@ -141,6 +122,36 @@ class Sums(NamedTuple):
   weights: jax.Array
   rows: int
   shards: int
+
+  @classmethod
+  def of(
+    cls,
+    out: _micro.MicroOut,
+    grads: tuple[PyTree, ...],
+    state: PyTree,
+    split: _split.MicroBatching,
+    accum_dtype: Any,
+    *,
+    per_block: bool,
+  ) -> Sums:
+    """The loop's sums from its micro-batches' outputs, stacked (``out``),
+    the accumulated ``grads`` and the last ``state``."""
+    return cls(
+      loss=jnp.sum(out.loss.astype(jnp.promote_types(accum_dtype, out.loss.dtype))),
+      grads=grads,
+      weight=jnp.sum(
+        out.weight.astype(jnp.promote_types(jnp.float32, out.weight.dtype))
+      ),
+      aux=out.aux,
+      state=state,
+      losses=out.loss,
+      noise=None if out.noise is None else _noise_scale.NoiseSums.of(*out.noise),
+      weights=out.weight,
+      rows=split.micro_batch_size // split.shards
+      if per_block
+      else split.micro_batch_size,
+      shards=1 if per_block else split.shards,
+    )
 
 
 class Result(NamedTuple):
@@ -182,7 +193,7 @@ class Engine:
 
   fun: Callable[..., Any]
   options: Options
-  #: The step's :class:`jaxaccum._exact.Plan` where its loss is read as a
+  #: The step's :class:`jaxaccum._exact_plan.Plan` where its loss is read as a
   #: function of sums over rows (``normalize="mean"``): ``fun``'s loss is
   #: then differentiated as the full batch's share of it.
   exact: Any = None
@@ -239,188 +250,14 @@ class Engine:
 
   # -- chapter 2: the loop ------------------------------------------------------
 
-  def micro_loss(
-    self,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    split: _split.MicroBatching,
-    total: int,
-  ) -> Callable[..., tuple[jax.Array, tuple[jax.Array, PyTree, PyTree]]]:
-    """``loss(diff_args, micro, index, state) -> (loss, (weight, aux,
-    new_state))``: ``fun`` on one micro-batch, whose key is ``fold_in(key,
-    index)``, or the key itself when the step has one micro-batch in
-    ``total`` (then jaxaccum is the user's own step, bit for bit). The
-    data-parallel path differentiates it in its own way."""
-    loss_fn = self._loss(args, kwargs, split.batch_size)
-    assemble = self._call_args(args, total)
-
-    def loss(diff_args, micro, index, state):
-      value, (weight, aux, new_state) = loss_fn(
-        *assemble(diff_args, micro, index, state)
-      )
-      users = aux if self.exact is None else aux[0]  # the sums ride with it
-      return value, (weight, aux, self._kept_state(new_state, state, users))
-
-    return loss
-
-  def ghost_loss(
-    self,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    split: _split.MicroBatching,
-    total: int,
-  ) -> Callable[..., Any]:
-    """``loss((diff_args, masters), micro, index, state) -> (objective,
-    ((loss, (weight, aux, new_state)), some))`` for ``clip_method="ghost"``:
-    the objective's gradient with respect to ``masters`` (the differentiated
-    arguments in the accumulator's dtype) is the micro-batch's clipped sum
-    (:func:`jaxaccum._privacy.ghost_objective`). The data-parallel path
-    differentiates the devices' objectives together, so that a leaf they
-    share (FSDP) gets its clipped sums reduce-scattered in the backward
-    pass, as without privacy."""
-    o = self.options
-    assert o.rule is not None
-    objective = o.rule.objective(self._loss(args, kwargs, split.batch_size), o, kwargs)
-    assemble = self._call_args(args, total)
-
-    def loss(diff_and_masters, micro, index, state):
-      diff_args, masters = diff_and_masters
-      value, ((loss, (weight, aux, new_state)), some) = objective(
-        *assemble(diff_args, micro, index, state), masters=masters
-      )
-      return value, (
-        (loss, (weight, aux, self._kept_state(new_state, state, aux))),
-        some,
-      )
-
-    return loss
-
-  def micro_step(
-    self,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    split: _split.MicroBatching,
-    total: int,
-    rows: int,
-  ) -> Callable[..., tuple[MicroOut, tuple[PyTree, ...]]]:
-    """``step(diff_args, micro, index, state) -> (MicroOut, grads)``: forward
-    and backward on one micro-batch of ``rows`` rows (:meth:`micro_loss`);
-    with a gradient rule (:class:`GradientRule`: DP-SGD's per-example
-    clipping), the micro-batch's value and gradient as the rule forms
-    them."""
-    o = self.options
-    if o.rule is None:
-      diff_args = tuple(args[n] for n in o.argnums)
-      value_and_grad = _normalize.seeded_value_and_grad(
-        self.micro_loss(args, kwargs, split, total),
-        self.seed(diff_args, total),
-        vjp=any(r.name == "dtype" for r in self.rules(diff_args)),
-      )
-    else:
-      clipped = o.rule.value_and_grad(
-        self._loss(args, kwargs, split.batch_size), o, kwargs
-      )
-      assemble = self._call_args(args, total)
-
-      def value_and_grad(diff_args, micro, index, state):
-        (value, (weight, aux, new_state)), grads = clipped(
-          *assemble(diff_args, micro, index, state)
-        )
-        return (value, (weight, aux, self._kept_state(new_state, state, aux))), grads
-
-    def step(diff_args, micro, index, state):
-      (loss, (weight, aux, new_state)), grads = value_and_grad(
-        diff_args, micro, index, state
-      )
-      noise = None
-      if o.noise_stats:
-        noise = noise_terms(o, _tree.sq_norm(grads), weight, rows)
-      return MicroOut(loss, weight, aux, new_state, noise), grads
-
-    return self.rematerialized(step)
-
-  # -- each leaf's combine rule ---------------------------------------------------
+  @property
+  def micro(self) -> _micro.Micro:
+    """``fun`` on one micro-batch: its call, loss and step (:mod:`jaxaccum._micro`)."""
+    return _micro.Micro(self.fun, self.options, self.exact)
 
   def rules(self, diff_args: tuple[PyTree, ...]) -> tuple[_accumulator.Rule, ...]:
-    """Each differentiated leaf's combine rule, flattened
-    (:func:`jaxaccum._accumulator.rules`)."""
-    o = self.options
-    return _accumulator.rules(o.combine, diff_args, o.tree_grads)
-
-  def seed(self, diff_args: tuple[PyTree, ...], total: int) -> float:
-    """The cotangent each micro-batch's backward pass starts from
-    (:func:`jaxaccum._normalize.seed`): ``1 / total`` where a leaf is not a
-    gradient and the mean's division would come after the loop."""
-    o = self.options
-    named = [r.name for r in self.rules(diff_args) if not r.normalized]
-    if o.rule is not None or o.noise_stats or total < 2 or not named:
-      return 1.0
-    return _normalize.seed(o.normalize, total, named, exact=self.exact is not None)
-
-  def _call_args(self, args: tuple[Any, ...], total: int) -> Callable[..., list[Any]]:
-    """``(diff_args, micro, index, state) -> fun's positional arguments`` for
-    one micro-batch: the differentiated and batch arguments in their places,
-    the key folded with the micro-batch index (unless the step has one
-    micro-batch in ``total``), the threaded state."""
-    o = self.options
-    fold = total > 1
-
-    def assemble(diff_args, micro, index, state):
-      call_args = list(args)
-      for n, d in zip(o.argnums, diff_args, strict=True):
-        call_args[n] = d
-      for n, b in zip(o.batch_argnums, micro, strict=True):
-        call_args[n] = b
-      if o.rng_argnum is not None and fold:
-        call_args[o.rng_argnum] = jax.random.fold_in(args[o.rng_argnum], index)
-      if o.state_argnum is not None:
-        call_args[o.state_argnum] = state
-      return call_args
-
-    return assemble
-
-  def _kept_state(self, new_state: PyTree, state: PyTree, aux: PyTree) -> PyTree:
-    """``fun``'s new state, checked against the one it was given (``aux``,
-    the other half of the pair, tells a swapped pair)."""
-    if self.options.state_argnum is None:
-      return new_state
-    return _match_state(new_state, state, aux)
-
-  def rematerialized(self, step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` under ``jax.checkpoint`` as ``remat`` asks."""
-    remat = self.options.remat
-    if remat is False:
-      return step
-    policy = None if remat is True else remat
-    return jax.checkpoint(step, prevent_cse=False, policy=policy)
-
-  def _loss(
-    self, args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int
-  ) -> Callable[..., Any]:
-    """``fun`` as ``args -> (loss, (weight, aux, new_state))`` for autodiff."""
-    o = self.options
-
-    def loss_fn(*call_args):
-      if o.example_mask is not None:  # jaxaccum's own argument, last
-        call_args = call_args[: o.example_mask]
-      try:
-        out = self.fun(*call_args, **kwargs)
-      except (TypeError, ValueError) as error:
-        hint = _checks.batch_argnums_hint(o, args, batch_size)
-        if hint is not None:
-          error.add_note(hint)
-        raise
-      value, aux = _unpack_aux(out, o)
-      new_state = None
-      if o.state_argnum is not None:
-        aux, new_state = _unpack_state(aux)
-      _checks.check_aux(aux)
-      if o.rule is not None:
-        o.rule.check_value(value, o)
-      loss, weight = o.normalization.loss_and_weight(value)
-      return loss, (weight, aux, new_state)
-
-    return loss_fn if self.exact is None else self.exact.objective(loss_fn)
+    """Each differentiated leaf's combine rule (:meth:`jaxaccum._micro.Micro.rules`)."""
+    return self.micro.rules(diff_args)
 
   def sums(
     self,
@@ -439,7 +276,7 @@ class Engine:
       args: the positional arguments, with the whole batch.
       kwargs: keyword arguments, passed unchanged to every micro-batch.
       split: the resolved split of the batch.
-      step: the micro step (default :meth:`micro_step`); the data-parallel
+      step: the micro step (default ``self.micro.step``); the data-parallel
         path passes it ``vmap``-ped over the blocks.
       accumulator: how gradients are summed (default: locally, in
         ``accum_dtype``).
@@ -449,7 +286,7 @@ class Engine:
     """
     o = self.options
     k = split.num_micro_batches
-    step = step or self.micro_step(
+    step = step or self.micro.step(
       args, kwargs, split, split.num_micro_batches, split.micro_batch_size
     )
     diff_args = tuple(args[i] for i in o.argnums)
@@ -483,22 +320,7 @@ class Engine:
     (grads, state, _), out = carry, ys
     if o.value_checks:
       _checks.check_weights(out.weight)
-    return Sums(
-      loss=jnp.sum(out.loss.astype(jnp.promote_types(o.accum_dtype, out.loss.dtype))),
-      grads=grads,
-      weight=jnp.sum(
-        out.weight.astype(jnp.promote_types(jnp.float32, out.weight.dtype))
-      ),
-      aux=out.aux,
-      state=state,
-      losses=out.loss,
-      noise=None if out.noise is None else _noise_scale.NoiseSums.of(*out.noise),
-      weights=out.weight,
-      rows=split.micro_batch_size // split.shards
-      if per_block
-      else split.micro_batch_size,
-      shards=1 if per_block else split.shards,
-    )
+    return Sums.of(out, grads, state, split, o.accum_dtype, per_block=per_block)
 
   # -- chapter 3: normalization -------------------------------------------------
 
@@ -521,7 +343,7 @@ class Engine:
       value = norm.finalize(sums.loss, sums.weight).astype(sums.losses.dtype)
       normalized = sums.grads
       divide = lambda g: norm.finalize(g, sums.weight)  # noqa: E731
-      if self.seed(diff_args, sums.losses.size) != 1.0:  # divided before
+      if self.micro.seed(diff_args, sums.losses.size) != 1.0:  # divided before
         divide = lambda g: g  # noqa: E731
     grads = _accumulator.results(rules, normalized, divide, diff_args)
     if o.value_checks:
@@ -553,31 +375,17 @@ class Engine:
   def made_exact(
     self, args: tuple[Any, ...], kwargs: dict[str, Any], split: _split.MicroBatching
   ) -> Engine:
-    """This engine with its :class:`jaxaccum._exact.Plan` where the step's
+    """This engine with its :class:`jaxaccum._exact_plan.Plan` where the step's
     loss is read as a function of sums over its rows, else itself."""
     if self.read:
       return self
     try:
-      found = _exact.for_step(self, args, kwargs, split)
+      found = _exact_plan.for_step(self, args, kwargs, split)
     except _compat.SHARDING_TYPE_ERRORS:
       # fun refused on these types: not read; the step's own trace raises
       # the error, explained where jaxaccum can explain it
       found = None
     return dataclasses.replace(self, exact=found, read=True)
-
-
-def noise_terms(
-  options: Options, sq_norm: jax.Array, weight: jax.Array, rows: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """A micro-batch's noise terms (:class:`MicroOut`): its gradient's squared
-  norm, what the gradient sums over (a mean: 1; a sum: ``rows``; weighted:
-  its weight), and what it holds (``rows``, or its weight)."""
-  name = options.normalize
-  if name == "weighted":
-    return sq_norm, weight, weight
-  shape = jnp.shape(sq_norm)
-  divisor = jnp.full(shape, 1.0 if name == "mean" else rows, jnp.float32)
-  return sq_norm, divisor, jnp.full(shape, rows, jnp.float32)
 
 
 def check_noise_estimable(options: Options, total: int) -> None:
@@ -587,72 +395,3 @@ def check_noise_estimable(options: Options, total: int) -> None:
       f"noise_stats=True needs at least 2 micro-batches in total, got {total}: "
       "one micro-batch has no noise to measure."
     )
-
-
-def _unpack_aux(out: Any, options: Options) -> tuple[Any, Any]:
-  if not options.has_aux:
-    return out, None
-  if isinstance(out, (tuple, list)) and len(out) == 2:
-    return out[0], out[1]
-  if options.normalize == "weighted":
-    raise ValueError(
-      'has_aux=True with normalize="weighted" needs fun to return '
-      f"((loss_sum, weight), aux), got {_checks.describe(out)}."
-    )
-  got = _checks.describe(out)
-  if hasattr(out, "shape"):
-    got = f"one array of shape={tuple(out.shape)}"
-  raise ValueError(f"has_aux=True needs fun to return a pair (value, aux), got {got}.")
-
-
-def _like(tree: PyTree, state: PyTree) -> bool:
-  """Whether ``tree`` has the structure, shapes and dtypes of ``state``."""
-  tree_struct: Any = jax.tree.structure(tree)
-  if tree_struct != jax.tree.structure(state):
-    return False
-  return all(
-    jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
-    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(state), strict=True)
-  )
-
-
-def _unpack_state(aux: Any) -> tuple[Any, Any]:
-  if isinstance(aux, (tuple, list)) and len(aux) == 2:
-    return aux[0], aux[1]
-  got = _checks.describe(aux)
-  if hasattr(aux, "shape"):
-    got = f"one array of shape={tuple(aux.shape)}"
-  raise ValueError(
-    "state_argnum needs fun to return (value, (aux, new_state)), got an aux "
-    f"that is {got}, not a pair."
-  )
-
-
-def _match_state(new_state: PyTree, state: PyTree, aux: PyTree = None) -> PyTree:
-  """Checks that ``fun`` returned a state like the one it got: the same
-  structure, shapes and dtypes (a Python number takes the state's dtype).
-  A pair whose first half (``aux``) is state-like is called swapped."""
-  new_struct: Any = jax.tree.structure(new_state)
-  old_struct: Any = jax.tree.structure(state)
-  if new_struct != old_struct:
-    if _like(aux, state):
-      raise ValueError(
-        "state_argnum needs fun to return (value, (aux, new_state)), and fun "
-        "returned (value, (new_state, aux)) it seems: the first of the pair "
-        "has the state's structure, shapes and dtypes, the second does not "
-        f"({_checks.describe(new_state)}, structure {new_struct}). Swap the "
-        "pair: return value, (aux, new_state)."
-      )
-    raise ValueError(
-      "fun returned a new_state whose structure differs from the state it "
-      f"was given: {new_struct} vs {old_struct}. Under state_argnum fun "
-      "returns (value, (aux, new_state)), new_state like the state it got."
-    )
-  for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
-    if jnp.shape(new) != jnp.shape(old):
-      raise ValueError(
-        "fun returned a new_state leaf of shape="
-        f"{jnp.shape(new)} for a state leaf of shape={jnp.shape(old)}."
-      )
-  _tree.check_dtypes_kept(new_state, state, "state")
-  return _tree.cast_like(new_state, state)

@@ -305,13 +305,7 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   ``ValueError`` or ``TypeError`` naming the argument, at definition time.
   Defaults are the :class:`Options` fields'.
   """
-  known = keywords()
-  unknown = sorted(set(kwargs) - known)
-  if unknown:
-    raise TypeError(
-      f"Unknown option(s) {unknown}; the options are those of "
-      f"jaxaccum.value_and_grad: {sorted(known | {'num_micro_batches'})}."
-    )
+  _check_known(kwargs)
   kwargs = dict(kwargs)
   groups = _groups(kwargs)
   if fun is not None and not callable(fun):
@@ -325,18 +319,11 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   batch = _as_tuple(kwargs.get("batch_argnums", 1), "batch_argnums")
   rng_argnum = _one_position("rng_argnum", get("rng_argnum"))
   state_argnum = _one_position("state_argnum", get("state_argnum"))
-  has_aux = bool(get("has_aux"))
-  aux = get("aux")
-  _aux.check_spec(aux)
+  has_aux, aux = bool(get("has_aux")), get("aux")
+  _check_aux(has_aux, aux, state_argnum)
   combine = get("combine")
   _accumulator.check_combine(combine)
-  if not has_aux and not (isinstance(aux, str) and aux == "auto"):
-    raise ValueError(f"aux={aux!r} combines fun's aux; it needs has_aux=True.")
   shared = _optional(kwargs, "shared_argnums")
-  if state_argnum is not None and not has_aux:
-    raise ValueError(
-      "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
-    )
   normalize = get("normalize")
   _normalize.get(normalize)
   accum_dtype = get("accum_dtype")
@@ -371,6 +358,28 @@ def create(fun: Any = None, num_micro_batches: Any = None, **kwargs: Any) -> Opt
   if all(n >= 0 for n in listed):
     _check_positions(options)
   return options
+
+
+def _check_aux(has_aux: bool, aux: Any, state_argnum: int | None) -> None:
+  """Raises for an ``aux=`` or ``state_argnum`` that needs ``has_aux=True``."""
+  _aux.check_spec(aux)
+  if not has_aux and not (isinstance(aux, str) and aux == "auto"):
+    raise ValueError(f"aux={aux!r} combines fun's aux; it needs has_aux=True.")
+  if state_argnum is not None and not has_aux:
+    raise ValueError(
+      "state_argnum needs has_aux=True and fun returning (value, (aux, new_state))."
+    )
+
+
+def _check_known(kwargs: dict[str, Any]) -> None:
+  """Raises for a keyword that is no option of ``value_and_grad``."""
+  known = keywords()
+  unknown = sorted(set(kwargs) - known)
+  if unknown:
+    raise TypeError(
+      f"Unknown option(s) {unknown}; the options are those of "
+      f"jaxaccum.value_and_grad: {sorted(known | {'num_micro_batches'})}."
+    )
 
 
 def check_split_sizes(num_micro_batches: Any, micro_batch_size: Any) -> None:

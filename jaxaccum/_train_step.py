@@ -161,39 +161,48 @@ def make_train_step(
       # the scale itself.
       params, opt_state = _apply(tx, params, opt_state, result.grads[0], extra)
     else:
-      # Select, do not branch: a lax.cond returning either the inputs or the
-      # new values cannot update the donated buffers in place, and held a
-      # second copy of the parameters and the optimizer state (+640 MiB for
-      # a 109M-parameter Adam step on an H100 target). A skipped step's
-      # update is computed from its non-finite gradient and dropped here;
-      # zeroing that gradient first would cost another copy of it.
-      new_params, new_state = _apply(tx, params, opt_state, result.grads[0], extra)
-      if plain.micro_batches((params, *args)) == 1 and _on_several_devices(
+      update = _apply(tx, params, opt_state, result.grads[0], extra)
+      barrier = plain.micro_batches((params, *args)) == 1 and _on_several_devices(
         engine_options, (params, opt_state, args)
-      ):
-        # One micro-batch over several devices: the gradients come straight
-        # from the backward pass. Fused with the select, each parameter's
-        # update waited for the all-finite flag of every gradient, and XLA
-        # put off the unembedding's gradient matmul to the end of the
-        # backward pass, holding the logits' cotangent through all of it
-        # (+2,000 MiB per device for a 1B Llama with FSDP on 8 H100s, with
-        # view="device" and "global"). Computed apart (a barrier), the step
-        # holds the full batch's peak to the MiB there. But the barrier
-        # keeps the new parameters and optimizer state beside the old ones
-        # until the select, a copy of both: on one device, where the update
-        # is the peak of a small model, that copy was the excess (a 20 KiB
-        # MLP on a TPU v5e: 633,344 B, 476,672 without it; a 4-layer
-        # transformer on one H100 holds the same peak either way), so one
-        # device goes without it. With a loop the gradients come from the
-        # accumulator, and the barrier would only cost that copy.
-        new_params, new_state = jax.lax.optimization_barrier((new_params, new_state))
-      params = _tree.select(ok, new_params, params)
-      opt_state = _tree.select(ok, new_state, opt_state)
+      )
+      params, opt_state = _selected(ok, update, (params, opt_state), barrier)
     value = (result.value, result.aux) if options.has_aux else result.value
     return params, opt_state, ((value, result.noise) if options.noise_stats else value)
 
   jitted = _calls.JitWithStaticKwargs(step, donate_argnums=(0, 1) if donate else ())
   return _partitioning(_checked_donation(jitted) if donate else jitted, plain)
+
+
+def _selected(
+  ok: jax.Array, new: tuple[PyTree, PyTree], old: tuple[PyTree, PyTree], barrier: bool
+) -> tuple[PyTree, PyTree]:
+  """The new parameters and optimizer state where the step is ``ok``, else
+  the old ones: selected, not branched. A ``lax.cond`` returning either the
+  inputs or the new values cannot update the donated buffers in place, and
+  held a second copy of the parameters and the optimizer state (+640 MiB
+  for a 109M-parameter Adam step on an H100 target). A skipped step's
+  update is computed from its non-finite gradient and dropped here;
+  zeroing that gradient first would cost another copy of it.
+
+  With ``barrier`` (one micro-batch over several devices) the update is
+  computed apart first: the gradients come straight from the backward
+  pass. Fused with the select, each parameter's update waited for the
+  all-finite flag of every gradient, and XLA put off the unembedding's
+  gradient matmul to the end of the backward pass, holding the logits'
+  cotangent through all of it (+2,000 MiB per device for a 1B Llama with
+  FSDP on 8 H100s, with view="device" and "global"). Computed apart (a
+  barrier), the step holds the full batch's peak to the MiB there. But the
+  barrier keeps the new parameters and optimizer state beside the old ones
+  until the select, a copy of both: on one device, where the update is the
+  peak of a small model, that copy was the excess (a 20 KiB MLP on a TPU
+  v5e: 633,344 B, 476,672 without it; a 4-layer transformer on one H100
+  holds the same peak either way), so one device goes without it. With a
+  loop the gradients come from the accumulator, and the barrier would only
+  cost that copy."""
+  if barrier:
+    new = jax.lax.optimization_barrier(new)
+  (new_params, new_state), (params, opt_state) = new, old
+  return _tree.select(ok, new_params, params), _tree.select(ok, new_state, opt_state)
 
 
 def _warning_once(

@@ -19,11 +19,9 @@ there.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +29,8 @@ from flax import nnx as flax_nnx
 
 from jaxaccum import (
   _calls,
-  _engine,
+  _nnx_objects,
   _options,
-  _privacy,
   _train_step,
   _tree,
   _value_and_grad,
@@ -43,32 +40,6 @@ from jaxaccum._optim import opt_state as _opt_state
 from jaxaccum._optim import scaling as _scaling
 
 __all__ = ["grad", "make_train_step", "value_and_grad", "verify_equivalence"]
-
-
-def _holds_nnx(x: Any) -> bool:
-  """Whether ``x`` is, or holds, an nnx object or variable."""
-  is_node = flax_nnx.graph.is_graph_node
-  if isinstance(x, flax_nnx.State):
-    return True
-  return any(is_node(leaf) for leaf in jax.tree.leaves(x, is_leaf=is_node))
-
-
-class _Arg(NamedTuple):
-  """How one argument of ``fun`` reaches the engine.
-
-  Attributes:
-    graphdef: the nnx structure to merge with (None for a plain argument).
-    differentiated: whether the argument is in ``argnums``.
-  """
-
-  graphdef: Any
-  differentiated: bool
-
-
-# The engine's arguments: (the differentiated states, the threaded states,
-# *fun's arguments with None where an nnx object was). Errors name these two
-# as follows, and fun's own arguments as the user numbered them.
-_HIDDEN = ((0, "the differentiated nnx variables"), (1, "the threaded nnx variables"))
 
 
 def value_and_grad(
@@ -182,7 +153,7 @@ def value_and_grad(
   # Every parameter above but wrt is an option of the engine: validated once.
   options = _options.create(**{k: v for k, v in locals().items() if k != "wrt"})
   _value_and_grad.warn_if_without_noise(options)
-  run = _accumulated_results(fun, options, wrt)
+  run = _nnx_objects.accumulated_results(fun, options, wrt)
 
   @functools.wraps(fun)
   def accumulated(*args, **kwargs):
@@ -190,180 +161,6 @@ def value_and_grad(
     return _value_and_grad.recorded(result, user).arranged(user)
 
   return accumulated
-
-
-def _accumulated_results(
-  fun: Callable[..., Any], options: _options.Options, wrt: Any
-) -> Callable[..., tuple[_engine.Result, _options.Options]]:
-  """``run(*args, **kwargs) -> (result, user_options)``: the accumulated
-  step on ``fun``'s arguments, the nnx objects' other variables written
-  back, and the :class:`~jaxaccum._engine.Result` with the user's aux and the
-  grads as ``nnx.State`` s, before it is arranged for the caller."""
-  steps: dict[Any, _value_and_grad.Step] = {}
-
-  def step_for(user: _options.Options, layout: tuple[_Arg | None, ...]):
-    """The engine's step for one layout of arguments, built once."""
-    key = (len(layout), layout)
-    try:
-      step = steps.get(key)
-    except TypeError:  # an unhashable graph: build for this call
-      step = None
-    if step is None:
-      specs = user.param_specs
-      if specs is not None and user.tree_grads:
-        specs = (specs,)
-      parallel = user.parallel
-      if specs is not None:
-        parallel = dataclasses.replace(parallel, param_specs=specs)
-      engine_options = user.shifted(2, hidden=_HIDDEN).replace(
-        argnums=(0,), state_argnum=1, has_aux=True, parallel=parallel
-      )
-      step = _value_and_grad.Step(
-        _pure(fun, layout, wrt, options.has_aux), engine_options
-      )
-      with contextlib.suppress(TypeError):  # unhashable: not kept
-        steps[key] = step
-    return step
-
-  def run(*args, **kwargs):
-    user = options.resolve(len(args))
-    _check_batch_is_plain(args, user)
-    _check_public_objects(args, user)
-    layout, diff_states, threaded, plain = _split_args(args, user, wrt)
-    result = step_for(user, layout)(tuple(diff_states), threaded, *plain, **kwargs)
-    aux, new_threaded = result.aux
-    _write_back(args, layout, new_threaded)
-    sums = result.sums
-    return result._replace(
-      aux=aux,
-      grads=tuple(result.grads[0]),
-      sums=None if sums is None else tuple(sums[0]),
-    ), user
-
-  def micro_batches(*args) -> int:
-    """``k``, as ``run`` splits these arguments."""
-    user = options.resolve(len(args))
-    layout, diff_states, threaded, plain = _split_args(args, user, wrt)
-    return step_for(user, layout).micro_batches((tuple(diff_states), threaded, *plain))
-
-  run.micro_batches = micro_batches  # type: ignore[attr-defined]
-  return run
-
-
-def _split_args(
-  args: tuple[Any, ...], user: _options.Options, wrt: Any
-) -> tuple[tuple[_Arg | None, ...], list[Any], list[Any], list[Any]]:
-  """Each argument as the engine takes it: nnx objects split into their
-  differentiated (``wrt``) and threaded variables, the rest as they are."""
-  layout: list[_Arg | None] = []
-  diff_states: list[Any] = []
-  threaded: list[Any] = []
-  plain: list[Any] = []
-  for n, arg in enumerate(args):
-    differentiated = n in user.argnums
-    holds_nnx = _holds_nnx(arg)
-    plain.append(None if differentiated or holds_nnx else arg)
-    if not holds_nnx:
-      layout.append(_Arg(None, True) if differentiated else None)
-      if differentiated:
-        diff_states.append(arg)
-        threaded.append(None)
-      continue
-    if differentiated:
-      parts: tuple[Any, ...] = flax_nnx.split(arg, wrt, ...)
-      graphdef, diff_state, rest = parts
-      diff_states.append(diff_state)
-    else:
-      graphdef, rest = flax_nnx.split(arg)
-    layout.append(_Arg(graphdef, differentiated))
-    threaded.append(rest)
-  return tuple(layout), diff_states, threaded, plain
-
-
-def _pure(
-  fun: Callable[..., Any], layout: tuple[_Arg | None, ...], wrt: Any, has_aux: bool
-) -> Callable[..., Any]:
-  """``fun`` on states: ``pure(diff_states, threaded, *plain_args, **kwargs)``
-  rebuilds the nnx objects, calls ``fun`` and returns ``(value, (aux,
-  new_threaded))``, the threaded states as ``fun`` left them."""
-
-  def pure(diff_states, threaded, *plain_args, **kwargs):
-    diffs, states = iter(diff_states), iter(threaded)
-    objects: list[tuple[Any, bool] | None] = []
-    call_args = []
-    for arg_layout, plain_arg in zip(layout, plain_args, strict=True):
-      if arg_layout is None:
-        call_args.append(plain_arg)
-        continue
-      if arg_layout.graphdef is None:  # a differentiated plain pytree
-        call_args.append(next(diffs))
-        next(states)
-        objects.append(None)
-        continue
-      parts = (next(diffs),) if arg_layout.differentiated else ()
-      obj = flax_nnx.merge(arg_layout.graphdef, *parts, next(states), copy=True)
-      objects.append((obj, arg_layout.differentiated))
-      call_args.append(obj)
-    out = fun(*call_args, **kwargs)
-    value, aux = out if has_aux else (out, None)
-    return value, (aux, [_rest(entry, wrt) for entry in objects])
-
-  return pure
-
-
-def _rest(entry: tuple[Any, bool] | None, wrt: Any) -> Any:
-  """The threaded state of a rebuilt object: all but ``wrt`` if it was
-  differentiated, else all of it."""
-  if entry is None:
-    return None
-  obj, differentiated = entry
-  parts: tuple[Any, ...] = (
-    flax_nnx.split(obj, wrt, ...) if differentiated else flax_nnx.split(obj)
-  )
-  return parts[-1]
-
-
-def _write_back(
-  args: tuple[Any, ...],
-  layout: tuple[_Arg | None, ...],
-  new_threaded: list[Any],
-):
-  """Updates the nnx objects in place with the state the last micro-batch left."""
-  states = iter(new_threaded)
-  for arg, arg_layout in zip(args, layout, strict=True):
-    if arg_layout is None:
-      continue
-    state = next(states)
-    if arg_layout.graphdef is not None and state is not None:
-      flax_nnx.update(arg, state)
-
-
-def _check_batch_is_plain(args: tuple[Any, ...], user: _options.Options) -> None:
-  for n in user.batch_argnums:
-    if _holds_nnx(args[n]):
-      raise ValueError(
-        f"The batch argument {n} holds an nnx object; the batch must be a "
-        "pytree of arrays to split into micro-batches."
-      )
-
-
-def _check_public_objects(args: tuple[Any, ...], user: _options.Options) -> None:
-  """Under ``clip_per_example``, an nnx object that is not differentiated
-  (a teacher model) is read by every example's loss, like any other
-  argument: it must be declared public (the engine sees only its variables,
-  as threaded state, and checks the plain arguments)."""
-  if user.privacy.clip_norm is None:
-    return
-  for n, arg in enumerate(args):
-    if n in user.argnums or n in user.public_argnums or not _holds_nnx(arg):
-      continue
-    raise ValueError(
-      f"With clip_per_example, args[{n}] holds nnx objects whose variables "
-      "reach every example's loss, and it is not differentiated. jaxaccum "
-      "cannot see where they came from: a model or state computed from the "
-      "examples carries them into every example's clipped gradient, and the "
-      f"privacy guarantee is void. {_privacy.public_fix(user, n)}"
-    )
 
 
 def grad(
@@ -480,27 +277,11 @@ def make_train_step(
   >>> bool(step(model, batch) > step(model, batch)), int(optimizer.step[...])
   (True, 2)
   """
-  if not isinstance(optimizer, flax_nnx.Optimizer):
-    raise TypeError(
-      "jaxaccum.nnx.make_train_step takes an nnx.Optimizer, got "
-      f"{type(optimizer).__name__}; for an optax transformation and a pytree of "
-      "parameters use jaxaccum.make_train_step."
-    )
-  if _opt_state.find_loss_scale(optimizer.opt_state) is not None:
-    raise ValueError(
-      "jaxaccum.nnx.make_train_step does not apply a float16 loss scale; "
-      "jaxaccum.make_train_step does: run it on the arrays of "
-      "nnx.split(model, nnx.Param, ...), or train in bfloat16 or float32."
-    )
-  if value_and_grad_kwargs.get("clip_record"):
-    raise ValueError(
-      "jaxaccum.nnx.make_train_step hands its optimizer the clip record "
-      "itself; clip_record=True is for jaxaccum.value_and_grad and grad."
-    )
+  _check_train_step(optimizer, value_and_grad_kwargs)
   kwargs = {"wrt": optimizer.wrt, **value_and_grad_kwargs}
   wrt = kwargs.pop("wrt")
   options = _options.create(loss_fn, num_micro_batches, **kwargs)
-  run = _accumulated_results(loss_fn, options, wrt)
+  run = _nnx_objects.accumulated_results(loss_fn, options, wrt)
   check_noise = _train_step.NoiseCheck(options)
   both_update = isinstance(optimizer, flax_nnx.ModelAndOptimizer)
 
@@ -545,6 +326,29 @@ def make_train_step(
     return value
 
   return functools.wraps(loss_fn)(step)
+
+
+def _check_train_step(optimizer: Any, value_and_grad_kwargs: dict[str, Any]) -> None:
+  """Refuses what :func:`make_train_step` does not take: an optimizer that
+  is not an ``nnx.Optimizer``, or one with a float16 loss scale, and
+  ``clip_record=True``."""
+  if not isinstance(optimizer, flax_nnx.Optimizer):
+    raise TypeError(
+      "jaxaccum.nnx.make_train_step takes an nnx.Optimizer, got "
+      f"{type(optimizer).__name__}; for an optax transformation and a pytree of "
+      "parameters use jaxaccum.make_train_step."
+    )
+  if _opt_state.find_loss_scale(optimizer.opt_state) is not None:
+    raise ValueError(
+      "jaxaccum.nnx.make_train_step does not apply a float16 loss scale; "
+      "jaxaccum.make_train_step does: run it on the arrays of "
+      "nnx.split(model, nnx.Param, ...), or train in bfloat16 or float32."
+    )
+  if value_and_grad_kwargs.get("clip_record"):
+    raise ValueError(
+      "jaxaccum.nnx.make_train_step hands its optimizer the clip record "
+      "itself; clip_record=True is for jaxaccum.value_and_grad and grad."
+    )
 
 
 def _running_average_warning(run: Any) -> Callable[[Any, tuple[Any, ...]], None]:

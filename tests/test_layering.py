@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxaccum"
 
 FEATURES = ("_parallel", "_privacy", "_optim", "_pipeline")
 ENTRIES = ("_value_and_grad", "_train_step")
-TOP = ("_inspect", "testing", "nnx", "__init__")
+TOP = ("_inspect", "testing", "nnx", "_nnx_objects", "__init__")
 
 
 def module_name(path):

@@ -185,9 +185,9 @@ def threaded_loop(fun, w, batch, state):
   return jnp.mean(jnp.stack(values)), jnp.mean(jnp.stack(all_grads), 0), state
 
 
-# mutmut: _engine._unpack_state
+# mutmut: _micro._unpack_state
 def test_state_aux_that_is_not_a_pair_is_a_clear_error():
-  """_engine._unpack_state: a triple accepted (`and` -> `or`), the message."""
+  """_micro._unpack_state: a triple accepted (`and` -> `or`), the message."""
 
   def three(w, batch, state):
     return mse(w, batch), (None, state, "extra")
@@ -201,9 +201,9 @@ def test_state_aux_that_is_not_a_pair_is_a_clear_error():
     )
 
 
-# mutmut: _engine._match_state
+# mutmut: _micro._match_state
 def test_new_state_of_another_structure_is_a_clear_error():
-  """_engine._match_state: the message."""
+  """_micro._match_state: the message."""
 
   def grows(w, batch, state):
     return mse(w, batch), (None, {**state, "extra": state["n"]})
@@ -281,9 +281,9 @@ def feature_means(w, batch, state):
   return mse(w, batch), (None, new_state)
 
 
-# mutmut: _engine._match_state
+# mutmut: _micro._match_state
 def test_state_with_vector_leaves_is_threaded():
-  """_engine._match_state: the shape check given None."""
+  """_micro._match_state: the shape check given None."""
   w, batch = small_problem()
   state = jnp.linspace(-1.0, 1.0, SMALL_F)
   (value, (_, final)), grads = jaxaccum.value_and_grad(

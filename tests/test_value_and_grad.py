@@ -252,7 +252,7 @@ def meta_gradient(remat, k=4):
   return jax.grad(penalty)
 
 
-# mutmut: _engine.Engine.micro_step
+# mutmut: _micro.Micro.step
 @pytest.mark.slow
 def test_a_remat_policy_decides_what_is_saved_for_the_outer_backward_pass():
   """The policy dropped (remat=policy treated as remat=True), or remat

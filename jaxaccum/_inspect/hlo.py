@@ -3,7 +3,7 @@ collectives a step runs.
 
 The one parser of XLA's HLO text in jaxaccum: :mod:`jaxaccum.testing`
 re-exports what users need (:func:`collectives`, :func:`bytes_communicated`,
-:func:`replica_groups`), :mod:`jaxaccum._inspect.memory` counts a planned step's
+:func:`replica_groups`), :mod:`jaxaccum._inspect.planner` counts a planned step's
 bytes with it, and :mod:`jaxaccum._inspect.agreement` follows values through it to
 find decisions that could differ between devices.
 """

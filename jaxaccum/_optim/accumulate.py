@@ -346,8 +346,7 @@ def accumulate(
   _every_k.check(every_k)
   _normalize.check_accum_dtype(accum_dtype)
   _rules.check_combine(combine)
-  auto = _autopilot.is_auto(every_k)
-  noise_stats = noise_stats or auto  # the autopilot steers by the noise
+  noise_stats = noise_stats or _autopilot.is_auto(every_k)  # it steers by noise
   warned: list[bool] = []  # one ClipWithoutNoiseWarning per accumulate()
 
   def init_fn(params):
@@ -356,44 +355,20 @@ def accumulate(
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
     _check_state(state)
     noise_config = _privacy.find_noise(state.inner_state)
-    grads, record = _privacy.accumulated_record(
-      grads, extra_args.pop("clip_record", None), noise_config, weight is not None
-    )
-    if record is not None and noise_config is None and not warned:
-      warned.append(True)
-      _privacy.warn_without_noise(
-        "accumulate() was given a jaxaccum.ClipRecord, a clipped sum, but its "
-        "inner optimizer holds no jaxaccum.dp_noise: each window's update is "
-        "not private (accumulate(optax.chain(jaxaccum.dp_noise(...), ...), k) "
-        "adds the noise once per window).",
-        stacklevel=3,
-      )
-    if weight is None and record is not None:
-      weight = record.examples
-    weight = _check_update_args(grads, state, weight)
     rules = _rules.rules(combine, grads)
-    if noise_config is not None and record is not None:
-      _privacy.take(record, state)  # every check passed: the record is taken once
-    public = noise_config is not None and noise_config.public_denominator is not None
-    scale = state.loss_scale
-    summand = grads if scale is None else scale.unscale(grads)
-    added = summand
-    if scale is None and record is not None and record.normalize == "sum":
-      # A clipped sum is added as the step formed it, in the accumulator's
-      # dtype: its copy in the parameters' dtype (bfloat16) is rounded.
-      added = _privacy.clipped_sum_of(record)
-    window = _add_micro_batch(
+    summand, window = _micro_batch(
+      grads,
       state,
-      added,
       weight,
-      drop_nonfinite=skip_nonfinite or scale is not None,
+      clip_record=extra_args.pop("clip_record", None),
+      noise_config=noise_config,
+      warned=warned,
+      skip_nonfinite=skip_nonfinite,
       noise_stats=noise_stats,
-      weight_decides=not public,
       rules=rules,
     )
-    micro_step = state.micro_step + 1
-    done = (micro_step >= state.window_size) | jnp.asarray(flush)
-    apply = _applies(done, window, noise_config, scale)
+    done = (state.micro_step + 1 >= state.window_size) | jnp.asarray(flush)
+    apply = _applies(done, window, noise_config, state.loss_scale)
     inner_update = _inner_update(
       inner,
       every_k,
@@ -417,6 +392,62 @@ def accumulate(
     return updates, new_state._replace(window_size=window_size, autopilot=autopilot)
 
   return _partitioning(init_fn, update_fn)
+
+
+def _micro_batch(
+  grads: PyTree,
+  state: AccumulateState,
+  weight: Any,
+  *,
+  clip_record: Any,
+  noise_config: Any,
+  warned: list[bool],
+  skip_nonfinite: bool,
+  noise_stats: bool,
+  rules: Any,
+) -> tuple[PyTree, _Window]:
+  """``(summand, window)``: one ``update`` call's gradient (unscaled by the
+  loss scale), and the window after it joined (:func:`_add_micro_batch`).
+  What joins the window's sum is that gradient, or a
+  :class:`jaxaccum.ClipRecord`'s clipped sum as the step formed it, at
+  its weight (by default the record's examples), checked. A record is
+  taken once every check passed; one fed without ``dp_noise`` in ``inner``
+  warns, once per :func:`accumulate` (``warned``)."""
+  grads, record = _privacy.accumulated_record(
+    grads, clip_record, noise_config, weight is not None
+  )
+  if record is not None and noise_config is None and not warned:
+    warned.append(True)
+    _privacy.warn_without_noise(
+      "accumulate() was given a jaxaccum.ClipRecord, a clipped sum, but its "
+      "inner optimizer holds no jaxaccum.dp_noise: each window's update is "
+      "not private (accumulate(optax.chain(jaxaccum.dp_noise(...), ...), k) "
+      "adds the noise once per window).",
+      stacklevel=4,
+    )
+  if weight is None and record is not None:
+    weight = record.examples
+  weight = _check_update_args(grads, state, weight)
+  if noise_config is not None and record is not None:
+    _privacy.take(record, state)  # every check passed: the record is taken once
+  scale = state.loss_scale
+  summand = grads if scale is None else scale.unscale(grads)
+  added = summand
+  if scale is None and record is not None and record.normalize == "sum":
+    # A clipped sum is added as the step formed it, in the accumulator's
+    # dtype: its copy in the parameters' dtype (bfloat16) is rounded.
+    added = _privacy.clipped_sum_of(record)
+  public = noise_config is not None and noise_config.public_denominator is not None
+  window = _add_micro_batch(
+    state,
+    added,
+    weight,
+    drop_nonfinite=skip_nonfinite or scale is not None,
+    noise_stats=noise_stats,
+    weight_decides=not public,
+    rules=rules,
+  )
+  return summand, window
 
 
 def _applies(done: jax.Array, window: Any, noise_config: Any, scale: Any) -> jax.Array:

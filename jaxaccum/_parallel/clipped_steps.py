@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _engine
+from jaxaccum import _micro
 
 if TYPE_CHECKING:
   from jaxaccum._parallel.device_view import DeviceStep
@@ -33,7 +33,7 @@ def clipped_micro_step(
   step on every device, each device's clipped sum its own (every leaf a
   copy per device, see :func:`jaxaccum._parallel.placement.for_mesh`)."""
   devices = step.devices
-  base = step.engine.micro_step(
+  base = step.engine.micro.step(
     args, kwargs, step.split, devices.count * step.split.num_micro_batches, rows
   )
   per_device = devices.nested_vmap(
@@ -63,7 +63,7 @@ def ghost_micro_step(
   devices = step.devices
   k = step.split.num_micro_batches
   loss = step.explained(
-    step.engine.ghost_loss(args, kwargs, step.split, devices.count * k), args
+    step.engine.micro.ghost_loss(args, kwargs, step.split, devices.count * k), args
   )
   per_device = devices.nested_vmap(
     loss, step.placements, o.state_argnum is not None, pairs=True
@@ -83,6 +83,6 @@ def ghost_micro_step(
     (_, (out, some)), grads = jax.value_and_grad(total, has_aux=True)(masters)
     losses, (weights, aux, new_state) = jax.tree.map(devices.flatten, out)
     grads = o.rule.kept_only(grads, jnp.any(some), o.accum_dtype)
-    return _engine.MicroOut(losses, weights, aux, new_state, None), grads
+    return _micro.MicroOut(losses, weights, aux, new_state, None), grads
 
-  return step.engine.rematerialized(ghost)
+  return step.engine.micro.rematerialized(ghost)

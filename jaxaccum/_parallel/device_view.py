@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _accumulator, _compat, _engine, _split, _tree
+from jaxaccum import _accumulator, _compat, _engine, _micro, _split, _tree
 from jaxaccum._engine import Engine
 from jaxaccum._parallel import clipped_steps as _clipped
 from jaxaccum._parallel import devices as _devices
@@ -152,13 +152,13 @@ class DeviceStep(Step):
     if o.rule is not None:
       return _clipped.clipped_micro_step(self, args, kwargs, offsets, rows)
     loss = self.explained(
-      self.engine.micro_loss(args, kwargs, self.split, self.devices.count * k), args
+      self.engine.micro.loss(args, kwargs, self.split, self.devices.count * k), args
     )
     per_device = self.devices.nested_vmap(
       loss, self.placements, o.state_argnum is not None
     )
     diff = tuple(args[n] for n in o.argnums)
-    scale = self.engine.seed(diff, self.devices.count * k)
+    scale = self.engine.micro.seed(diff, self.devices.count * k)
 
     def step(diff_args, micro, index, state):
       diff_args, micro, state = self.device_inputs(diff_args, micro, index, state)
@@ -182,9 +182,9 @@ class DeviceStep(Step):
       (grads,) = backward(seed)
       losses, weights, aux, new_state = jax.tree.map(self.devices.flatten, out)
       noise = self._noise(grads, weights, rows) if o.noise_stats else None
-      return _engine.MicroOut(losses, weights, aux, new_state, noise), grads
+      return _micro.MicroOut(losses, weights, aux, new_state, noise), grads
 
-    return self.engine.rematerialized(step)
+    return self.engine.micro.rematerialized(step)
 
   def device_inputs(
     self, diff_args: PyTree, micro: PyTree, index: jax.Array, state: PyTree
@@ -215,9 +215,9 @@ class DeviceStep(Step):
     if not self.shared:
       flat = jax.tree.leaves(self.map(self.devices.flat_copies, grads))
       sq = jax.vmap(lambda *g: _tree.sq_norm(g))(*flat)
-      return _engine.noise_terms(o, sq, weights, rows)
+      return _micro.noise_terms(o, sq, weights, rows)
     summed = self.map(lambda g, p: jnp.sum(g, axis=tuple(range(len(p.copies)))), grads)
-    _, divisors, examples = _engine.noise_terms(o, weights, weights, rows)
+    _, divisors, examples = _micro.noise_terms(o, weights, weights, rows)
     ones = jnp.ones_like(weights)
     return (
       _tree.sq_norm(summed)[None],

@@ -104,7 +104,7 @@ class Step:
     engine's micro step on the global micro-batch, the leaves held
     (:meth:`hold`) on entry."""
     split = self.split
-    base = self.engine.micro_step(
+    base = self.engine.micro.step(
       args, kwargs, split, split.num_micro_batches, split.micro_batch_size
     )
 

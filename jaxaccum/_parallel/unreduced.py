@@ -141,7 +141,7 @@ def reducible(
   # fun's own uses, probed without the exact plan's objective (which traces
   # fun apart to find its sums, out of the probe's sight)
   plain = dataclasses.replace(evaluated, exact=None)
-  loss = plain.micro_loss(args, kwargs, split, split.num_micro_batches)
+  loss = plain.micro.loss(args, kwargs, split, split.num_micro_batches)
   m = split.micro_batch_size
 
   def probe(x):

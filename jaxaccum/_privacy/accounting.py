@@ -93,23 +93,7 @@ def dp_epsilon(
       "dp_epsilon needs Google's dp-accounting package: "
       "pip install 'jaxaccum[dp]' (or pip install dp-accounting)."
     ) from None
-  check_number("sampling_rate", sampling_rate)
-  if not 0 < sampling_rate <= 1:
-    raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate=}.")
-  check_number("noise_multiplier", noise_multiplier)
-  if not noise_multiplier >= 0:
-    raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier=}.")
-  if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-    raise ValueError(
-      f"steps must be an integer >= 1, the noise draws so far, got {steps=}: "
-      "before the first step nothing was released and there is no epsilon to "
-      "report."
-    )
-  check_number("delta", delta)
-  if not 0 < delta < 1:
-    raise ValueError(f"delta must be in (0, 1), got {delta=}.")
-  if sampling not in SAMPLINGS:
-    raise ValueError(f"Unknown {sampling=}; choose one of {list(SAMPLINGS)}.")
+  _check_arguments(sampling_rate, noise_multiplier, steps, delta, sampling)
   if accountant is None:
     accountant = "pld" if sampling == "poisson" else "rdp"
   if accountant not in ACCOUNTANTS:
@@ -141,6 +125,30 @@ def dp_epsilon(
     counter = dp_accounting.rdp.RdpAccountant()
   counter.compose(dp_accounting.SelfComposedDpEvent(event, int(steps)))
   return float(counter.get_epsilon(float(delta)))
+
+
+def _check_arguments(
+  sampling_rate: float, noise_multiplier: float, steps: int, delta: float, sampling: str
+) -> None:
+  """Raises for an argument of :func:`dp_epsilon` out of its range, in the
+  order of its signature."""
+  check_number("sampling_rate", sampling_rate)
+  if not 0 < sampling_rate <= 1:
+    raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate=}.")
+  check_number("noise_multiplier", noise_multiplier)
+  if not noise_multiplier >= 0:
+    raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier=}.")
+  if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+    raise ValueError(
+      f"steps must be an integer >= 1, the noise draws so far, got {steps=}: "
+      "before the first step nothing was released and there is no epsilon to "
+      "report."
+    )
+  check_number("delta", delta)
+  if not 0 < delta < 1:
+    raise ValueError(f"delta must be in (0, 1), got {delta=}.")
+  if sampling not in SAMPLINGS:
+    raise ValueError(f"Unknown {sampling=}; choose one of {list(SAMPLINGS)}.")
 
 
 def _without_replacement(

@@ -368,16 +368,9 @@ def dp_noise(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def noise_config(
-  noise_multiplier: Any,
-  clip_norm: Any,
-  key: Any,
-  normalize: Any,
-  expected_batch_size: Any,
-  *,
-  expected_weight: Any = None,
-) -> NoiseConfig:
-  """:func:`dp_noise`'s arguments, checked."""
+def _check_key(key: Any) -> None:
+  """Raises unless ``key`` is one PRNG key: ``dp_noise``'s randomness is
+  the caller's."""
   if key is None:
     raise ValueError(
       "dp_noise needs a key: the noise must come from randomness you pass, "
@@ -389,6 +382,19 @@ def noise_config(
       "dp_noise's key must be one PRNG key, jax.random.key(seed) (or a raw "
       f"jax.random.PRNGKey(seed)), got {describe(key)}."
     )
+
+
+def noise_config(
+  noise_multiplier: Any,
+  clip_norm: Any,
+  key: Any,
+  normalize: Any,
+  expected_batch_size: Any,
+  *,
+  expected_weight: Any = None,
+) -> NoiseConfig:
+  """:func:`dp_noise`'s arguments, checked."""
+  _check_key(key)
   check_number("noise_multiplier", noise_multiplier)
   if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
     raise ValueError(

@@ -246,7 +246,7 @@ def weighted_loss(
     present=present,
     clip_norm=clip_norm,
   )
-  factor, kept, (losses, rest) = first.factor, first.kept, first.out
+  kept, (losses, rest) = first.kept, first.out
   wide = leaves if masters is None else jax.tree.leaves(masters)
   if _rounds(traced, leaves, wide):
     sums = kept_sums(traced, first, wide)
@@ -255,20 +255,33 @@ def weighted_loss(
       start=jnp.zeros((), jnp.float32),
     )
     return Weighted(total, losses, rest, kept)
-  # The second pass runs fun again (the first pass's activations are dead by
-  # then: the peak is one pass's), on rows where each row not kept is
-  # replaced by a kept one: its weight 0 then multiplies finite numbers.
-  # Where no row is kept, a row with a finite norm stands in; where there is
-  # none, zeros do (a device of a data axis whose rows all failed still adds
-  # its zero to the leaves it shares with the others).
+  total = _second_pass(per_example, first, batch_leaves, shared, wide)
+  return Weighted(total, losses, rest, kept)
+
+
+def _second_pass(
+  per_example: Callable[..., Any],
+  first: _FirstPass,
+  batch_leaves: list[Any],
+  shared: list[Any],
+  wide: Any,
+) -> jax.Array:
+  """The objective whose gradient with respect to ``wide`` is the clipped
+  sum: each row's loss weighted by the first pass's ``factor``.
+
+  The second pass runs fun again (the first pass's activations are dead by
+  then: the peak is one pass's), on rows where each row not kept is
+  replaced by a kept one: its weight 0 then multiplies finite numbers.
+  Where no row is kept, a row with a finite norm stands in; where there is
+  none, zeros do (a device of a data axis whose rows all failed still adds
+  its zero to the leaves it shares with the others)."""
   batch = [
     _usable_rows(_take_rows(x, first.stand_in), first.usable) for x in batch_leaves
   ]
   again = jax.vmap(lambda p, b: per_example(p, b, shared)[0], in_axes=(None, 0))(
     wide, batch
   )
-  total = jnp.sum(again * factor.astype(again.dtype))
-  return Weighted(total, losses, rest, kept)
+  return jnp.sum(again * first.factor.astype(again.dtype))
 
 
 def masters(diff: PyTree, accum_dtype: Any) -> PyTree:
@@ -427,7 +440,7 @@ def _rows_like_batch(x: jax.Array, batch_leaves: list[Any]) -> jax.Array:
 def _one_row(x: jax.Array) -> jax.ShapeDtypeStruct:
   """The type of one of ``x``'s rows: its sharding along the other
   dimensions kept (the rows' axes are ``vmap``'s), as ``vmap`` types it."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
+  sharding: Any = getattr(jax.typeof(x), "sharding", None)
   if _compat.explicit_spec(x) is not None:
     spec = sharding.spec
     sharding = sharding.update(spec=spec.update(partitions=tuple(spec)[1:]))
