@@ -324,9 +324,11 @@ def loss_fn(model: CharTransformer, batch: dict[str, jax.Array]):
 def token_mean(model: CharTransformer, batch: dict[str, jax.Array]):
   """The token mean of ``batch``: the loss to use without jaxaccum.
 
-  On the whole batch it is the reference. Taken per micro-batch and averaged
-  (``normalize="mean"``), it is the naive "mean of micro-batch means", which
-  weighs a token in a short micro-batch more than one in a long micro-batch.
+  On the whole batch it is the reference (and jaxaccum's default reads it,
+  unchanged, as the ratio of two sums: exact). Taken per micro-batch and
+  averaged, as optax.MultiSteps or a hand-written loop would, it is the
+  naive "mean of micro-batch means", which weighs a token in a short
+  micro-batch more than one in a long micro-batch.
   """
   loss_sum, count = loss_fn(model, batch)
   return loss_sum / count
@@ -365,7 +367,8 @@ def make_comparison(num_micro_batches: int, rtol: float = 1e-5):
 
   - jaxaccum, ``normalize="weighted"`` over ``num_micro_batches``;
   - the reference: ``nnx.value_and_grad`` of the token mean of the whole batch;
-  - the naive mean of micro-batch means (jaxaccum's ``normalize="mean"``).
+  - the naive mean of micro-batch means (each micro-batch's token mean at
+    weight 1, ``normalize="weighted"``).
 
   It raises if jaxaccum differs from the reference by more than float32
   rounding, ``rtol`` of each leaf's largest magnitude. It returns a dict:
@@ -377,7 +380,11 @@ def make_comparison(num_micro_batches: int, rtol: float = 1e-5):
   accumulated = jaxaccum.nnx.value_and_grad(
     loss_fn, num_micro_batches, normalize="weighted"
   )
-  naive = jaxaccum.nnx.value_and_grad(token_mean, num_micro_batches)
+  naive = jaxaccum.nnx.value_and_grad(
+    lambda model, batch: (token_mean(model, batch), 1.0),
+    num_micro_batches,
+    normalize="weighted",
+  )
   full = nnx.value_and_grad(token_mean)
 
   @nnx.jit  # one compiled function for all three: compiling is the slow part

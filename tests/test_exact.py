@@ -50,17 +50,17 @@ def lm_loss(model, batch):
   return jnp.sum(token_loss * mask[:, 1:]) / jnp.sum(mask[:, 1:])
 
 
-def micro_mean(fun, args, batch_at=1):
-  """The mean of the micro-batches' values and gradients: the answer the
-  default gave before it was exact (the reference of what is wrong)."""
+def micro_mean(fun, args, batch_at=1, k=K):
+  """The mean of the ``k`` micro-batches' values and gradients: the answer
+  the default gave before it was exact (the reference of what is wrong)."""
   batch = args[batch_at]
   outs = []
-  for i in range(K):
-    part = jax.tree.map(lambda x, i=i: x.reshape(K, -1, *x.shape[1:])[i], batch)
+  for i in range(k):
+    part = jax.tree.map(lambda x, i=i: x.reshape(k, -1, *x.shape[1:])[i], batch)
     call = list(args)
     call[batch_at] = part
     outs.append(fun(*call))
-  return jax.tree.map(lambda *x: sum(x) / K, *outs)
+  return jax.tree.map(lambda *x: sum(x) / k, *outs)
 
 
 def relative(a, b):

@@ -1,5 +1,5 @@
-"""Exact by default on the data-parallel paths: ``mesh=`` in either view and
-plain ``jit`` on an Explicit mesh give the full batch's value and gradient
+"""Exact by default on the data-parallel paths where ``fun`` sees the global
+batch: ``mesh=`` with ``view="global"`` and plain ``jit`` on a sharded batch give the full batch's value and gradient
 for a loss built from sums over its rows, unchanged, as one device does
 (``tests/test_exact.py``), with the batch's rows sharded over 8 devices.
 Under plain ``jit`` the sums stay ``unreduced`` through the loop: no
@@ -19,7 +19,7 @@ from tests.test_exact import V, micro_mean, params, relative, tokens_and_mask
 pytestmark = pytest.mark.filterwarnings("error")  # no fallback, no warning
 
 K = 2
-PATHS = ("mesh=, view='device'", "mesh=, view='global'", "plain jit")
+PATHS = ("mesh=, view='global'", "plain jit")
 
 
 def head(w, tok):
@@ -101,3 +101,15 @@ def test_plain_jit_reduces_no_gradient_inside_the_loop():
   grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(w))
   after = [c for c in testing.collectives(text) if not c.in_loop]
   assert sum(c.bytes for c in after) >= grad_bytes, after
+
+
+def test_the_per_device_view_keeps_the_mean_of_micro_batch_means():
+  """view="device" (mesh='s default): fun sees one device's rows, and its
+  loss is not read on the whole batch (docs/guide.md): the mean of the
+  D * k micro-batches' means, as before."""
+  loss, m = LOSSES["sum / max(count, 1)"], mesh(AxisType.Auto)
+  w, batch = placed(m)
+  with jax.set_mesh(m):
+    got = step(loss, "mesh=, view='device'", m)(w, batch)
+  want = micro_mean(jax.value_and_grad(loss), (params(), tokens_and_mask(1)), k=8 * K)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)

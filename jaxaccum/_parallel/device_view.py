@@ -89,7 +89,13 @@ def step(
 
 
 class DeviceStep(Step):
-  """One traced step of the per-device view (module docstring)."""
+  """One traced step of the per-device view (module docstring). ``fun``
+  sees one device's rows here, so its loss is not read on the whole batch
+  (a constraint or a shape of ``fun``'s may hold for a device's rows only):
+  each micro-batch's mean weighs the same, as before exactness by default
+  (``view="global"`` and plain ``jit`` read it)."""
+
+  reads_the_loss = False
 
   def __init__(
     self,

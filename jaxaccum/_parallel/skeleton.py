@@ -52,6 +52,11 @@ class Step:
     self.placements = tuple(placements)
     self.split = split
 
+  #: Whether the loss is read as a function of sums over rows, and made
+  #: exact (:meth:`jaxaccum._engine.Engine.made_exact`): where ``fun`` sees
+  #: the global batch, as the read does.
+  reads_the_loss = True
+
   def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _engine.Result:
     diff_args = tuple(args[n] for n in self.options.argnums)
     paths = [
@@ -61,8 +66,9 @@ class Step:
     self.placements = _placement.combined(
       self.placements, self.engine.rules(diff_args), paths
     )
-    seen = as_fun_sees(args, self.options, self.placements)
-    self.engine = self.engine.made_exact(seen, kwargs, self.split)
+    if self.reads_the_loss:
+      seen = as_fun_sees(args, self.options, self.placements)
+      self.engine = self.engine.made_exact(seen, kwargs, self.split)
     placed = self.place(args)
     sums = self.loop(placed, kwargs)
     return self.reduce(sums, args)
