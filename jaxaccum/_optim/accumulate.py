@@ -355,7 +355,7 @@ def accumulate(
   def update_fn(grads, state, params=None, *, weight=None, flush=False, **extra_args):
     _check_state(state)
     noise_config = _privacy.find_noise(state.inner_state)
-    rules = _rules.rules(combine, grads)
+    rules = _rules.rules(combine, _privacy.gradient_of(grads))
     summand, window = _micro_batch(
       grads,
       state,

@@ -37,6 +37,7 @@ from jaxaccum._privacy.noise import accumulated_record as accumulated_record
 from jaxaccum._privacy.noise import check_noise_matches as check_noise_matches
 from jaxaccum._privacy.noise import dp_noise as dp_noise
 from jaxaccum._privacy.noise import find_noise as find_noise
+from jaxaccum._privacy.noise import gradient_of as gradient_of
 from jaxaccum._privacy.noise import noise_config as noise_config
 from jaxaccum._privacy.noise import warn_without_noise as warn_without_noise
 from jaxaccum._privacy.options import ClipPerExample as ClipPerExample

@@ -142,6 +142,12 @@ def check_received(grads: PyTree, record: Any, config: NoiseConfig) -> ClipRecor
   return record
 
 
+def gradient_of(grads: Any) -> PyTree:
+  """The gradient that :func:`jaxaccum.accumulate` is given: ``grads``, or
+  a :class:`ClipRecord`'s own, given in its place."""
+  return grads.grads if isinstance(grads, ClipRecord) else grads
+
+
 def accumulated_record(
   grads: Any, record: Any, config: NoiseConfig | None, weight_given: bool = False
 ) -> tuple[PyTree, ClipRecord | None]:
