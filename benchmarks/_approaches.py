@@ -74,6 +74,18 @@ def compiled_stats(jitted: Any, *args: Any) -> dict[str, Any]:
   return stats
 
 
+def bound_terms(params: PyTree, batch: PyTree, k: int) -> tuple[PyTree, int, int]:
+  """The memory bound's terms beside the micro step's peak: the ``B / k`` rows'
+  shapes, a float32 accumulator's bytes, the other ``B - B / k`` rows' bytes."""
+  size = jax.tree.leaves(batch)[0].shape[0]
+  micro = size // k
+  micro_batch = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((micro, *x.shape[1:]), x.dtype), batch
+  )
+  rest = tree_bytes(batch) * (size - micro) // size
+  return micro_batch, tree_bytes(params, jnp.float32), rest
+
+
 def split_micro_batches(batch: PyTree, k: int) -> list[PyTree]:
   """The ``k`` contiguous micro-batches of ``batch``, as separate arrays."""
   size = jax.tree.leaves(batch)[0].shape[0] // k

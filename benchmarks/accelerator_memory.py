@@ -41,7 +41,6 @@ import _compile
 import _models
 import _paths
 import jax
-import jax.numpy as jnp
 import jaxlib
 import optax
 from _report import command_line, date, k_axis, mib, pyplot, ratio, table
@@ -145,9 +144,7 @@ def measure_row(
   size = model.batch_size
   micro = size // k
   batch_bytes = _approaches.tree_bytes(batch)
-  micro_batch = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct((micro, *x.shape[1:]), x.dtype), batch
-  )
+  micro_batch, accumulator, rest = _approaches.bound_terms(params, batch, k)
   full_step = _approaches.full_batch_step(model.loss, tx)
   accum_step = _approaches.JaxAccum(model, tx, k).fn
   on_host = target.place(batch, memory_kind="pinned_host")
@@ -166,8 +163,6 @@ def measure_row(
       _approaches.OptaxMicrobatch(model, tx, k).fn, (params, state, batch), target
     ),
   }
-  accumulator = _approaches.tree_bytes(params, jnp.float32)
-  rest = batch_bytes * (size - micro) // size
   micro_peak = results["micro_step"]["peak"]
   row = {
     "target": target.name,
@@ -618,7 +613,7 @@ def measure_fp8(preset: str) -> dict[str, Any]:
   tx = optax.adam(1e-3)
   state = jax.eval_shape(tx.init, variables["params"])
   size, k = batch.shape[0], FP8_K
-  micro = jax.ShapeDtypeStruct((size // k, *batch.shape[1:]), batch.dtype)
+  micro, accumulator, rest = _approaches.bound_terms(variables, batch, k)
   full = fp8_full_step(loss, tx)
   target = jaxaccum.compile_target("h100")
   steps = {
@@ -630,11 +625,7 @@ def measure_fp8(preset: str) -> dict[str, Any]:
     name: measure(s, (variables, state, b), target)["peak"]
     for name, (s, b) in steps.items()
   }
-  batch_bytes = _approaches.tree_bytes(batch)
-  accumulator = _approaches.tree_bytes(variables, jnp.float32)
-  row["bound"] = (
-    row["micro_peak"] + accumulator + batch_bytes * (size - size // k) // size
-  )
+  row["bound"] = row["micro_peak"] + accumulator + rest
   row.update(
     target="h100", k=k, batch_size=size, seq_len=cfg.seq_len, layers=cfg.num_layers
   )

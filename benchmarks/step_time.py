@@ -43,8 +43,6 @@ import numpy as np
 import optax
 from _report import (
   aa_decides,
-  aa_note,
-  capital,
   command_line,
   cpu_model,
   date,
@@ -257,11 +255,7 @@ def memory_bound(
   """jaxaccum's memory bound for ``k`` micro-batches: the full-batch step
   compiled at ``B / k`` rows, plus one float32 accumulator the size of the
   parameters, plus the other ``B - B / k`` rows of the batch."""
-  batch_size = model.batch_size
-  micro = batch_size // k
-  micro_batch = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct((micro, *x.shape[1:]), x.dtype), model.batch
-  )
+  micro_batch, accumulator, rest = _approaches.bound_terms(model.params, model.batch, k)
   step = _approaches.full_batch_step(model.loss, tx)
   micro_step = _approaches.compiled_stats(
     step,
@@ -269,8 +263,6 @@ def memory_bound(
     _approaches.shape_of(tx.init(model.params)),
     micro_batch,
   )
-  accumulator = _approaches.tree_bytes(model.params, jnp.float32)
-  rest = _approaches.tree_bytes(model.batch) * (batch_size - micro) // batch_size
   return {
     "micro_step_peak_bytes": micro_step["peak_bytes"],
     "accumulator_bytes": accumulator,
@@ -521,7 +513,6 @@ def _step_time_table(results: dict[str, Any], model: str) -> str:
     f"({format_bytes(entry['batch_bytes'])}), {entry['num_params']:,} parameters "
     f"({format_bytes(entry['param_bytes'])})"
   )
-  has_aa = any("aa_ratio" in c for c in configs)
   rows = []
   for c in configs:
     res = c["approaches"]
@@ -537,7 +528,7 @@ def _step_time_table(results: dict[str, Any], model: str) -> str:
       [
         c["k"],
         *cells,
-        *([ratio(c.get("aa_ratio"))] if has_aa else []),
+        ratio(c["aa_ratio"]),
         ratio(peak / full["peak_bytes"]),
         ratio(c["jaxaccum_memory_bound"]["jaxaccum_peak_over_bound"]),
         ratio(peak / res["optax_microbatch"]["peak_bytes"]),
@@ -547,16 +538,13 @@ def _step_time_table(results: dict[str, Any], model: str) -> str:
   header = [
     "k",
     *(labels[key] for key in STEP_TIME_COLUMNS),
-    *(["A/A"] if has_aa else []),
+    "A/A",
     "jaxaccum peak / full",
     "/ bound",
     "/ microbatch",
     "correct",
   ]
-  text = head + "\n\n" + table(header, rows)
-  if not has_aa:
-    text += f"\n\n_{capital(aa_note(None))}: its time targets are undecided._"
-  return text
+  return head + "\n\n" + table(header, rows)
 
 
 def step_time_targets(results: dict[str, Any]) -> str:
