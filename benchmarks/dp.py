@@ -964,8 +964,6 @@ def memory_table(results: dict[str, Any]) -> str:
 
 
 def _range(r: dict[str, Any], key: str) -> str:
-  if key not in r:  # a JSON from before the ghost timing
-    return "–"
   spread = r["aa_spread" if key == "aa_ratio" else f"{key}_spread"]
   return f"{r[key]:.2f}× ({spread[0]:.2f}–{spread[1]:.2f})"
 
@@ -979,8 +977,6 @@ def _decided(r: dict[str, Any], verdict: str) -> str:
 def _ghost_speed(r: dict[str, Any]) -> str:
   """Ghost against ``"vmap"`` at one k: slower or faster by more than 3%, or
   the same."""
-  if "ghost_ratio" not in r:
-    return "–"
   x, tolerance = r["ghost_ratio"], _report.AA_TOLERANCE
   return "slower" if x > 1 + tolerance else "faster" if x < 1 - tolerance else "same"
 
@@ -996,23 +992,21 @@ def time_table(results: dict[str, Any]) -> str:
       return "MLP: " + " → ".join(map(str, m["widths"]))
     return "`cpu` preset's transformer: " + _transformer(m)
 
-  def load(t: dict[str, Any]) -> str:
-    load = t.get("load_average")
-    return f"{load[0]:.1f} / {load[1]:.1f}" if load else "–"
-
   run = {
     "model": lambda x: model(x[1]),
-    "parameters": lambda x: f"{x[1].get('num_params', 0) / 1e3:,.0f}k",
+    "parameters": lambda x: f"{x[1]['num_params'] / 1e3:,.0f}k",
     "logical batch": lambda x: x[1]["batch_size"],
     "rounds": lambda x: x[1]["rounds"],
     "steps a sample": lambda x: x[1]["repeats"],
     "machine": lambda x: results["machine"],
-    "load average, start / end": lambda x: load(x[1]),
+    "load average, start / end": lambda x: "{:.1f} / {:.1f}".format(
+      *x[1]["load_average"]
+    ),
     "jax": lambda x: results["versions"]["jax"],
     "jax-privacy": lambda x: results["versions"]["jax-privacy"],
   }
   rows = [(name, r) for name, t in models.items() for r in t["rows"]]
-  ms = lambda r, key: _report.ms(r["ms"][key]) if key in r["ms"] else "–"  # noqa: E731
+  ms = lambda r, key: _report.ms(r["ms"][key])  # noqa: E731
   goal = lambda r: "met" if r["ratio"] >= 1 else "missed"  # noqa: E731
   times = {
     "model": lambda x: x[0],
