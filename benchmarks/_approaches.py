@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from _models import Model
 
@@ -84,6 +85,14 @@ def bound_terms(params: PyTree, batch: PyTree, k: int) -> tuple[PyTree, int, int
   )
   rest = tree_bytes(batch) * (size - micro) // size
   return micro_batch, tree_bytes(params, jnp.float32), rest
+
+
+def max_rel_error(got: PyTree, want: PyTree) -> float:
+  """The largest over the leaves of two trees of ``max|got - want| / max|want|``."""
+  return max(
+    float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(w)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+  )
 
 
 def split_micro_batches(batch: PyTree, k: int) -> list[PyTree]:

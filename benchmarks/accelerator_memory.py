@@ -433,13 +433,9 @@ def accelerator_memory_summary(results: dict[str, Any]) -> str:
   return table(["target", "check", "passed", "missed"], rows)
 
 
-def kib(n: float) -> str:
-  return f"{n / 2**10:,.0f}"
-
-
 def size(n: float) -> str:
   """``n`` bytes in KiB, or in MiB from 16 MiB on."""
-  return f"{mib(n)} MiB" if abs(n) >= 16 * 2**20 else f"{kib(n)} KiB"
+  return f"{mib(n)} MiB" if abs(n) >= 16 * 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 def _sweep_row(sweep: dict[str, Any] | None, model: str, k: int) -> Any:

@@ -240,15 +240,6 @@ def make_approach(
   raise ValueError(f"unknown approach {name!r}")
 
 
-def max_rel_error(got: PyTree, want: PyTree) -> float:
-  """Largest ``|got - want| / max|want|`` over the leaves of two trees."""
-  errors = [
-    float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(w)))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-  ]
-  return max(errors)
-
-
 def xla_flops(compiled: Any) -> float:
   """Per-device flops of a compiled function, XLA's count (loop bodies once)."""
   analysis = compiled.cost_analysis()
@@ -340,8 +331,8 @@ def accuracy(
   value, grads = outputs
   want_value, want_grads = reference
   return {
-    "value_rel_error": max_rel_error(value, want_value),
-    "grads_rel_error": max_rel_error(grads, want_grads),
+    "value_rel_error": _approaches.max_rel_error(value, want_value),
+    "grads_rel_error": _approaches.max_rel_error(grads, want_grads),
   }
 
 

@@ -30,7 +30,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import pathlib
 import statistics
@@ -42,6 +41,7 @@ from collections.abc import Callable
 from pydoc_data import topics
 from typing import Any
 
+import _compile
 import _models
 import _paths
 import _report
@@ -699,9 +699,7 @@ def audit_part() -> dict[str, Any]:
   return {
     "machine": f"{os.cpu_count()}-core {_report.cpu_model()}",
     "date": datetime.date.today().isoformat(),
-    "versions": {
-      p: importlib.metadata.version(p) for p in ("jax", "flax", "equinox", "optax")
-    },
+    "versions": _compile.versions("jax", "flax", "equinox", "optax"),
     "examples": AUDIT_N,
     "bound": 1.0001,
     "rows": _eight_devices("--audit-rows"),
@@ -1173,9 +1171,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.part != "exact":  # the exact part dates its own rows
     results.update(
       date=datetime.date.today().isoformat(),
-      versions={
-        p: importlib.metadata.version(p) for p in ("jax", "jax-privacy", "optax")
-      },
+      versions=_compile.versions("jax", "jax-privacy", "optax"),
     )
   if args.part in ("both", "time"):
     print("Part 2: step time on this CPU")
