@@ -130,7 +130,7 @@ def readme_commands_times(results: dict[str, Any]) -> str:
     [
       name.replace("_", " "),
       f"{r['seconds'] / 60:.1f}",
-      f"{r['cpu_seconds'] / 60:.1f}" if "cpu_seconds" in r else "–",
+      f"{r['cpu_seconds'] / 60:.1f}",
       f"{r['venv_bytes'] / 2**30:.1f}",
       r["returncode"],
       len(r["plugin_error_lines"]),
@@ -166,13 +166,8 @@ def main(argv: list[str] | None = None) -> int:
   # Each command in a fresh clone; then the other one in the same clone and
   # venv, as a newcomer who runs both would (the tests first, the demo
   # second: the order in which compile-only plugins used to spill errors).
-  runs = {}
-  for name, r in zip(
-    ("tests", "demo_after_tests"),
-    run_fresh([commands["tests"], commands["demo"]]),
-    strict=True,
-  ):
-    runs[name] = r
+  both = run_fresh([commands["tests"], commands["demo"]])
+  runs = dict(zip(("tests", "demo_after_tests"), both, strict=True))
   (runs["demo"],) = run_fresh([commands["demo"]])
   results = {
     "date": datetime.date.today().isoformat(),
