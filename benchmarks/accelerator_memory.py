@@ -1,9 +1,5 @@
 """Accelerator memory of jaxaccum and its peers, measured without an accelerator.
 
-Usage::
-
-  python benchmarks/accelerator_memory.py [--quick] [--targets h100,tpu-v5e]
-
 Compile-only (the ``targets`` extra): per target, model and ``k``, one Adam
 step of each column of :func:`measure_row`, held to :func:`checks`; ``NOTES``
 says how each backend's memory analysis reads. Outputs

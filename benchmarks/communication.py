@@ -1,9 +1,5 @@
 """Bytes communicated per optimizer step by data-parallel gradient accumulation.
 
-Run: ``python benchmarks/communication.py [--out benchmarks/results]``
-(``--quick``: k in {1, 4}, 5 rounds of 50 ms samples, to the temporary
-folder; ``--rounds``, ``--min-sample-ms`` and ``--cpus`` set part 2's timing).
-
 Part 1, on 8 fake CPU devices: the collectives of each of :data:`APPROACHES`
 per ``k`` (:func:`run`, :func:`measure`), and of the plain-``jit`` step on
 each of :data:`EXPLICIT_MESHES` (:func:`run_explicit`). Part 2: the steps of

@@ -1,11 +1,5 @@
 """DP-SGD: memory on a compile-only H100 against k, and step time against jax-privacy.
 
-Usage::
-
-  python benchmarks/dp.py            # every part; writes benchmarks/results/dp.json
-  python benchmarks/dp.py --quick    # small sizes, writes <tmp>/dp_quick.json
-  python benchmarks/dp.py --part audit  # writes benchmarks/results/dp_audit.json
-
 The parts (``--part``): ``memory`` (:func:`memory_part`), the DP step's
 per-device peak against k, compiled for an H100 that is not there, and the
 largest logical batch it fits; ``ghost`` (:func:`ghost_part`), one

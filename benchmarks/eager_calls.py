@@ -1,9 +1,5 @@
 """What one eager (un-jitted) call costs: jaxaccum vs ``jax.value_and_grad``.
 
-Run: ``python benchmarks/eager_calls.py [--rounds 30] [--out benchmarks/results]``
-(``--quick``: 5 rounds, to the temporary folder; ``--min-sample-ms`` repeats
-a call within a sample, ``--cpus`` pins the run).
-
 Eager ``jax.value_and_grad(loss)`` (``jax``, and again as ``jax_again``, the
 A/A control), eager ``jaxaccum.value_and_grad(loss, k)``, which compiles its
 step once per configuration and keeps it, and ``jax.jit`` of the first

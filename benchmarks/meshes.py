@@ -1,8 +1,5 @@
 """Bytes and memory per step of gradient accumulation on 2-D and 3-D meshes.
 
-Run: ``python benchmarks/meshes.py [--out benchmarks/results]`` (a few
-minutes on two CPU cores).
-
 On 8 fake CPU devices, each of :data:`LAYOUTS` with ``Auto`` and
 ``Explicit`` axes, the residual MLP of :func:`make_loss`; per ``k`` the
 ``(loss, grads)`` of each of :data:`APPROACHES` and of the full batch, read

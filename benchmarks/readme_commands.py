@@ -1,7 +1,5 @@
 """What the README's two commands take on a fresh clone: time, disk, outcome.
 
-Run: ``python benchmarks/readme_commands.py [--out benchmarks/results]``.
-
 It reads README.md's demo and test commands (:data:`COMMANDS`), clones the
 committed ``HEAD`` into a temporary folder once per command and runs each
 there as written, in a clean environment (pip's download cache as it is),

@@ -1,11 +1,5 @@
 """Step time and memory of jaxaccum against full batch and its peers.
 
-Usage::
-
-  python benchmarks/step_time.py [--quick] [--out benchmarks/results]
-  python benchmarks/step_time.py --models transformer --dtype bfloat16 \
-    --micro-batch-sizes 1,4,16,64 --rounds 7 --device-note "H200"
-
 Per model (``_models.py``) and ``k``, :func:`run_config` times, compiles and
 checks the approaches of ``_approaches.py`` and the A/A control;
 :func:`evaluate_targets` holds them to the targets. ``NOTES`` says what the
