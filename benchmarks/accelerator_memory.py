@@ -19,6 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import pathlib
@@ -407,14 +408,6 @@ def accelerator_memory_machine(results: dict[str, Any]) -> str:
   )
 
 
-def accelerator_memory_h100(results: dict[str, Any]) -> str:
-  return _accelerator_table(results, "h100")
-
-
-def accelerator_memory_tpu(results: dict[str, Any]) -> str:
-  return _accelerator_table(results, "tpu-v5e")
-
-
 def accelerator_memory_summary(results: dict[str, Any]) -> str:
   """The script's checks, passed and missed over each target's rows."""
   counts: dict[tuple[str, str], list[int]] = {}
@@ -662,8 +655,10 @@ def accelerator_memory_fp8(results: dict[str, Any]) -> str:
 #: its page).
 BLOCKS = {
   "accelerator_memory machine": accelerator_memory_machine,
-  "accelerator_memory h100": accelerator_memory_h100,
-  "accelerator_memory tpu-v5e": accelerator_memory_tpu,
+  **{
+    f"accelerator_memory {target}": functools.partial(_accelerator_table, target=target)
+    for target in ("h100", "tpu-v5e")
+  },
   "accelerator_memory summary": accelerator_memory_summary,
   "accelerator_memory fp8": accelerator_memory_fp8,
   "accelerator_causes rows": accelerator_causes_rows,

@@ -960,10 +960,6 @@ def machine_table(results: dict[str, Any], command: str) -> str:
   )
 
 
-def communication_machine(results: dict[str, Any]) -> str:
-  return machine_table(results, "python benchmarks/communication.py")
-
-
 def communication_bytes(results: dict[str, Any]) -> str:
   model = results["model"]
   head = (
@@ -1144,7 +1140,9 @@ def communication_profile(results: dict[str, Any]) -> str:
 #: The generated blocks this file writes from ``communication.json``, by name
 #: (``_report.py`` puts each on its page).
 BLOCKS = {
-  "communication machine": communication_machine,
+  "communication machine": functools.partial(
+    machine_table, command="python benchmarks/communication.py"
+  ),
   "communication bytes": communication_bytes,
   "communication explicit": communication_explicit,
   "communication plain_jit": communication_plain_jit,
