@@ -163,9 +163,7 @@ def target_rows() -> dict[str, dict]:
   blocked leaves, where the partitioner places the gathers)."""
   rows = {}
   for name in ("h100", "tpu-v5e"):
-    target = jaxaccum.compile_target(
-      name, topology="1x1x8" if name == "h100" else "2x4"
-    )
+    target = jaxaccum.compile_target(name, topology=_paths.TOPOLOGIES[name])
     for layout, path in (("replicated", "plain"), ("fsdp", "plain"), ("fsdp", "mesh")):
       _, names, data, specs = LAYOUTS[layout]
       kind = AxisType.Explicit if path == "plain" else AxisType.Auto
