@@ -92,27 +92,22 @@ def step_peak(
   None if XLA refuses it."""
   params = jax.eval_shape(lambda: _models.transformer_init(jax.random.key(0), cfg))
   tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), jnp.int32)
+  tx, mask = optax.adam(1e-4), jax.ShapeDtypeStruct((batch,), jnp.float32)
   if clip_method == "jax_privacy":
-    update = jax_privacy_update(example_loss(cfg), batch, k)
-    opt_state = jax.eval_shape(optax.adam(1e-4).init, params)
-    key = jax.eval_shape(lambda: jax.random.key(1))
-    jitted = jax.jit(update, donate_argnums=(0, 1))
-    return _peak(jitted, (params, opt_state, tokens, key), target, batch, k)
-  tx = dp_tx(float(batch)) if clip_method else optax.adam(1e-4)
-  opt_state = jax.eval_shape(tx.init, params)
-  mask = jax.ShapeDtypeStruct((batch,), jnp.float32)
-  if clip_method is None:
+    fun = jax_privacy_update(example_loss(cfg), batch, k)
+    mask = jax.eval_shape(lambda: jax.random.key(1))  # the noise's key, in its place
+  elif clip_method is None:
     step = jaxaccum.make_train_step(_models.make_transformer_loss(cfg), tx, k)
-    jitted = jax.jit(lambda p, s, t, m: step(p, s, t), donate_argnums=(0, 1))
-    return _peak(jitted, (params, opt_state, tokens, mask), target, batch, k)
-  step = jaxaccum.make_train_step(
-    example_loss(cfg), tx, k, clip_per_example=CLIP, clip_method=clip_method
-  )
-  # The mask by position: a keyword ShapeDtypeStruct would be a static value.
-  jitted = jax.jit(
-    lambda p, s, t, m: step(p, s, t, example_mask=m), donate_argnums=(0, 1)
-  )
-  return _peak(jitted, (params, opt_state, tokens, mask), target, batch, k)
+    fun = lambda p, s, t, m: step(p, s, t)  # noqa: E731
+  else:
+    tx = dp_tx(float(batch))
+    step = jaxaccum.make_train_step(
+      example_loss(cfg), tx, k, clip_per_example=CLIP, clip_method=clip_method
+    )
+    # The mask by position: a keyword ShapeDtypeStruct would be a static value.
+    fun = lambda p, s, t, m: step(p, s, t, example_mask=m)  # noqa: E731
+  args = (params, jax.eval_shape(tx.init, params), tokens, mask)
+  return _peak(jax.jit(fun, donate_argnums=(0, 1)), args, target, batch, k)
 
 
 def _peak(
