@@ -425,15 +425,12 @@ def plots(
     labels = {key: r["label"] for key, r in configs[0]["approaches"].items()}
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
     for key, label in labels.items():
-      ax_time.plot(
-        ks, [c["approaches"][key]["median_ms"] for c in configs], "o-", label=label
-      )
-      ax_mem.plot(
-        ks,
-        [c["approaches"][key]["peak_bytes"] / 2**20 for c in configs],
-        "o-",
-        label=label,
-      )
+      for ax, metric, scale in (
+        (ax_time, "median_ms", 1),
+        (ax_mem, "peak_bytes", 2**20),
+      ):
+        points = [c["approaches"][key][metric] / scale for c in configs]
+        ax.plot(ks, points, "o-", label=label)
     ax_mem.plot(
       ks,
       [c["jaxaccum_memory_bound"]["bound_bytes"] / 2**20 for c in configs],
