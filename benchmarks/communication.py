@@ -376,17 +376,12 @@ def environment(doc: str) -> dict[str, Any]:
     "python_version": platform.python_version(),
     "backend": jax.default_backend(),
     "num_devices": NUM_DEVICES,
-    "machine": machine(),
-  }
-
-
-def machine() -> dict[str, Any]:
-  """The host: CPU model, cores, platform, load average now."""
-  return {
-    "cpu_model": cpu_model(),
-    "cpu_count": os.cpu_count(),
-    "platform": platform.platform(),
-    "load_average_at_start": list(os.getloadavg()),
+    "machine": {  # the host, and its load average now
+      "cpu_model": cpu_model(),
+      "cpu_count": os.cpu_count(),
+      "platform": platform.platform(),
+      "load_average_at_start": list(os.getloadavg()),
+    },
   }
 
 

@@ -146,13 +146,6 @@ def resolve_ks(args: argparse.Namespace, batch_size: int) -> list[int]:
   return sorted(set(ks))
 
 
-def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
-  """The optimizer every approach uses."""
-  if name == "adam":
-    return optax.adam(lr)
-  return optax.sgd(lr, momentum=0.9)
-
-
 def machine_info(args: argparse.Namespace, cpus: list[int] | None) -> dict[str, Any]:
   """What ran the benchmark (``cpus``: the CPUs it ran on)."""
   device = jax.devices()[0]
@@ -590,7 +583,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     preset += "-quick"
   rounds = args.rounds or (7 if args.quick else 11)
   min_time_ms = args.min_time_ms or (10.0 if args.quick else 20.0)
-  tx = make_optimizer(args.optimizer, args.lr)
+  adam = args.optimizer == "adam"  # the optimizer every approach uses
+  tx = optax.adam(args.lr) if adam else optax.sgd(args.lr, momentum=0.9)
   names = [n.strip() for n in args.models.split(",") if n.strip()]
   unknown = set(names) - set(MODEL_NAMES)
   if unknown:
