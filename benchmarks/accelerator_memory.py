@@ -649,10 +649,8 @@ def accelerator_memory_fp8(results: dict[str, Any]) -> str:
   )
 
 
-#: The generated blocks this file writes from ``accelerator_memory.json``
-#: (and, for ``accelerator_causes``, from it and
-#: ``accelerator_memory_causes.json``), by name (``_report.py`` puts each on
-#: its page).
+#: The blocks written from ``accelerator_memory.json`` (``accelerator_causes``: with
+#: ``accelerator_memory_causes.json``), by name (for ``_report.py``).
 BLOCKS = {
   "accelerator_memory machine": accelerator_memory_machine,
   **{

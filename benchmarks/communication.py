@@ -1132,8 +1132,7 @@ def communication_profile(results: dict[str, Any]) -> str:
   )
 
 
-#: The generated blocks this file writes from ``communication.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``communication.json``, by name (for ``_report.py``).
 BLOCKS = {
   "communication machine": functools.partial(
     machine_table, command="python benchmarks/communication.py"

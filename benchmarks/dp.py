@@ -1106,8 +1106,7 @@ def exact_table(results: dict[str, Any]) -> str:
   return _tables(([exact], run), (exact["rows"], rows))
 
 
-#: The generated blocks this file writes from ``dp.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``dp.json``, by name (for ``_report.py``).
 BLOCKS = {
   "dp memory": memory_table,
   "dp ghost": ghost_table,

@@ -102,8 +102,7 @@ def _vs_jax(r: dict[str, Any], name: str) -> str:
   return f"{ms(r['median_ms'][name])} ({r['ratio_to_jax'][name]:.3f})"
 
 
-#: The generated blocks this file writes from ``eager_calls.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``eager_calls.json``, by name (for ``_report.py``).
 BLOCKS = {
   "eager_calls table": eager_calls_table,
 }

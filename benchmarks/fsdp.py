@@ -577,8 +577,7 @@ def fsdp_summary(results: dict[str, Any]) -> str:
   return table(header, rows)
 
 
-#: The generated blocks this file writes from ``fsdp.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``fsdp.json``, by name (for ``_report.py``).
 BLOCKS = {
   "fsdp table": fsdp_table,
   "fsdp summary": fsdp_summary,

@@ -524,8 +524,7 @@ meshes_compute = _meshes_table(
 )
 
 
-#: The generated blocks this file writes from ``meshes.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``meshes.json``, by name (for ``_report.py``).
 BLOCKS = {
   "meshes layouts": meshes_layouts,
   "meshes machine": meshes_machine,

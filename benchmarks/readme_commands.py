@@ -144,8 +144,7 @@ def readme_commands_times(results: dict[str, Any]) -> str:
   )
 
 
-#: The generated blocks this file writes from ``readme_commands.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``readme_commands.json``, by name (for ``_report.py``).
 BLOCKS = {
   "readme_commands times": readme_commands_times,
 }

@@ -555,8 +555,7 @@ def step_time_targets(results: dict[str, Any]) -> str:
   return table(["target", "pass", "miss", "undecided", "misses (value)"], rows)
 
 
-#: The generated blocks this file writes from ``step_time.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``step_time.json``, by name (for ``_report.py``).
 BLOCKS = {
   "step_time machine": step_time_machine,
   "step_time targets": step_time_targets,
