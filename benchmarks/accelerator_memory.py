@@ -188,37 +188,27 @@ def measure_row(
 
 def checks(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """The three targets of one row: value, threshold, pass (None: n/a)."""
-  out: dict[str, dict[str, Any]] = {}
+
+  def check(value: float | None = None, ok: bool | None = None) -> dict[str, Any]:
+    return {"value": value, "pass": ok}
+
   peak, bound = row["jaxaccum_peak"], row["bound"]
-  if peak is None or bound is None:
-    out["peak <= 1.05 x bound"] = {"value": None, "pass": None}
-  else:
-    out["peak <= 1.05 x bound"] = {
-      "value": peak / bound,
-      "pass": peak <= BOUND_TARGET * bound,
-    }
   streamed, doubled = row["streamed_peak"], row["streamed_peak_2x"]
   need = 0.9 * (row["batch_bytes"] - row["micro_batch_bytes"])
-  if row["k"] < 2:
-    out["streamed saves 0.9 x (batch - micro)"] = {"value": None, "pass": None}
-  elif streamed is None or peak is None:
-    out["streamed saves 0.9 x (batch - micro)"] = {"value": None, "pass": False}
-  else:
+  out = {"peak <= 1.05 x bound": check()}
+  if peak is not None and bound is not None:
+    out["peak <= 1.05 x bound"] = check(peak / bound, peak <= BOUND_TARGET * bound)
+  # k=1 holds the whole batch, and 2k=2 streams: neither is comparable
+  unknown = None if row["k"] < 2 else False
+  saves, within = check(ok=unknown), check(ok=unknown)
+  if row["k"] >= 2 and streamed is not None and peak is not None:
     saved = peak - streamed
-    out["streamed saves 0.9 x (batch - micro)"] = {
-      "value": saved / need if need else None,
-      "pass": saved >= need,
-    }
-  if row["k"] < 2:  # k=1 holds the whole batch; 2k=2 streams: not comparable
-    out["streamed within 2% at 2x batch"] = {"value": None, "pass": None}
-  elif streamed is None or doubled is None:
-    out["streamed within 2% at 2x batch"] = {"value": None, "pass": False}
-  else:
+    saves = check(saved / need if need else None, saved >= need)
+  if row["k"] >= 2 and streamed is not None and doubled is not None:
     growth = doubled / streamed - 1
-    out["streamed within 2% at 2x batch"] = {
-      "value": growth,
-      "pass": abs(growth) <= 0.02,
-    }
+    within = check(growth, abs(growth) <= 0.02)
+  out["streamed saves 0.9 x (batch - micro)"] = saves
+  out["streamed within 2% at 2x batch"] = within
   return out
 
 
