@@ -586,6 +586,8 @@ def _observer() -> optax.GradientTransformationExtraArgs:
 def _audit_seen(config: tuple[Any, ...]) -> list[tuple[Any, Any]]:
   """One step of ``config`` on the audit's batch, with the outlier row and
   with it masked out: the (clipped sum, update) the observer saw in each."""
+  from flax import nnx  # noqa: PLC0415
+
   lib, path, method, k, dtype, loss_kind = config
   loss, model = _audit_model(lib, jnp.dtype(dtype))
   n, weighted = AUDIT_N, loss_kind == "weighted"
@@ -629,15 +631,11 @@ def _audit_seen(config: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     batch, masks = put(batch, P("data")), put(masks, P("data"))
     model = put(model, P()) if lib != "nnx" else model
     if lib == "nnx":
-      from flax import nnx  # noqa: PLC0415
-
       nnx.update(model, put(nnx.state(model), P()))
     if path == "mesh":
       options.update(mesh=mesh, data_axis="data")
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     if lib == "nnx":  # the same model and optimizer, reset between the steps
-      from flax import nnx  # noqa: PLC0415
-
       optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
       before = jax.tree.map(jnp.copy, nnx.state((model, optimizer)))
       step, seen = jaxaccum.nnx.make_train_step(fun, optimizer, k, **options), []
