@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from _models import Model
 
@@ -72,6 +73,26 @@ def compiled_stats(jitted: Any, *args: Any) -> dict[str, Any]:
   stats["compile_s"] = seconds
   stats["effects"] = sorted(type(e).__name__ for e in traced.jaxpr.effects)
   return stats
+
+
+def bound_terms(params: PyTree, batch: PyTree, k: int) -> tuple[PyTree, int, int]:
+  """The memory bound's terms beside the micro step's peak: the ``B / k`` rows'
+  shapes, a float32 accumulator's bytes, the other ``B - B / k`` rows' bytes."""
+  size = jax.tree.leaves(batch)[0].shape[0]
+  micro = size // k
+  micro_batch = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((micro, *x.shape[1:]), x.dtype), batch
+  )
+  rest = tree_bytes(batch) * (size - micro) // size
+  return micro_batch, tree_bytes(params, jnp.float32), rest
+
+
+def max_rel_error(got: PyTree, want: PyTree) -> float:
+  """The largest over the leaves of two trees of ``max|got - want| / max|want|``."""
+  return max(
+    float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(w)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+  )
 
 
 def split_micro_batches(batch: PyTree, k: int) -> list[PyTree]:

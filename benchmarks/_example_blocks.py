@@ -1,7 +1,7 @@
-"""The generated blocks of the three measurements whose scripts live in
-``examples/``: ``examples/input_pipeline.py`` (``input_pipeline_device.json``
-and ``input_pipeline_pinned_host.json``), ``examples/autopilot.py``
-(``autopilot.json``) and ``examples/dp_lm.py`` (``dp_lm.json``, shown in
+"""The generated blocks of the four measurements whose scripts live in
+``examples/``: ``input_pipeline.py`` (``input_pipeline_device.json`` and
+``input_pipeline_pinned_host.json``), ``autopilot.py`` (``autopilot.json``),
+``dp_lm.py`` and ``fp8_lm.py`` (``dp_lm.json``, ``fp8_lm.json``, shown in
 ``examples/README.md``).
 
 Every other benchmark writes its blocks next to the code that measures them
@@ -256,8 +256,7 @@ def fp8_lm_result(r: dict[str, Any]) -> str:
   return f"{run}\n\n{curve}"
 
 
-#: The generated blocks this file writes from ``input_pipeline_*.json``,
-#: ``autopilot.json`` and ``dp_lm.json``, by name (``_report.py`` puts each on its page).
+#: The blocks written from the examples' JSON, by name (for ``_report.py``).
 BLOCKS = {
   "input_pipeline machine": input_pipeline_machine,
   "input_pipeline steps": input_pipeline_steps,

@@ -57,11 +57,11 @@ def cpu_model() -> str:
 
 def format_bytes(n: float) -> str:
   """Bytes in binary units, e.g. ``1.5 MiB``."""
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(n) < 1024 or unit == "GiB":
+  for unit in ("B", "KiB", "MiB"):
+    if abs(n) < 1024:
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
     n /= 1024
-  raise AssertionError("unreachable")
+  return f"{n:.2f} GiB"
 
 
 def mib(n: float | None, digits: int = 0) -> str:

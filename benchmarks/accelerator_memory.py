@@ -1,9 +1,5 @@
 """Accelerator memory of jaxaccum and its peers, measured without an accelerator.
 
-Usage::
-
-  python benchmarks/accelerator_memory.py [--quick] [--targets h100,tpu-v5e]
-
 Compile-only (the ``targets`` extra): per target, model and ``k``, one Adam
 step of each column of :func:`measure_row`, held to :func:`checks`; ``NOTES``
 says how each backend's memory analysis reads. Outputs
@@ -23,6 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import pathlib
@@ -41,7 +38,6 @@ import _compile
 import _models
 import _paths
 import jax
-import jax.numpy as jnp
 import jaxlib
 import optax
 from _report import command_line, date, k_axis, mib, pyplot, ratio, table
@@ -145,9 +141,7 @@ def measure_row(
   size = model.batch_size
   micro = size // k
   batch_bytes = _approaches.tree_bytes(batch)
-  micro_batch = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct((micro, *x.shape[1:]), x.dtype), batch
-  )
+  micro_batch, accumulator, rest = _approaches.bound_terms(params, batch, k)
   full_step = _approaches.full_batch_step(model.loss, tx)
   accum_step = _approaches.JaxAccum(model, tx, k).fn
   on_host = target.place(batch, memory_kind="pinned_host")
@@ -166,8 +160,6 @@ def measure_row(
       _approaches.OptaxMicrobatch(model, tx, k).fn, (params, state, batch), target
     ),
   }
-  accumulator = _approaches.tree_bytes(params, jnp.float32)
-  rest = batch_bytes * (size - micro) // size
   micro_peak = results["micro_step"]["peak"]
   row = {
     "target": target.name,
@@ -196,37 +188,27 @@ def measure_row(
 
 def checks(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """The three targets of one row: value, threshold, pass (None: n/a)."""
-  out: dict[str, dict[str, Any]] = {}
+
+  def check(value: float | None = None, ok: bool | None = None) -> dict[str, Any]:
+    return {"value": value, "pass": ok}
+
   peak, bound = row["jaxaccum_peak"], row["bound"]
-  if peak is None or bound is None:
-    out["peak <= 1.05 x bound"] = {"value": None, "pass": None}
-  else:
-    out["peak <= 1.05 x bound"] = {
-      "value": peak / bound,
-      "pass": peak <= BOUND_TARGET * bound,
-    }
   streamed, doubled = row["streamed_peak"], row["streamed_peak_2x"]
   need = 0.9 * (row["batch_bytes"] - row["micro_batch_bytes"])
-  if row["k"] < 2:
-    out["streamed saves 0.9 x (batch - micro)"] = {"value": None, "pass": None}
-  elif streamed is None or peak is None:
-    out["streamed saves 0.9 x (batch - micro)"] = {"value": None, "pass": False}
-  else:
+  out = {"peak <= 1.05 x bound": check()}
+  if peak is not None and bound is not None:
+    out["peak <= 1.05 x bound"] = check(peak / bound, peak <= BOUND_TARGET * bound)
+  # k=1 holds the whole batch, and 2k=2 streams: neither is comparable
+  unknown = None if row["k"] < 2 else False
+  saves, within = check(ok=unknown), check(ok=unknown)
+  if row["k"] >= 2 and streamed is not None and peak is not None:
     saved = peak - streamed
-    out["streamed saves 0.9 x (batch - micro)"] = {
-      "value": saved / need if need else None,
-      "pass": saved >= need,
-    }
-  if row["k"] < 2:  # k=1 holds the whole batch; 2k=2 streams: not comparable
-    out["streamed within 2% at 2x batch"] = {"value": None, "pass": None}
-  elif streamed is None or doubled is None:
-    out["streamed within 2% at 2x batch"] = {"value": None, "pass": False}
-  else:
+    saves = check(saved / need if need else None, saved >= need)
+  if row["k"] >= 2 and streamed is not None and doubled is not None:
     growth = doubled / streamed - 1
-    out["streamed within 2% at 2x batch"] = {
-      "value": growth,
-      "pass": abs(growth) <= 0.02,
-    }
+    within = check(growth, abs(growth) <= 0.02)
+  out["streamed saves 0.9 x (batch - micro)"] = saves
+  out["streamed within 2% at 2x batch"] = within
   return out
 
 
@@ -416,14 +398,6 @@ def accelerator_memory_machine(results: dict[str, Any]) -> str:
   )
 
 
-def accelerator_memory_h100(results: dict[str, Any]) -> str:
-  return _accelerator_table(results, "h100")
-
-
-def accelerator_memory_tpu(results: dict[str, Any]) -> str:
-  return _accelerator_table(results, "tpu-v5e")
-
-
 def accelerator_memory_summary(results: dict[str, Any]) -> str:
   """The script's checks, passed and missed over each target's rows."""
   counts: dict[tuple[str, str], list[int]] = {}
@@ -438,13 +412,9 @@ def accelerator_memory_summary(results: dict[str, Any]) -> str:
   return table(["target", "check", "passed", "missed"], rows)
 
 
-def kib(n: float) -> str:
-  return f"{n / 2**10:,.0f}"
-
-
 def size(n: float) -> str:
   """``n`` bytes in KiB, or in MiB from 16 MiB on."""
-  return f"{mib(n)} MiB" if abs(n) >= 16 * 2**20 else f"{kib(n)} KiB"
+  return f"{mib(n)} MiB" if abs(n) >= 16 * 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 def _sweep_row(sweep: dict[str, Any] | None, model: str, k: int) -> Any:
@@ -618,7 +588,7 @@ def measure_fp8(preset: str) -> dict[str, Any]:
   tx = optax.adam(1e-3)
   state = jax.eval_shape(tx.init, variables["params"])
   size, k = batch.shape[0], FP8_K
-  micro = jax.ShapeDtypeStruct((size // k, *batch.shape[1:]), batch.dtype)
+  micro, accumulator, rest = _approaches.bound_terms(variables, batch, k)
   full = fp8_full_step(loss, tx)
   target = jaxaccum.compile_target("h100")
   steps = {
@@ -630,11 +600,7 @@ def measure_fp8(preset: str) -> dict[str, Any]:
     name: measure(s, (variables, state, b), target)["peak"]
     for name, (s, b) in steps.items()
   }
-  batch_bytes = _approaches.tree_bytes(batch)
-  accumulator = _approaches.tree_bytes(variables, jnp.float32)
-  row["bound"] = (
-    row["micro_peak"] + accumulator + batch_bytes * (size - size // k) // size
-  )
+  row["bound"] = row["micro_peak"] + accumulator + rest
   row.update(
     target="h100", k=k, batch_size=size, seq_len=cfg.seq_len, layers=cfg.num_layers
   )
@@ -673,14 +639,14 @@ def accelerator_memory_fp8(results: dict[str, Any]) -> str:
   )
 
 
-#: The generated blocks this file writes from ``accelerator_memory.json``
-#: (and, for ``accelerator_causes``, from it and
-#: ``accelerator_memory_causes.json``), by name (``_report.py`` puts each on
-#: its page).
+#: The blocks written from ``accelerator_memory.json`` (``accelerator_causes``: with
+#: ``accelerator_memory_causes.json``), by name (for ``_report.py``).
 BLOCKS = {
   "accelerator_memory machine": accelerator_memory_machine,
-  "accelerator_memory h100": accelerator_memory_h100,
-  "accelerator_memory tpu-v5e": accelerator_memory_tpu,
+  **{
+    f"accelerator_memory {target}": functools.partial(_accelerator_table, target=target)
+    for target in ("h100", "tpu-v5e")
+  },
   "accelerator_memory summary": accelerator_memory_summary,
   "accelerator_memory fp8": accelerator_memory_fp8,
   "accelerator_causes rows": accelerator_causes_rows,

@@ -1,9 +1,5 @@
 """Bytes communicated per optimizer step by data-parallel gradient accumulation.
 
-Run: ``python benchmarks/communication.py [--out benchmarks/results]``
-(``--quick``: k in {1, 4}, 5 rounds of 50 ms samples, to the temporary
-folder; ``--rounds``, ``--min-sample-ms`` and ``--cpus`` set part 2's timing).
-
 Part 1, on 8 fake CPU devices: the collectives of each of :data:`APPROACHES`
 per ``k`` (:func:`run`, :func:`measure`), and of the plain-``jit`` step on
 each of :data:`EXPLICIT_MESHES` (:func:`run_explicit`). Part 2: the steps of
@@ -240,15 +236,6 @@ def make_approach(
   raise ValueError(f"unknown approach {name!r}")
 
 
-def max_rel_error(got: PyTree, want: PyTree) -> float:
-  """Largest ``|got - want| / max|want|`` over the leaves of two trees."""
-  errors = [
-    float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(w)))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-  ]
-  return max(errors)
-
-
 def xla_flops(compiled: Any) -> float:
   """Per-device flops of a compiled function, XLA's count (loop bodies once)."""
   analysis = compiled.cost_analysis()
@@ -340,8 +327,8 @@ def accuracy(
   value, grads = outputs
   want_value, want_grads = reference
   return {
-    "value_rel_error": max_rel_error(value, want_value),
-    "grads_rel_error": max_rel_error(grads, want_grads),
+    "value_rel_error": _approaches.max_rel_error(value, want_value),
+    "grads_rel_error": _approaches.max_rel_error(grads, want_grads),
   }
 
 
@@ -389,17 +376,12 @@ def environment(doc: str) -> dict[str, Any]:
     "python_version": platform.python_version(),
     "backend": jax.default_backend(),
     "num_devices": NUM_DEVICES,
-    "machine": machine(),
-  }
-
-
-def machine() -> dict[str, Any]:
-  """The host: CPU model, cores, platform, load average now."""
-  return {
-    "cpu_model": cpu_model(),
-    "cpu_count": os.cpu_count(),
-    "platform": platform.platform(),
-    "load_average_at_start": list(os.getloadavg()),
+    "machine": {  # the host, and its load average now
+      "cpu_model": cpu_model(),
+      "cpu_count": os.cpu_count(),
+      "platform": platform.platform(),
+      "load_average_at_start": list(os.getloadavg()),
+    },
   }
 
 
@@ -973,10 +955,6 @@ def machine_table(results: dict[str, Any], command: str) -> str:
   )
 
 
-def communication_machine(results: dict[str, Any]) -> str:
-  return machine_table(results, "python benchmarks/communication.py")
-
-
 def communication_bytes(results: dict[str, Any]) -> str:
   model = results["model"]
   head = (
@@ -1020,9 +998,7 @@ def _after_cell(d: dict[str, Any]) -> str:
 
 
 def communication_explicit(results: dict[str, Any]) -> str:
-  explicit = results.get("explicit")
-  if explicit is None:
-    return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
+  explicit = results["explicit"]
   rows = [(m, k, r) for m in explicit.values() for k, r in m["rows"].items()]
 
   def mesh(m: dict[str, Any]) -> str:
@@ -1064,17 +1040,15 @@ PLAIN_LABELS = {
 
 
 def communication_plain_jit(results: dict[str, Any]) -> str:
-  plain = results.get("plain_jit")
-  if plain is None:
-    return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
-  model, load = plain["model"], plain.get("load_average_at_end")
+  plain = results["plain_jit"]
+  model, load = plain["model"], plain["load_average_at_end"]
   head = (
     f"A {model['num_params']:,}-parameter MLP "
     f"({' → '.join(map(str, model['widths']))}), batch {plain['batch_size']:,} "
     f"sharded over {results['num_devices']} devices, k = {plain['k']}: the median "
     f"of {plain['rounds']} interleaved rounds (samples of at least "
-    f"{plain['min_sample_ms']:g} ms); {aa_note(plain.get('aa_ratio'))}"
-    + (f"; load average {load[0]:.1f} when the timing ended." if load else ".")
+    f"{plain['min_sample_ms']:g} ms); {aa_note(plain['aa_ratio'])}; load average "
+    f"{load[0]:.1f} when the timing ended."
   )
   steps = columns(
     plain["approaches"].items(),
@@ -1093,8 +1067,8 @@ def communication_plain_jit(results: dict[str, Any]) -> str:
   )
 
   def outcome(t: dict[str, Any]) -> str:
-    if t.get("timed", t["target"].startswith("jaxaccum time")):
-      return timed_verdict(t["pass"], plain.get("aa_ratio"))
+    if t.get("timed"):
+      return timed_verdict(t["pass"], plain["aa_ratio"])
     return "met" if t["pass"] else "missed"
 
   targets = columns(
@@ -1111,11 +1085,8 @@ def communication_plain_jit(results: dict[str, Any]) -> str:
 
 
 def communication_profile(results: dict[str, Any]) -> str:
-  plain = results.get("plain_jit", {})
-  profile = plain.get("profile")
-  if profile is None:
-    return "_Not in this JSON: rerun `python benchmarks/communication.py`._"
-  res, k = plain["approaches"], plain["k"]
+  plain = results["plain_jit"]
+  profile, res, k = plain["profile"], plain["approaches"], plain["k"]
 
   def flops(name: str) -> str:
     loop = 1 if name.startswith("full_batch") else k
@@ -1161,10 +1132,11 @@ def communication_profile(results: dict[str, Any]) -> str:
   )
 
 
-#: The generated blocks this file writes from ``communication.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``communication.json``, by name (for ``_report.py``).
 BLOCKS = {
-  "communication machine": communication_machine,
+  "communication machine": functools.partial(
+    machine_table, command="python benchmarks/communication.py"
+  ),
   "communication bytes": communication_bytes,
   "communication explicit": communication_explicit,
   "communication plain_jit": communication_plain_jit,

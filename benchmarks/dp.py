@@ -1,11 +1,5 @@
 """DP-SGD: memory on a compile-only H100 against k, and step time against jax-privacy.
 
-Usage::
-
-  python benchmarks/dp.py            # every part; writes benchmarks/results/dp.json
-  python benchmarks/dp.py --quick    # small sizes, writes <tmp>/dp_quick.json
-  python benchmarks/dp.py --part audit  # writes benchmarks/results/dp_audit.json
-
 The parts (``--part``): ``memory`` (:func:`memory_part`), the DP step's
 per-device peak against k, compiled for an H100 that is not there, and the
 largest logical batch it fits; ``ghost`` (:func:`ghost_part`), one
@@ -30,7 +24,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import pathlib
 import statistics
@@ -42,6 +35,7 @@ from collections.abc import Callable
 from pydoc_data import topics
 from typing import Any
 
+import _compile
 import _models
 import _paths
 import _report
@@ -98,27 +92,22 @@ def step_peak(
   None if XLA refuses it."""
   params = jax.eval_shape(lambda: _models.transformer_init(jax.random.key(0), cfg))
   tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), jnp.int32)
+  tx, mask = optax.adam(1e-4), jax.ShapeDtypeStruct((batch,), jnp.float32)
   if clip_method == "jax_privacy":
-    update = jax_privacy_update(example_loss(cfg), batch, k)
-    opt_state = jax.eval_shape(optax.adam(1e-4).init, params)
-    key = jax.eval_shape(lambda: jax.random.key(1))
-    jitted = jax.jit(update, donate_argnums=(0, 1))
-    return _peak(jitted, (params, opt_state, tokens, key), target, batch, k)
-  tx = dp_tx(float(batch)) if clip_method else optax.adam(1e-4)
-  opt_state = jax.eval_shape(tx.init, params)
-  mask = jax.ShapeDtypeStruct((batch,), jnp.float32)
-  if clip_method is None:
+    fun = jax_privacy_update(example_loss(cfg), batch, k)
+    mask = jax.eval_shape(lambda: jax.random.key(1))  # the noise's key, in its place
+  elif clip_method is None:
     step = jaxaccum.make_train_step(_models.make_transformer_loss(cfg), tx, k)
-    jitted = jax.jit(lambda p, s, t, m: step(p, s, t), donate_argnums=(0, 1))
-    return _peak(jitted, (params, opt_state, tokens, mask), target, batch, k)
-  step = jaxaccum.make_train_step(
-    example_loss(cfg), tx, k, clip_per_example=CLIP, clip_method=clip_method
-  )
-  # The mask by position: a keyword ShapeDtypeStruct would be a static value.
-  jitted = jax.jit(
-    lambda p, s, t, m: step(p, s, t, example_mask=m), donate_argnums=(0, 1)
-  )
-  return _peak(jitted, (params, opt_state, tokens, mask), target, batch, k)
+    fun = lambda p, s, t, m: step(p, s, t)  # noqa: E731
+  else:
+    tx = dp_tx(float(batch))
+    step = jaxaccum.make_train_step(
+      example_loss(cfg), tx, k, clip_per_example=CLIP, clip_method=clip_method
+    )
+    # The mask by position: a keyword ShapeDtypeStruct would be a static value.
+    fun = lambda p, s, t, m: step(p, s, t, example_mask=m)  # noqa: E731
+  args = (params, jax.eval_shape(tx.init, params), tokens, mask)
+  return _peak(jax.jit(fun, donate_argnums=(0, 1)), args, target, batch, k)
 
 
 def _peak(
@@ -597,6 +586,8 @@ def _observer() -> optax.GradientTransformationExtraArgs:
 def _audit_seen(config: tuple[Any, ...]) -> list[tuple[Any, Any]]:
   """One step of ``config`` on the audit's batch, with the outlier row and
   with it masked out: the (clipped sum, update) the observer saw in each."""
+  from flax import nnx  # noqa: PLC0415
+
   lib, path, method, k, dtype, loss_kind = config
   loss, model = _audit_model(lib, jnp.dtype(dtype))
   n, weighted = AUDIT_N, loss_kind == "weighted"
@@ -640,15 +631,11 @@ def _audit_seen(config: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     batch, masks = put(batch, P("data")), put(masks, P("data"))
     model = put(model, P()) if lib != "nnx" else model
     if lib == "nnx":
-      from flax import nnx  # noqa: PLC0415
-
       nnx.update(model, put(nnx.state(model), P()))
     if path == "mesh":
       options.update(mesh=mesh, data_axis="data")
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     if lib == "nnx":  # the same model and optimizer, reset between the steps
-      from flax import nnx  # noqa: PLC0415
-
       optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
       before = jax.tree.map(jnp.copy, nnx.state((model, optimizer)))
       step, seen = jaxaccum.nnx.make_train_step(fun, optimizer, k, **options), []
@@ -699,9 +686,7 @@ def audit_part() -> dict[str, Any]:
   return {
     "machine": f"{os.cpu_count()}-core {_report.cpu_model()}",
     "date": datetime.date.today().isoformat(),
-    "versions": {
-      p: importlib.metadata.version(p) for p in ("jax", "flax", "equinox", "optax")
-    },
+    "versions": _compile.versions("jax", "flax", "equinox", "optax"),
     "examples": AUDIT_N,
     "bound": 1.0001,
     "rows": _eight_devices("--audit-rows"),
@@ -964,8 +949,6 @@ def memory_table(results: dict[str, Any]) -> str:
 
 
 def _range(r: dict[str, Any], key: str) -> str:
-  if key not in r:  # a JSON from before the ghost timing
-    return "–"
   spread = r["aa_spread" if key == "aa_ratio" else f"{key}_spread"]
   return f"{r[key]:.2f}× ({spread[0]:.2f}–{spread[1]:.2f})"
 
@@ -979,8 +962,6 @@ def _decided(r: dict[str, Any], verdict: str) -> str:
 def _ghost_speed(r: dict[str, Any]) -> str:
   """Ghost against ``"vmap"`` at one k: slower or faster by more than 3%, or
   the same."""
-  if "ghost_ratio" not in r:
-    return "–"
   x, tolerance = r["ghost_ratio"], _report.AA_TOLERANCE
   return "slower" if x > 1 + tolerance else "faster" if x < 1 - tolerance else "same"
 
@@ -996,23 +977,21 @@ def time_table(results: dict[str, Any]) -> str:
       return "MLP: " + " → ".join(map(str, m["widths"]))
     return "`cpu` preset's transformer: " + _transformer(m)
 
-  def load(t: dict[str, Any]) -> str:
-    load = t.get("load_average")
-    return f"{load[0]:.1f} / {load[1]:.1f}" if load else "–"
-
   run = {
     "model": lambda x: model(x[1]),
-    "parameters": lambda x: f"{x[1].get('num_params', 0) / 1e3:,.0f}k",
+    "parameters": lambda x: f"{x[1]['num_params'] / 1e3:,.0f}k",
     "logical batch": lambda x: x[1]["batch_size"],
     "rounds": lambda x: x[1]["rounds"],
     "steps a sample": lambda x: x[1]["repeats"],
     "machine": lambda x: results["machine"],
-    "load average, start / end": lambda x: load(x[1]),
+    "load average, start / end": lambda x: "{:.1f} / {:.1f}".format(
+      *x[1]["load_average"]
+    ),
     "jax": lambda x: results["versions"]["jax"],
     "jax-privacy": lambda x: results["versions"]["jax-privacy"],
   }
   rows = [(name, r) for name, t in models.items() for r in t["rows"]]
-  ms = lambda r, key: _report.ms(r["ms"][key]) if key in r["ms"] else "–"  # noqa: E731
+  ms = lambda r, key: _report.ms(r["ms"][key])  # noqa: E731
   goal = lambda r: "met" if r["ratio"] >= 1 else "missed"  # noqa: E731
   times = {
     "model": lambda x: x[0],
@@ -1125,8 +1104,7 @@ def exact_table(results: dict[str, Any]) -> str:
   return _tables(([exact], run), (exact["rows"], rows))
 
 
-#: The generated blocks this file writes from ``dp.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``dp.json``, by name (for ``_report.py``).
 BLOCKS = {
   "dp memory": memory_table,
   "dp ghost": ghost_table,
@@ -1179,9 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.part != "exact":  # the exact part dates its own rows
     results.update(
       date=datetime.date.today().isoformat(),
-      versions={
-        p: importlib.metadata.version(p) for p in ("jax", "jax-privacy", "optax")
-      },
+      versions=_compile.versions("jax", "jax-privacy", "optax"),
     )
   if args.part in ("both", "time"):
     print("Part 2: step time on this CPU")

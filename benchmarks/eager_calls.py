@@ -1,9 +1,5 @@
 """What one eager (un-jitted) call costs: jaxaccum vs ``jax.value_and_grad``.
 
-Run: ``python benchmarks/eager_calls.py [--rounds 30] [--out benchmarks/results]``
-(``--quick``: 5 rounds, to the temporary folder; ``--min-sample-ms`` repeats
-a call within a sample, ``--cpus`` pins the run).
-
 Eager ``jax.value_and_grad(loss)`` (``jax``, and again as ``jax_again``, the
 A/A control), eager ``jaxaccum.value_and_grad(loss, k)``, which compiles its
 step once per configuration and keeps it, and ``jax.jit`` of the first
@@ -106,8 +102,7 @@ def _vs_jax(r: dict[str, Any], name: str) -> str:
   return f"{ms(r['median_ms'][name])} ({r['ratio_to_jax'][name]:.3f})"
 
 
-#: The generated blocks this file writes from ``eager_calls.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``eager_calls.json``, by name (for ``_report.py``).
 BLOCKS = {
   "eager_calls table": eager_calls_table,
 }

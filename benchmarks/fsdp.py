@@ -1,12 +1,5 @@
 """FSDP: memory and communication of accumulating a 1B-parameter transformer.
 
-Usage::
-
-  python benchmarks/fsdp.py [--quick] [--targets h100,tpu-v5e] [--ks 1,2,4,8,16]
-                            [--model llama_1b] [--approaches A,B,...]
-                            [--out benchmarks/results] [--hlo-dir DIR]
-  python benchmarks/fsdp.py --collectives-from DIR   # recount a saved run
-
 Compile-only (the ``targets`` extra): ``_models.py``'s Llama under FSDP
 (:func:`fsdp_spec`) on 8 H100s and a TPU v5e ``2x4``, one ``optax.adamw``
 step by each of :data:`APPROACHES` (:func:`build_step`), read per device by
@@ -584,8 +577,7 @@ def fsdp_summary(results: dict[str, Any]) -> str:
   return table(header, rows)
 
 
-#: The generated blocks this file writes from ``fsdp.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``fsdp.json``, by name (for ``_report.py``).
 BLOCKS = {
   "fsdp table": fsdp_table,
   "fsdp summary": fsdp_summary,

@@ -27,7 +27,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import datetime
-import importlib.metadata
 import json
 import pathlib
 import platform
@@ -37,6 +36,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import _approaches
+import _compile
 import _paths
 import jax
 import jax.numpy as jnp
@@ -339,14 +340,6 @@ def measure_memory(
   return row
 
 
-def relative_difference(grads: Any, want: Any) -> float:
-  """The largest over the leaves of max |a - b| / max |b|."""
-  return max(
-    float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
-    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True)
-  )
-
-
 def kind(path: Any) -> str:
   """A parameter's kind, from its path: the layers' matrices, the norm
   scales, the embedding table or the unembedding (``logits_dense``)."""
@@ -463,7 +456,7 @@ def measure(size: Size, name: str, target: Any) -> tuple[dict[str, Any], dict]:
             row["full_batch_loss"] = float(value)
           else:
             memory["loss"] = float(value)
-            memory["grad_rel_diff"] = relative_difference(grads, want)
+            memory["grad_rel_diff"] = _approaches.max_rel_error(grads, want)
         if approach == "full_batch":
           row["full_batch"] = memory
         else:
@@ -660,9 +653,7 @@ def save(
   results = json.loads(path.read_text()) if path.exists() else {}
   header = {
     "date": datetime.date.today().isoformat(),
-    "versions": {
-      name: importlib.metadata.version(name) for name in ("jax", "flax", "maxtext")
-    },
+    "versions": _compile.versions("jax", "flax", "maxtext"),
     "python": platform.python_version(),
   }
   part = results if size.section == "rows" else results.setdefault(size.section, {})

@@ -1,8 +1,5 @@
 """Bytes and memory per step of gradient accumulation on 2-D and 3-D meshes.
 
-Run: ``python benchmarks/meshes.py [--out benchmarks/results]`` (a few
-minutes on two CPU cores).
-
 On 8 fake CPU devices, each of :data:`LAYOUTS` with ``Auto`` and
 ``Explicit`` axes, the residual MLP of :func:`make_loss`; per ``k`` the
 ``(loss, grads)`` of each of :data:`APPROACHES` and of the full batch, read
@@ -430,25 +427,13 @@ def _mesh_rows(
   rows = []
   for layout, modes in results["results"].items():
     for mode, entry in modes.items():
-      name = _mesh_name(results, layout, mode)
-      first = True
+      lead = [_mesh_name(results, layout, mode), full_cell(entry["full_batch"])]
       for approach, label in MESH_APPROACHES.items():
-        if approach not in entry:
-          continue
-        by_k = entry[approach]
-        cells = []
-        for k in results["ks"]:
-          r = by_k[str(k)]
-          cells.append(cell(r) if r["ok"] else f"fails (`{r['error']}`)")
-        rows.append(
-          [
-            name if first else "",
-            full_cell(entry["full_batch"]) if first else "",
-            label,
-            *cells,
-          ]
-        )
-        first = False
+        if approach in entry:  # the mesh's name and full batch on its first row
+          runs = [entry[approach][str(k)] for k in results["ks"]]
+          cells = [cell(r) if r["ok"] else f"fails (`{r['error']}`)" for r in runs]
+          rows.append([*lead, label, *cells])
+          lead = ["", ""]
   return rows
 
 
@@ -492,40 +477,30 @@ def meshes_machine(results: dict[str, Any]) -> str:
   )
 
 
-def _ks_header(results: dict[str, Any]) -> list[str]:
-  return [f"k = {k}" for k in results["ks"]]
-
-
-def meshes_bytes(results: dict[str, Any]) -> str:
-  def cell(r: dict[str, Any]) -> str:
-    return (
-      f"{ratio(r['bytes_over_data_axes_vs_full'])} / "
-      f"{ratio(r['bytes_over_model_axis_vs_full'])}"
-    )
-
-  def full(r: dict[str, Any]) -> str:
-    return f"{mib(r['bytes_over_data_axes'], 2)} / {mib(r['bytes_over_model_axis'], 2)}"
-
-  header = ["mesh, axes", "full batch, MiB", "approach", *_ks_header(results)]
-  return (
-    "Bytes over the data axes / over the model axis, per device and step, × "
-    "the full batch's on the same mesh:\n\n"
-    + table(header, _mesh_rows(results, cell, full))
-  )
-
-
 def _meshes_table(
   caption: str, full: str, cell: Callable[..., str], full_cell: Callable[..., str]
 ) -> Callable[[dict[str, Any]], str]:
   """A block of one number per mesh, approach and ``k``."""
 
   def block(results: dict[str, Any]) -> str:
-    header = ["mesh, axes", full, "approach", *_ks_header(results)]
+    header = ["mesh, axes", full, "approach", *(f"k = {k}" for k in results["ks"])]
     return caption + ":\n\n" + table(header, _mesh_rows(results, cell, full_cell))
 
   return block
 
 
+meshes_bytes = _meshes_table(
+  "Bytes over the data axes / over the model axis, per device and step, × "
+  "the full batch's on the same mesh",
+  "full batch, MiB",
+  lambda r: (
+    f"{ratio(r['bytes_over_data_axes_vs_full'])} / "
+    f"{ratio(r['bytes_over_model_axis_vs_full'])}"
+  ),
+  lambda r: (
+    f"{mib(r['bytes_over_data_axes'], 2)} / {mib(r['bytes_over_model_axis'], 2)}"
+  ),
+)
 meshes_peak = _meshes_table(
   "Peak memory per device (`argument + output + temp − alias`), × the full "
   "batch's on the same mesh",
@@ -549,8 +524,7 @@ meshes_compute = _meshes_table(
 )
 
 
-#: The generated blocks this file writes from ``meshes.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``meshes.json``, by name (for ``_report.py``).
 BLOCKS = {
   "meshes layouts": meshes_layouts,
   "meshes machine": meshes_machine,

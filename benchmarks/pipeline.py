@@ -1,10 +1,5 @@
 """Pipeline parallelism: memory and communication of a Llama-style model.
 
-Usage::
-
-  python benchmarks/pipeline.py [--quick] [--large] [--targets h100,tpu-v5e]
-  python benchmarks/pipeline.py --render     # rewrite the manual's blocks only
-
 Compile-only (the ``targets`` extra): ``fsdp.py``'s Llama with its layers
 run by ``jaxaccum.pipeline`` on a ``"stage"`` axis beside ``"data"``
 (:func:`make_step`), per layout of :data:`LAYOUTS`, ``m`` and ``r``, read by

@@ -1,7 +1,5 @@
 """What the README's two commands take on a fresh clone: time, disk, outcome.
 
-Run: ``python benchmarks/readme_commands.py [--out benchmarks/results]``.
-
 It reads README.md's demo and test commands (:data:`COMMANDS`), clones the
 committed ``HEAD`` into a temporary folder once per command and runs each
 there as written, in a clean environment (pip's download cache as it is),
@@ -130,7 +128,7 @@ def readme_commands_times(results: dict[str, Any]) -> str:
     [
       name.replace("_", " "),
       f"{r['seconds'] / 60:.1f}",
-      f"{r['cpu_seconds'] / 60:.1f}" if "cpu_seconds" in r else "–",
+      f"{r['cpu_seconds'] / 60:.1f}",
       f"{r['venv_bytes'] / 2**30:.1f}",
       r["returncode"],
       len(r["plugin_error_lines"]),
@@ -146,8 +144,7 @@ def readme_commands_times(results: dict[str, Any]) -> str:
   )
 
 
-#: The generated blocks this file writes from ``readme_commands.json``, by name
-#: (``_report.py`` puts each on its page).
+#: The blocks written from ``readme_commands.json``, by name (for ``_report.py``).
 BLOCKS = {
   "readme_commands times": readme_commands_times,
 }
@@ -166,13 +163,8 @@ def main(argv: list[str] | None = None) -> int:
   # Each command in a fresh clone; then the other one in the same clone and
   # venv, as a newcomer who runs both would (the tests first, the demo
   # second: the order in which compile-only plugins used to spill errors).
-  runs = {}
-  for name, r in zip(
-    ("tests", "demo_after_tests"),
-    run_fresh([commands["tests"], commands["demo"]]),
-    strict=True,
-  ):
-    runs[name] = r
+  both = run_fresh([commands["tests"], commands["demo"]])
+  runs = dict(zip(("tests", "demo_after_tests"), both, strict=True))
   (runs["demo"],) = run_fresh([commands["demo"]])
   results = {
     "date": datetime.date.today().isoformat(),

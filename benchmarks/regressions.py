@@ -2,19 +2,10 @@
 committed baseline.
 
 Run: ``python benchmarks/regressions.py --check`` (CI runs it on every
-jax leg; exit 1 on a regression), ``--rebaseline`` to rewrite the baseline
-of the installed jax's minor version, ``results/regressions-jax<minor>.json``
-(XLA's programs differ between minors; the commit that rewrites one says
-why), ``--targets`` to add the H100 and TPU v5e rows (the ``targets``
-extra). Each step is a two-layer MLP with a bias on 8 CPU devices,
-``k = 4``, in the layouts of :data:`LAYOUTS` and a 4-stage pipeline, under
-plain ``jit`` on Explicit axes and through ``mesh=`` on Auto axes;
-:func:`measure` reads its peak, its collective bytes and the bytes of the
-data-axis collectives in the loop (:data:`METRICS`). Any of them more than
-1% above the baseline fails. Each CPU step also runs once, and its value
-and gradients must equal ``jax.value_and_grad``'s on the full batch within
-:data:`EXACT` of the largest magnitude (a step that compiles to the same
-bytes but computes a wrong loss fails too).
+jax leg; exit 1 on a regression), ``--rebaseline`` to rewrite
+``results/regressions-jax<minor>.json``, ``--targets`` to add the H100 and
+TPU v5e rows. ``benchmarks/README.md``'s ``regressions.py`` section says
+which steps (:data:`LAYOUTS`, a pipeline) and what :func:`measure` reads.
 """
 
 from __future__ import annotations
@@ -172,9 +163,7 @@ def target_rows() -> dict[str, dict]:
   blocked leaves, where the partitioner places the gathers)."""
   rows = {}
   for name in ("h100", "tpu-v5e"):
-    target = jaxaccum.compile_target(
-      name, topology="1x1x8" if name == "h100" else "2x4"
-    )
+    target = jaxaccum.compile_target(name, topology=_paths.TOPOLOGIES[name])
     for layout, path in (("replicated", "plain"), ("fsdp", "plain"), ("fsdp", "mesh")):
       _, names, data, specs = LAYOUTS[layout]
       kind = AxisType.Explicit if path == "plain" else AxisType.Auto
