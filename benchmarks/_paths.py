@@ -52,12 +52,15 @@ class _Parser(argparse.ArgumentParser):
   """Resolves ``--out`` (:func:`output_folder`) and checks ``--targets``."""
 
   out_folder = False
+  check_targets = False
 
   def parse_args(self, args=None, namespace=None):  # type: ignore[override]
     ns = super().parse_args(args, namespace)
     if self.out_folder:
       ns.out = output_folder(ns.out, getattr(ns, "quick", False))
-    unknown = [t for t in getattr(ns, "targets", None) or [] if t not in TOPOLOGIES]
+    unknown = (
+      [t for t in ns.targets if t not in TOPOLOGIES] if self.check_targets else []
+    )
     if unknown:
       self.error(f"unknown targets {unknown}; choose from {list(TOPOLOGIES)}")
     return ns
@@ -88,6 +91,7 @@ def parser(
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.out_folder = out
+  p.check_targets = targets
   if quick:
     p.add_argument("--quick", action="store_true", help=quick)
   if out:

@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -79,21 +80,22 @@ def arrays(mesh: jax.sharding.Mesh, specs: dict, data: tuple[str, ...]) -> tuple
   return params, (put(x, rows), put(jnp.sin(x[:, :1]), rows))
 
 
-def mlp_step(layout: str, path: str) -> tuple[Any, ...]:
+def mlp_step(layout: str, path: str, target: Any = None) -> tuple[Any, ...]:
+  """The step, its arguments, mesh, data axes and loss; for a compile-only
+  ``target``, on that target's devices."""
   shape, names, data, specs = LAYOUTS[layout]
   explicit = path == "plain"
   kind = AxisType.Explicit if explicit else AxisType.Auto
-  mesh = jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+  types = (kind,) * len(names)
+  mesh = target.mesh(shape, names, axis_types=types) if target else None
+  mesh = mesh or jax.make_mesh(shape, names, axis_types=types)
+  args = arrays(jax.make_mesh(shape, names) if target else mesh, specs, data)
+  if target:
+    args = jax.tree.map(lambda a: target.place(a, a.sharding.spec, mesh=mesh), args)
   loss = mlp("model" in names, explicit)
   every = {n: specs.get(n, P()) for n in ("w1", "w2", "b")}
   options = {} if explicit else {"mesh": mesh, "data_axis": data, "param_specs": every}
-  return (
-    jaxaccum.value_and_grad(loss, K, **options),
-    arrays(mesh, specs, data),
-    mesh,
-    data,
-    loss,
-  )
+  return jaxaccum.value_and_grad(loss, K, **options), args, mesh, data, loss
 
 
 def pipeline_step(path: str) -> tuple[Any, ...]:
@@ -120,23 +122,34 @@ def pipeline_step(path: str) -> tuple[Any, ...]:
 
 
 def measure(
-  step: Any, args: tuple, mesh: jax.sharding.Mesh, data: tuple, loss: Any
+  step: Any,
+  args: tuple,
+  mesh: jax.sharding.Mesh,
+  data: tuple,
+  loss: Any,
+  *,
+  target=None,
 ) -> dict:
+  """The step's bytes; on this machine (no ``target``) also its deviation
+  from the full batch's value and gradients."""
   fun = jax.jit(step)
   with jax.set_mesh(mesh):
-    stats = jaxaccum.compiled_memory(fun, *args)
-    text = testing.compiled_text(fun, *args)
-    got, want = fun(*args), jax.jit(jax.value_and_grad(loss))(*args)
+    stats = jaxaccum.compiled_memory(fun, *args, target=target)
+    colls = testing.collectives(testing.compiled_text(fun, *args, target=target))
+    right = (
+      {}
+      if target
+      else {"error": deviation(fun(*args), jax.jit(jax.value_and_grad(loss))(*args))}
+    )
   shape = tuple(mesh.shape.values())
   dims = [mesh.axis_names.index(a) for a in data]
-  colls = testing.collectives(text)
   return {
     "peak_bytes": int(stats.peak_bytes),
     "collective_bytes": sum(c.bytes * c.executions for c in colls),
     "data_bytes_in_loop": sum(
       c.bytes * c.executions for c in colls if c.in_loop and c.spans(shape, dims)
     ),
-    "error": deviation(got, want),
+    **right,
   }
 
 
@@ -165,30 +178,9 @@ def target_rows() -> dict[str, dict]:
   for name in ("h100", "tpu-v5e"):
     target = jaxaccum.compile_target(name, topology=_paths.TOPOLOGIES[name])
     for layout, path in (("replicated", "plain"), ("fsdp", "plain"), ("fsdp", "mesh")):
-      _, names, data, specs = LAYOUTS[layout]
-      kind = AxisType.Explicit if path == "plain" else AxisType.Auto
-      mesh = target.mesh((8,), names, axis_types=(kind,))
-      params, batch = arrays(jax.make_mesh((8,), names), specs, data)
-      placed = (
-        {n: target.place(a, specs.get(n, P()), mesh=mesh) for n, a in params.items()},
-        target.place(batch, P(data[0]), mesh=mesh),
+      rows[f"{name}/{layout}/{path}"] = measure(
+        *mlp_step(layout, path, target), target=target
       )
-      every = {n: specs.get(n, P()) for n in params}
-      options = (
-        {}
-        if path == "plain"
-        else {"mesh": mesh, "data_axis": data[0], "param_specs": every}
-      )
-      step = jax.jit(jaxaccum.value_and_grad(mlp(False, path == "plain"), K, **options))
-      with jax.set_mesh(mesh):
-        stats = jaxaccum.compiled_memory(step, *placed, target=target)
-        text = testing.compiled_text(step, *placed, target=target)
-      colls = testing.collectives(text)
-      rows[f"{name}/{layout}/{path}"] = {
-        "peak_bytes": int(stats.peak_bytes),
-        "collective_bytes": sum(c.bytes * c.executions for c in colls),
-        "data_bytes_in_loop": sum(c.bytes * c.executions for c in colls if c.in_loop),
-      }
   return rows
 
 
@@ -207,13 +199,17 @@ def regressions(rows: dict[str, dict], baseline: dict[str, dict]) -> list[str]:
   return found
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli() -> argparse.ArgumentParser:
   parser = _paths.parser(__doc__, out=False)
   parser.add_argument("--check", action="store_true", help="compare (the default)")
   parser.add_argument("--rebaseline", action="store_true", help="rewrite the baseline")
   parser.add_argument("--targets", action="store_true", help="add the H100/TPU rows")
   parser.add_argument("--baseline", type=Path, default=BASELINE)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = cli().parse_args(argv)
   rows = cpu_rows()
   if args.targets:
     rows.update(target_rows())

@@ -92,6 +92,22 @@ def test_largest_fitting_finds_the_last_batch_that_fits(
   hypothesis.event("nothing fits" if expected == 0 else "something fits")
 
 
+def test_every_regression_guard_line_of_ci_parses():
+  """Each ``regressions.py`` command in ``.ci/run`` is one its parser takes
+  (``--targets`` is a flag there, not the list the shared parser checks)."""
+  guard = load("regressions")
+  ci = (BENCHMARKS.parent / ".ci" / "run").read_text()
+  lines = [
+    ln.split()[2:]
+    for ln in ci.splitlines()
+    if ln.startswith("python benchmarks/regressions.py")
+  ]
+  assert {"--targets"} <= {a for line in lines for a in line}
+  for line in lines:
+    args = guard.cli().parse_args(line)
+    assert args.check and args.targets == ("--targets" in line)
+
+
 def test_the_regression_guard_fails_a_step_whose_loss_is_wrong():
   """regressions.py runs each step once against jax.value_and_grad on the
   full batch: the right step passes, one whose loss and gradients are 256
