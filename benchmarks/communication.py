@@ -457,10 +457,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     "ks": list(ks),
     "grad_bytes": grad_bytes,
     "data_parallel_flops_per_device": ideal_flops,
-    "byte_convention": (
-      "per device: result bytes of each collective times the trip counts of "
-      "the while loops around it, summed over the compiled step"
-    ),
     "approaches": {name: APPROACHES[name] for name in APPROACHES},
     "results": results,
     "explicit": explicit_rows,
@@ -628,16 +624,8 @@ def run_plain_jit(
     "mesh": {"shape": [NUM_DEVICES], "axis_names": ["data"], "axis_types": "Auto"},
     "batch_spec": str(P("data")),
     "param_spec": str(P()),
-    "timing": "median over interleaved rounds (round r times every approach "
-    "once, in an order rotated by r; one untimed round first) of the wall time "
-    "per call, each sample "
-    "repeating the compiled step until it lasts min_sample_ms, ended by "
-    "jax.block_until_ready",
     "approaches": results,
     "aa_ratio": aa,
-    "aa_control": "full_batch_again over full_batch, median over median: the "
-    "same step timed twice in the same rounds; a time target is decided (met "
-    "or missed) only where it is within 0.03 of 1",
     "targets": [
       _target(
         f"jaxaccum time <= {PLAIN_TARGET:.2f} x full batch",
@@ -661,18 +649,6 @@ def run_plain_jit(
       ),
     ],
     "profile": profile,
-    "profile_method": (
-      f"jax.profiler traces of {PROFILE_STEPS} steps after the timing, in "
-      f"{profile_rounds} interleaved rounds (the median over the rounds); each "
-      "event named for an instruction of the compiled HLO is one thunk's "
-      "execution on one device, classed by the instruction (a fusion by the "
-      "ops it fuses): matmul (dot), collective, copy/slice, elementwise/"
-      "reduce; while loops and calls, which hold other thunks, are not "
-      "counted. Durations are summed over the devices' threads, per step: "
-      "with more device threads than cores, they include time a thread waits "
-      "for a core, and a collective's includes the wait for the other "
-      "devices at its rendezvous"
-    ),
     "load_average_at_end": list(os.getloadavg()),
   }
 

@@ -2,18 +2,7 @@
 mesh=..., view="global")``: equal to its full batch on every mesh, and its
 peak memory against MaxText's own gradient accumulation.
 
-Usage (Python 3.12, in a venv of its own: MaxText needs it)::
-
-  python3.12 -m venv /tmp/maxtext-venv && . /tmp/maxtext-venv/bin/activate
-  pip install maxtext==0.2.5 -e .
-  # its wheel declares its dependencies under extras only; these suffice:
-  pip install omegaconf packaging pathwaysutils jinja2 aqtp qwix tokamax \
-    huggingface_hub transformers grain drjax pillow tiktoken sentencepiece \
-    sympy "jax==0.12.0.1" "jaxlib==0.12.0.1"
-  python benchmarks/maxtext_llama.py            # tiny llama on 8 CPU devices
-  python benchmarks/maxtext_llama.py --explicit # its Explicit meshes, plain jit
-  pip install "jax[cuda13-local]==0.12.0.1"     # XLA's GPU compiler, for:
-  python benchmarks/maxtext_llama.py --config 1b  # 1.1B llama, 8 H100s
+Usage and install (Python 3.12, a venv of its own): ``benchmarks/README.md``.
 
 :func:`build` makes the model as MaxText's trainer does, :func:`programs`
 the three programs, :func:`measure_memory` reads each. Each run rewrites its

@@ -1,14 +1,7 @@
 """MaxText's own pipeline parallelism on ``pipeline.py``'s configurations,
 compiled for 8 H100s: its peak memory and collective bytes per device.
 
-Usage (Python 3.12, in a venv with MaxText and the CUDA compiler plugin)::
-
-  python3.12 -m venv /tmp/maxtext-venv && . /tmp/maxtext-venv/bin/activate
-  pip install maxtext==0.2.5 "jax[cuda13-local]==0.12.0.1" -e .
-  python benchmarks/maxtext_pipeline.py  # 8 × 1, 4 × 2, 2 × 4 at m = 2S, r = 1
-  python benchmarks/maxtext_pipeline.py --repeats 1,2 --factors 1,2,4
-  # then, in the dev venv (Python 3.11), into pipeline.json and the manual:
-  python benchmarks/pipeline.py --maxtext benchmarks/results/maxtext_pipeline.json
+Usage and install (Python 3.12, a venv of its own): ``benchmarks/README.md``.
 
 :func:`compile_step` builds MaxText's train step as its ahead-of-time
 compiler does, at :data:`SETTINGS`; ``pipeline.read`` reads it. Writes

@@ -312,11 +312,6 @@ def run() -> dict[str, Any]:
     "batch_size": BATCH_SIZE,
     "batch_bytes": _approaches.tree_bytes(batch),
     "ks": list(KS),
-    "byte_convention": (
-      "per device: result bytes of each collective times the trip counts of "
-      "the while loops around it, summed over the compiled step, split by the "
-      "mesh axes its replica groups span (data axes only, model axis only, both)"
-    ),
     "memory_convention": (
       "per device: XLA compiled memory analysis, argument + output + temp - "
       "alias (jaxaccum.compiled_memory(...).peak_bytes)"
