@@ -8,9 +8,6 @@ compiler does, at :data:`SETTINGS`; ``pipeline.read`` reads it. Writes
 ``results/maxtext_pipeline.json`` a row at a time.
 """
 
-# The manual's typography: multiplication signs.
-# ruff: noqa: RUF002
-
 from __future__ import annotations
 
 import os
