@@ -27,6 +27,7 @@ accumulator is built), and reduces over the devices between chapters 2 and
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -373,19 +374,56 @@ class Engine:
     return engine.finish(engine.sums(args, kwargs, split), diff_args, args)
 
   def made_exact(
-    self, args: tuple[Any, ...], kwargs: dict[str, Any], split: _split.MicroBatching
+    self,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    split: _split.MicroBatching,
+    *,
+    per_device: bool = False,
   ) -> Engine:
     """This engine with its :class:`jaxaccum._exact_plan.Plan` where the step's
-    loss is read as a function of sums over its rows, else itself."""
+    loss is read as a function of sums over its rows, else itself.
+
+    ``per_device``: ``fun`` sees one device's rows (``mesh=``'s default
+    view) and is read on the whole batch's micro-batch here. A ``fun`` that
+    traces on a device's rows only (a shape or a constraint that holds for
+    those) is not read, and says so once: each micro-batch's loss then
+    weighs the same."""
     if self.read:
       return self
+    # what JAX raises for a shape, an axis or a constraint (an Explicit
+    # mesh's with_sharding_constraint asserts) that holds for one device's rows
+    refused = (
+      (TypeError, ValueError, IndexError, NameError, AssertionError)
+      if per_device
+      else ()
+    )
     try:
       found = _exact_plan.for_step(self, args, kwargs, split)
-    except _compat.SHARDING_TYPE_ERRORS:
+    except _compat.SHARDING_TYPE_ERRORS as e:
       # fun refused on these types: not read; the step's own trace raises
       # the error, explained where jaxaccum can explain it
+      if per_device:
+        warn_unread(e)
+      found = None
+    except refused as e:
+      warn_unread(e)
       found = None
     return dataclasses.replace(self, exact=found, read=True)
+
+
+def warn_unread(error: Exception) -> None:
+  """Says once that ``fun``, which sees one device's rows, is not read as
+  sums over rows on the whole batch (``error`` says why)."""
+  first = str(error).strip().split("\n", maxsplit=1)[0][:200]
+  warnings.warn(
+    "jaxaccum: fun's loss is not read as sums over rows on the whole batch "
+    f"({type(error).__name__}: {first}); fun sees one device's rows, and "
+    "each micro-batch's loss weighs the same, which is the full batch's only "
+    "where every micro-batch holds the same weight. For a token mean, return "
+    '(loss_sum, weight) with normalize="weighted".',
+    stacklevel=5,
+  )
 
 
 def check_noise_estimable(options: Options, total: int) -> None:

@@ -62,6 +62,12 @@ class Flat(NamedTuple):
     return [mark if owner[n] in positions else None for n in self.arrays]
 
 
+class OtherSums(ValueError):
+  """The micro-batch ``fun`` sees (one device's rows) is read as other sums
+  than the whole batch's micro-batch (a program that changes at one row:
+  a size-1 dimension broadcast, or squeezed, where rows were)."""
+
+
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(
     x, "aval"
@@ -99,7 +105,10 @@ class Plan:
       else:  # another view of the rows (a device's, under mesh=)
         outs, sums = _evaluated(loss_fn, flat, self.batch)
       if len(sums) != len(self.coefficients):
-        raise AssertionError("the micro-batch's program has other sums")
+        raise OtherSums(
+          f"one device's micro-batch has {len(sums)} sums over rows where the "
+          f"whole batch's has {len(self.coefficients)}"
+        )
       terms = [_dot(c, s) for c, s in zip(self.coefficients, sums, strict=True)]
       total = functools.reduce(jnp.add, terms)
       _, (weight, aux, new_state) = outs

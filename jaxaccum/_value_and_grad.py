@@ -74,10 +74,8 @@ def value_and_grad(
   jaxpr and made exact: each micro-batch's backward pass gets the full
   batch's cotangents, and the rest of the loss is applied once, to the
   totals (``docs/guide.md``, "Exact by default"), on one device, under
-  plain ``jit`` on a sharded batch and ``mesh=`` with ``view="global"``
-  (not ``view="device"``, where ``fun`` sees one device's rows). Another loss
-  (a batch statistic used per row) is the mean of the micro-batches'
-  losses.
+  plain ``jit`` on a sharded batch and under ``mesh=``. Another loss (a
+  batch statistic used per row) is the mean of the micro-batches' losses.
 
   **Several devices.** Under plain ``jit`` on an Explicit mesh, the axes the
   batch's rows are sharded over are the data axes: parameters replicated

@@ -1,5 +1,5 @@
-"""Exact by default on the data-parallel paths where ``fun`` sees the global
-batch: ``mesh=`` with ``view="global"`` and plain ``jit`` on a sharded batch give the full batch's value and gradient
+"""Exact by default on the data-parallel paths: ``mesh=`` in both views and
+plain ``jit`` on a sharded batch give the full batch's value and gradient
 for a loss built from sums over its rows, unchanged, as one device does
 (``tests/test_exact.py``), with the batch's rows sharded over 8 devices.
 Under plain ``jit`` the sums stay ``unreduced`` through the loop: no
@@ -9,17 +9,26 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import testing
-from tests.test_exact import V, micro_mean, params, relative, tokens_and_mask
+from tests.test_exact import (
+  LM,
+  V,
+  lm_loss,
+  micro_mean,
+  params,
+  relative,
+  tokens_and_mask,
+)
 
 pytestmark = pytest.mark.filterwarnings("error")  # no fallback, no warning
 
 K = 2
-PATHS = ("mesh=, view='global'", "plain jit")
+PATHS = ("mesh=, view='global'", "mesh=, view='device'", "plain jit")
 
 
 def head(w, tok):
@@ -103,13 +112,55 @@ def test_plain_jit_reduces_no_gradient_inside_the_loop():
   assert sum(c.bytes for c in after) >= grad_bytes, after
 
 
-def test_the_per_device_view_keeps_the_mean_of_micro_batch_means():
-  """view="device" (mesh='s default): fun sees one device's rows, and its
-  loss is not read on the whole batch (docs/guide.md): the mean of the
-  D * k micro-batches' means, as before."""
-  loss, m = LOSSES["sum / max(count, 1)"], mesh(AxisType.Auto)
+def test_a_loss_that_traces_on_one_devices_rows_only_keeps_the_mean_and_says_so():
+  """view="device" reads the loss on the whole batch's micro-batch; a
+  ``fun`` with a shape that holds for one device's rows only (its rows
+  here: 1) is not read there: the mean of the D * k micro-batches' means, as
+  before exactness by default, with a warning that names the error."""
+  base = LOSSES["sum / max(count, 1)"]
+
+  def loss(w, b):
+    b[0].reshape(1, b[0].shape[1])  # one device's micro-batch: one row
+    return base(w, b)
+
+  m = mesh(AxisType.Auto)
   w, batch = placed(m)
-  with jax.set_mesh(m):
+  with jax.set_mesh(m), pytest.warns(UserWarning, match="cannot reshape") as seen:
     got = step(loss, "mesh=, view='device'", m)(w, batch)
-  want = micro_mean(jax.value_and_grad(loss), (params(), tokens_and_mask(1)), k=8 * K)
+  assert "one device's rows" in str(seen[0].message)
+  want = micro_mean(jax.value_and_grad(base), (params(), tokens_and_mask(1)), k=8 * K)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  exact = jax.value_and_grad(base)(params(), tokens_and_mask(1))
+  assert relative(got[1], exact[1]) > 0.05  # the fallback is the equal-weight mean
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+def test_the_nnx_lm_s_token_mean_is_exact_unchanged_under_mesh(view):
+  """The NNX LM of tests/test_exact.py, its loss unchanged, through
+  jaxaccum.nnx.value_and_grad with mesh= on 8 devices, in either view: 32
+  rows, two per device and micro-batch."""
+  model = LM(nnx.Rngs(0))
+  batch = jax.tree.map(
+    lambda a, b: jnp.concatenate([a, b]), *map(tokens_and_mask, (0, 1))
+  )
+  want = nnx.value_and_grad(lm_loss)(model, batch)
+  m = mesh(AxisType.Auto)
+  placed = jax.device_put(batch, NamedSharding(m, P("data")))
+  fun = jaxaccum.nnx.value_and_grad(lm_loss, K, mesh=m, data_axis="data", view=view)
+  with jax.set_mesh(m):
+    got = fun(model, placed)
+  chex.assert_trees_all_close(got[0], want[0], rtol=1e-5)
+  assert relative(nnx.state(got[1]), nnx.state(want[1])) < 1e-5
+
+
+def test_one_row_per_device_and_micro_batch_is_not_read_and_says_so():
+  """At one row, the LM's causal mask (one row of its own) is used as the
+  rows are, not broadcast over them: the device's program has other sums
+  than the whole batch's, so the step keeps equal weights and warns."""
+  model = LM(nnx.Rngs(0))
+  batch = tokens_and_mask()  # 16 rows: one per device and micro-batch
+  m = mesh(AxisType.Auto)
+  placed = jax.device_put(batch, NamedSharding(m, P("data")))
+  fun = jaxaccum.nnx.value_and_grad(lm_loss, K, mesh=m, data_axis="data")
+  with jax.set_mesh(m), pytest.warns(UserWarning, match="1 sums over rows where"):
+    fun(model, placed)

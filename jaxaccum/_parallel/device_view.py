@@ -90,12 +90,11 @@ def step(
 
 class DeviceStep(Step):
   """One traced step of the per-device view (module docstring). ``fun``
-  sees one device's rows here, so its loss is not read on the whole batch
-  (a constraint or a shape of ``fun``'s may hold for a device's rows only):
-  each micro-batch's mean weighs the same, as before exactness by default
-  (``view="global"`` and plain ``jit`` read it)."""
+  sees one device's rows here; its loss is read on the whole batch's
+  micro-batch, the sums' coefficients are the whole batch's, and each
+  device's sums join the totals after the loop."""
 
-  reads_the_loss = False
+  per_device = True
 
   def __init__(
     self,

@@ -21,12 +21,13 @@ types (:mod:`~jaxaccum._parallel.unreduced`) fill in the moves; each leaf's
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from jaxaccum import _accumulator, _engine, _split
+from jaxaccum import _accumulator, _engine, _exact_plan, _split
 from jaxaccum._engine import Engine
 from jaxaccum._parallel import placement as _placement
 from jaxaccum._parallel import types as _types
@@ -52,10 +53,10 @@ class Step:
     self.placements = tuple(placements)
     self.split = split
 
-  #: Whether the loss is read as a function of sums over rows, and made
-  #: exact (:meth:`jaxaccum._engine.Engine.made_exact`): where ``fun`` sees
-  #: the global batch, as the read does.
-  reads_the_loss = True
+  #: Whether ``fun`` sees one device's rows: its loss is then read on the
+  #: whole batch's micro-batch where ``fun`` traces there
+  #: (:meth:`jaxaccum._engine.Engine.made_exact`).
+  per_device = False
 
   def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _engine.Result:
     diff_args = tuple(args[n] for n in self.options.argnums)
@@ -66,11 +67,17 @@ class Step:
     self.placements = _placement.combined(
       self.placements, self.engine.rules(diff_args), paths
     )
-    if self.reads_the_loss:
-      seen = as_fun_sees(args, self.options, self.placements)
-      self.engine = self.engine.made_exact(seen, kwargs, self.split)
+    seen = as_fun_sees(args, self.options, self.placements)
+    self.engine = self.engine.made_exact(
+      seen, kwargs, self.split, per_device=self.per_device
+    )
     placed = self.place(args)
-    sums = self.loop(placed, kwargs)
+    try:
+      sums = self.loop(placed, kwargs)
+    except _exact_plan.OtherSums as error:  # traced again, with equal weights
+      _engine.warn_unread(error)
+      self.engine = dataclasses.replace(self.engine, exact=None)
+      sums = self.loop(placed, kwargs)
     return self.reduce(sums, args)
 
   # -- 1. place the leaves before the loop --------------------------------------
