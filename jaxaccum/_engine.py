@@ -391,23 +391,20 @@ class Engine:
     weighs the same."""
     if self.read:
       return self
-    # what JAX raises for a shape, an axis or a constraint (an Explicit
-    # mesh's with_sharding_constraint asserts) that holds for one device's rows
-    refused = (
+    # A fun that sees the whole batch raises a type error in the step's own
+    # trace, explained where jaxaccum can explain it; one that sees a
+    # device's rows may trace there only (a shape, an axis, a constraint --
+    # an Explicit mesh's with_sharding_constraint asserts -- of those rows).
+    refused = _compat.SHARDING_TYPE_ERRORS + (
       (TypeError, ValueError, IndexError, NameError, AssertionError)
       if per_device
       else ()
     )
     try:
       found = _exact_plan.for_step(self, args, kwargs, split)
-    except _compat.SHARDING_TYPE_ERRORS as e:
-      # fun refused on these types: not read; the step's own trace raises
-      # the error, explained where jaxaccum can explain it
+    except refused as error:
       if per_device:
-        warn_unread(e)
-      found = None
-    except refused as e:
-      warn_unread(e)
+        warn_unread(error)
       found = None
     return dataclasses.replace(self, exact=found, read=True)
 
@@ -415,10 +412,9 @@ class Engine:
 def warn_unread(error: Exception) -> None:
   """Says once that ``fun``, which sees one device's rows, is not read as
   sums over rows on the whole batch (``error`` says why)."""
-  first = str(error).strip().split("\n", maxsplit=1)[0][:200]
   warnings.warn(
     "jaxaccum: fun's loss is not read as sums over rows on the whole batch "
-    f"({type(error).__name__}: {first}); fun sees one device's rows, and "
+    f"({type(error).__name__}: {error}); fun sees one device's rows, and "
     "each micro-batch's loss weighs the same, which is the full batch's only "
     "where every micro-batch holds the same weight. For a token mean, return "
     '(loss_sum, weight) with normalize="weighted".',

@@ -232,7 +232,13 @@ def read(
   rest = _rest(closed.jaxpr, nodes)
   doubled = [_doubled(a, r) for a, r in zip(args, rows_at, strict=True)]
   try:
-    counts = _counts(closed, _jaxpr.inlined(fun, doubled), rest)
+    twice = _jaxpr.inlined(fun, doubled)
+  except Exception as error:  # any: fun traced at its own rows
+    # a shape of fun's that holds for its micro-batch's rows only
+    why = f"it does not trace at twice the rows ({type(error).__name__}: {error})"
+    return Refusal(why, _divides_by_batch(closed, rows_at))
+  try:
+    counts = _counts(closed, twice, rest)
   except ValueError as error:
     return Refusal(str(error), _divides_by_batch(closed, rows_at))
   sums = _loss_sums(closed.jaxpr, nodes, rest)

@@ -5,6 +5,8 @@ mean of the micro-batches' losses is measurably off (the micro-batches
 hold different token counts). The read itself is in
 ``tests/test_exact_read.py``."""
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -194,7 +196,48 @@ def test_a_batch_statistic_per_row_keeps_the_mean_of_micro_batches_and_warns():
     return jnp.sum(jnp.sum(h**2, -1) * b[1]) / jnp.sum(b[1])
 
   w, batch = params(), tokens_and_mask(4)
-  with pytest.warns(UserWarning, match='normalize="weighted"'):
+  with pytest.warns(UserWarning, match="uses the rows other than through sums"):
     got = jaxaccum.value_and_grad(loss, K)(w, batch)
   want = micro_mean(jax.value_and_grad(loss), (w, batch))
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shape_of_the_micro_batch_s_own_keeps_the_mean_and_never_breaks_the_step():
+  """The read traces fun at twice its rows too (to tell a count of rows from
+  a constant). A fun with its micro-batch's shape written in does not trace
+  there, and one that branches on it traces another program: the step runs, as the mean of the micro-batches' losses, and a
+  masked mean says why, where a plain mean (exact that way) says nothing."""
+  rows = B // K
+
+  def pinned(loss):
+    def pinned_loss(w, b):
+      b[0].reshape(rows, T)  # the micro-batch's shape, written in
+      return loss(w, b)
+
+    return pinned_loss
+
+  def masked(w, b):
+    return jnp.sum(ce(w, b[0]) * b[1]) / jnp.sum(b[1])
+
+  def plain(w, b):
+    return jnp.mean(ce(w, b[0]))
+
+  w, batch = params(), tokens_and_mask(4)
+  with pytest.warns(UserWarning, match=r"twice the rows \(TypeError: cannot reshape"):
+    got = jaxaccum.value_and_grad(pinned(masked), K)(w, batch)
+  want = micro_mean(jax.value_and_grad(masked), (w, batch))
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+  def branching(w, b):  # another program at twice the rows
+    scale = 1.0 if b[0].shape[0] == rows else jnp.float32(1.0) * 1.0
+    return masked(w, b) * scale
+
+  with pytest.warns(UserWarning, match="program changes with the number of rows"):
+    got = jaxaccum.value_and_grad(branching, K)(w, batch)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = jaxaccum.value_and_grad(pinned(plain), K)(w, batch)
+  want = jax.value_and_grad(plain)(w, batch)
+  chex.assert_trees_all_close(got[0], want[0], rtol=1e-5)
+  assert relative(got[1], want[1]) < 1e-5

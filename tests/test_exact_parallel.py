@@ -28,6 +28,12 @@ from tests.test_exact import (
 pytestmark = pytest.mark.filterwarnings("error")  # no fallback, no warning
 
 K = 2
+UNREAD = (
+  "jaxaccum: fun's loss is not read as sums over rows on the whole batch ({}); "
+  "fun sees one device's rows, and each micro-batch's loss weighs the same, "
+  "which is the full batch's only where every micro-batch holds the same "
+  'weight. For a token mean, return (loss_sum, weight) with normalize="weighted".'
+)
 PATHS = ("mesh=, view='global'", "mesh=, view='device'", "plain jit")
 
 
@@ -127,7 +133,10 @@ def test_a_loss_that_traces_on_one_devices_rows_only_keeps_the_mean_and_says_so(
   w, batch = placed(m)
   with jax.set_mesh(m), pytest.warns(UserWarning, match="cannot reshape") as seen:
     got = step(loss, "mesh=, view='device'", m)(w, batch)
-  assert "one device's rows" in str(seen[0].message)
+  assert str(seen[0].message) == UNREAD.format(
+    "TypeError: cannot reshape array of shape (8, 6) (size 48) into shape (1, 6) "
+    "(size 6)"
+  )
   want = micro_mean(jax.value_and_grad(base), (params(), tokens_and_mask(1)), k=8 * K)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
   exact = jax.value_and_grad(base)(params(), tokens_and_mask(1))
@@ -162,5 +171,30 @@ def test_one_row_per_device_and_micro_batch_is_not_read_and_says_so():
   m = mesh(AxisType.Auto)
   placed = jax.device_put(batch, NamedSharding(m, P("data")))
   fun = jaxaccum.nnx.value_and_grad(lm_loss, K, mesh=m, data_axis="data")
-  with jax.set_mesh(m), pytest.warns(UserWarning, match="1 sums over rows where"):
+  with jax.set_mesh(m), pytest.warns(UserWarning) as seen:
     fun(model, placed)
+  assert [str(w.message) for w in seen] == [
+    UNREAD.format(
+      "OtherSums: one device's micro-batch has 1 sums over rows where the whole "
+      "batch's has 2"
+    )
+  ]
+
+
+@pytest.mark.parametrize("path", ["one device", "mesh=, view='global'", "plain jit"])
+def test_where_fun_sees_the_whole_batch_its_trace_error_is_its_own(path):
+  """Only the per-device view reads fun on other rows than it runs on: on
+  the other paths a fun that does not trace raises its own error, with no
+  warning that the read gave up."""
+
+  def loss(w, b):
+    b[0].reshape(5, -1)  # a micro-batch of 8 rows of 6 does not split in 5
+    return LOSSES["sum / max(count, 1)"](w, b)
+
+  m = mesh(AxisType.Auto)
+  w, batch = placed(m) if path != "one device" else (params(), tokens_and_mask(1))
+  fun = (
+    step(loss, path, m) if path != "one device" else jaxaccum.value_and_grad(loss, K)
+  )
+  with jax.set_mesh(m), pytest.raises(TypeError, match="cannot reshape"):
+    fun(w, batch)
