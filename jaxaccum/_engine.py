@@ -201,6 +201,9 @@ class Engine:
   #: Whether the loss was read (:meth:`made_exact`): a path that rewrites
   #: ``fun`` afterwards (plain ``jit``'s ``reduced`` leaves) reads it once.
   read: bool = False
+  #: Why a ``fun`` that sees one device's rows was not read on the whole
+  #: batch (:meth:`made_exact`), said once the step has traced there.
+  unread: Exception | None = None
 
   def check_args(self, args: tuple[Any, ...]) -> None:
     """Trace-time checks of the call's positional arguments."""
@@ -387,8 +390,8 @@ class Engine:
     ``per_device``: ``fun`` sees one device's rows (``mesh=``'s default
     view) and is read on the whole batch's micro-batch here. A ``fun`` that
     traces on a device's rows only (a shape or a constraint that holds for
-    those) is not read, and says so once: each micro-batch's loss then
-    weighs the same."""
+    those) is not read, and keeps why in ``unread``: each micro-batch's loss
+    then weighs the same."""
     if self.read:
       return self
     # A fun that sees the whole batch raises a type error in the step's own
@@ -403,9 +406,7 @@ class Engine:
     try:
       found = _exact_plan.for_step(self, args, kwargs, split)
     except refused as error:
-      if per_device:
-        warn_unread(error)
-      found = None
+      return dataclasses.replace(self, read=True, unread=error if per_device else None)
     return dataclasses.replace(self, exact=found, read=True)
 
 

@@ -181,14 +181,14 @@ def test_one_row_per_device_and_micro_batch_is_not_read_and_says_so():
   ]
 
 
-@pytest.mark.parametrize("path", ["one device", "mesh=, view='global'", "plain jit"])
-def test_where_fun_sees_the_whole_batch_its_trace_error_is_its_own(path):
-  """Only the per-device view reads fun on other rows than it runs on: on
-  the other paths a fun that does not trace raises its own error, with no
-  warning that the read gave up."""
+@pytest.mark.parametrize("path", ["one device", *PATHS])
+def test_a_fun_that_does_not_trace_raises_its_own_error_and_nothing_else(path):
+  """A fun that traces neither on the whole batch nor on a device's rows
+  raises its own error on every path, with no warning that the read gave
+  up (the per-device view says that only once the step has traced)."""
 
   def loss(w, b):
-    b[0].reshape(5, -1)  # a micro-batch of 8 rows of 6 does not split in 5
+    b[0].reshape(5, -1)  # 8 rows of 6, or a device's 1, do not split in 5
     return LOSSES["sum / max(count, 1)"](w, b)
 
   m = mesh(AxisType.Auto)

@@ -75,9 +75,10 @@ class Step:
     try:
       sums = self.loop(placed, kwargs)
     except _exact_plan.OtherSums as error:  # traced again, with equal weights
-      _engine.warn_unread(error)
-      self.engine = dataclasses.replace(self.engine, exact=None)
+      self.engine = dataclasses.replace(self.engine, exact=None, unread=error)
       sums = self.loop(placed, kwargs)
+    if self.engine.unread is not None:  # fun traced on its rows: say why once
+      _engine.warn_unread(self.engine.unread)
     return self.reduce(sums, args)
 
   # -- 1. place the leaves before the loop --------------------------------------
