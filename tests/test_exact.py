@@ -205,8 +205,9 @@ def test_a_batch_statistic_per_row_keeps_the_mean_of_micro_batches_and_warns():
 def test_a_shape_of_the_micro_batch_s_own_keeps_the_mean_and_never_breaks_the_step():
   """The read traces fun at twice its rows too (to tell a count of rows from
   a constant). A fun with its micro-batch's shape written in does not trace
-  there, and one that branches on it traces another program: the step runs, as the mean of the micro-batches' losses, and a
-  masked mean says why, where a plain mean (exact that way) says nothing."""
+  there, and one that branches on it traces another program: the step runs,
+  as the mean of the micro-batches' losses, and a masked mean says why,
+  where a plain mean (exact that way) says nothing."""
   rows = B // K
 
   def pinned(loss):
@@ -228,9 +229,8 @@ def test_a_shape_of_the_micro_batch_s_own_keeps_the_mean_and_never_breaks_the_st
   want = micro_mean(jax.value_and_grad(masked), (w, batch))
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
-  def branching(w, b):  # another program at twice the rows
-    scale = 1.0 if b[0].shape[0] == rows else jnp.float32(1.0) * 1.0
-    return masked(w, b) * scale
+  def branching(w, b):  # another program at twice the rows: one more op
+    return masked(w, b) if b[0].shape[0] == rows else masked(w, b) * jnp.ones(())
 
   with pytest.warns(UserWarning, match="program changes with the number of rows"):
     got = jaxaccum.value_and_grad(branching, K)(w, batch)

@@ -167,18 +167,25 @@ def test_one_row_per_device_and_micro_batch_is_not_read_and_says_so():
   rows are, not broadcast over them: the device's program has other sums
   than the whole batch's, so the step keeps equal weights and warns."""
   model = LM(nnx.Rngs(0))
-  batch = tokens_and_mask()  # 16 rows: one per device and micro-batch
+  tok, mask = tokens_and_mask()  # 16 rows: one per device and micro-batch
+  mask = mask.at[:, :3].set(1.0)  # every row predicts a token: no 0 / 0
   m = mesh(AxisType.Auto)
-  placed = jax.device_put(batch, NamedSharding(m, P("data")))
+  placed = jax.device_put((tok, mask), NamedSharding(m, P("data")))
   fun = jaxaccum.nnx.value_and_grad(lm_loss, K, mesh=m, data_axis="data")
   with jax.set_mesh(m), pytest.warns(UserWarning) as seen:
-    fun(model, placed)
+    got = fun(model, placed)
   assert [str(w.message) for w in seen] == [
     UNREAD.format(
       "OtherSums: one device's micro-batch has 1 sums over rows where the whole "
       "batch's has 2"
     )
   ]
+  grads = nnx.value_and_grad(lm_loss)
+  want = micro_mean(grads, (model, (tok, mask)), k=8 * K)
+  chex.assert_trees_all_close(got[0], want[0], rtol=1e-5)
+  assert relative(nnx.state(got[1]), nnx.state(want[1])) < 1e-5
+  exact = grads(model, (tok, mask))
+  assert relative(nnx.state(got[1]), nnx.state(exact[1])) > 0.05
 
 
 @pytest.mark.parametrize("path", ["one device", *PATHS])
